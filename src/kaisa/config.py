@@ -1,0 +1,262 @@
+"""Typed, validated configuration of a K-FAC preconditioner.
+
+Every keyword of :class:`kaisa.KFACPreconditioner` that is a plain value (not a
+runtime object such as a model, optimizer or grad scaler) lives here, so that
+validation happens in one place, before any hook is registered, and so that the
+command-line tool can build its options from the same list.
+
+Hyperparameters that kfac-pytorch lets be callables of the K-FAC step
+(``factor_update_steps``, ``inv_update_steps``, ``damping``, ``factor_decay``,
+``kl_clip``, ``lr``) may be callables here too; their values are checked each
+time they are evaluated (:func:`resolve`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DistributedStrategy",
+    "KFACConfig",
+    "LossAverage",
+    "resolve",
+]
+
+T = TypeVar("T", int, float)
+IntOrSchedule = int | Callable[[int], int]
+FloatOrSchedule = float | Callable[[int], float]
+
+
+class ComputeMethod(str, enum.Enum):
+    """How the damped factor inverses are represented.
+
+    ``EIGEN`` eigendecomposes A and G and applies ``(A⊗G + γI)⁻¹`` exactly;
+    ``INVERSE`` stores ``(A + π√γ I)⁻¹`` and ``(G + √γ/π I)⁻¹`` (factored
+    Tikhonov damping with the π-split of Martens & Grosse 2015), which is
+    cheaper to compute but only approximates the same damped matrix.
+    """
+
+    EIGEN = "eigen"
+    INVERSE = "inverse"
+
+
+class AssignmentStrategy(str, enum.Enum):
+    """Cost model used to balance decompositions over ranks: n³ or n²."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+class DistributedStrategy(enum.Enum):
+    """Named gradient-worker fractions of the KAISA paper."""
+
+    COMM_OPT = "comm-opt"  #: f = 1
+    HYBRID_OPT = "hybrid-opt"  #: f = 1/2
+    MEM_OPT = "mem-opt"  #: f = 1/world_size
+
+
+class LossAverage(str, enum.Enum):
+    """What the training loss was averaged over.
+
+    The output gradients seen by the hooks carry a factor 1/(terms averaged);
+    the G factor undoes it so that A⊗G approximates the Fisher of the
+    mean-reduced loss independently of the batch size.
+
+    * ``BATCH``: ``loss = mean_n ℓ_n`` (classification; the default).
+    * ``BATCH_AND_SEQUENCE``: ``loss = mean_{n,s} ℓ_{n,s}`` (language models
+      with ``reduction='mean'`` over all tokens).
+    * ``SUM``: ``loss = Σ ℓ``; gradients are used unscaled.
+    """
+
+    BATCH = "batch"
+    BATCH_AND_SEQUENCE = "batch_and_sequence"
+    SUM = "sum"
+
+
+_DTYPES = {
+    "float64": torch.float64,
+    "double": torch.float64,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
+    if isinstance(value, enum_cls):
+        return value
+    allowed = ", ".join(repr(m.value) for m in enum_cls)
+    if isinstance(value, str):
+        for member in enum_cls:
+            if value.lower().replace("_", "-") == str(member.value).replace("_", "-"):
+                return member
+            if value.upper().replace("-", "_") == member.name:
+                return member
+    raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+
+
+def _as_dtype(name: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and not value.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point torch.dtype; got {value}")
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise TypeError(
+        f"{name} must be None, a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}"
+    )
+
+
+def _check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raise a ValueError/TypeError naming ``name`` and the allowed range."""
+    lo = "-inf" if low is None else str(low)
+    hi = "inf" if high is None else str(high)
+    interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+    kind = "an int" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
+        raise TypeError(f"{name} must be {kind} in {interval}; got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite and in {interval}; got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be in {interval}; got {value!r}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be in {interval}; got {value!r}")
+
+
+# name -> keyword arguments of _check_number, shared by __post_init__ and resolve()
+_RANGES: dict[str, dict[str, Any]] = {
+    "factor_update_steps": {"low": 1, "integer": True},
+    "inv_update_steps": {"low": 1, "integer": True},
+    "damping": {"low": 0.0, "low_open": True},
+    "factor_decay": {"low": 0.0, "high": 1.0, "low_open": True},
+    "kl_clip": {"low": 0.0, "low_open": True},
+    "lr": {"low": 0.0},
+}
+
+
+def resolve(name: str, value: Any, step: int) -> Any:
+    """Evaluate a possibly-callable hyperparameter at ``step`` and validate it."""
+    result = value(step) if callable(value) else value
+    if name == "kl_clip" and result is None:
+        return None
+    if name in _RANGES:
+        _check_number(f"{name}({step})" if callable(value) else name, result, **_RANGES[name])
+    return result
+
+
+@dataclass(frozen=True)
+class KFACConfig:
+    """All plain-value options of :class:`kaisa.KFACPreconditioner`.
+
+    The names and meanings match kfac-pytorch's ``KFACPreconditioner``;
+    ``loss_average`` and ``pg_timeout_s`` are kaisa additions.
+    """
+
+    factor_update_steps: IntOrSchedule = 1
+    inv_update_steps: IntOrSchedule = 1
+    damping: FloatOrSchedule = 0.001
+    factor_decay: FloatOrSchedule = 0.95
+    kl_clip: FloatOrSchedule | None = 0.001
+    lr: FloatOrSchedule = 0.1
+    accumulation_steps: int = 1
+    compute_method: ComputeMethod | str = ComputeMethod.EIGEN
+    compute_eigenvalue_outer_product: bool = True
+    symmetry_aware: bool = False
+    grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
+    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
+    colocate_factors: bool = True
+    allreduce_bucket_cap_mb: float = 25.0
+    factor_dtype: torch.dtype | str | None = None
+    inv_dtype: torch.dtype | str | None = None
+    skip_layers: Sequence[str] = field(default_factory=tuple)
+    update_factors_in_hook: bool = True
+    loss_average: LossAverage | str = LossAverage.BATCH
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen dataclass: normalise in place once
+        for name in _RANGES:
+            value = getattr(self, name)
+            if name == "kl_clip" and value is None:
+                continue
+            if not callable(value):
+                _check_number(name, value, **_RANGES[name])
+        _check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
+        _check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
+        for flag in (
+            "compute_eigenvalue_outer_product",
+            "symmetry_aware",
+            "colocate_factors",
+            "update_factors_in_hook",
+        ):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool; got {getattr(self, flag)!r}")
+        set_(self, "compute_method", _as_enum("compute_method", self.compute_method, ComputeMethod))
+        set_(
+            self,
+            "assignment_strategy",
+            _as_enum("assignment_strategy", self.assignment_strategy, AssignmentStrategy),
+        )
+        set_(self, "loss_average", _as_enum("loss_average", self.loss_average, LossAverage))
+        set_(self, "factor_dtype", _as_dtype("factor_dtype", self.factor_dtype))
+        set_(self, "inv_dtype", _as_dtype("inv_dtype", self.inv_dtype))
+        for name in ("factor_dtype", "inv_dtype"):
+            dt = getattr(self, name)
+            if name == "inv_dtype" and dt in (torch.float16, torch.bfloat16):
+                raise ValueError(
+                    "inv_dtype must be float32 or float64 (eigh/inverse have no half-precision "
+                    f"kernels); got {dt}"
+                )
+        fraction = self.grad_worker_fraction
+        if isinstance(fraction, str):
+            fraction = _as_enum("grad_worker_fraction", fraction, DistributedStrategy)
+        elif not isinstance(fraction, DistributedStrategy):
+            _check_number("grad_worker_fraction", fraction, low=0.0, high=1.0)
+            fraction = float(fraction)
+        set_(self, "grad_worker_fraction", fraction)
+        skip = self.skip_layers
+        if skip is None:
+            skip = ()
+        elif isinstance(skip, str):
+            skip = (skip,)
+        if not all(isinstance(s, str) for s in skip):
+            raise TypeError(f"skip_layers must be a list of regex strings; got {skip!r}")
+        set_(self, "skip_layers", tuple(skip))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The non-callable options, in a form fit for a ``state_dict``."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if callable(value):
+                continue
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out

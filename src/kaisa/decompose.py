@@ -1,0 +1,93 @@
+"""Factor decompositions: eigendecompositions and damped inverses.
+
+Pure functions on one symmetric positive semi-definite factor; the
+orchestrator decides which rank calls them for which factor.  A failed or
+non-finite decomposition raises :class:`DecompositionError` so the caller can
+keep the previous (valid) decomposition instead of storing garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DecompositionError",
+    "damped_inverse",
+    "eigen_outer_inverse",
+    "pi_split",
+    "symmetric_eigh",
+]
+
+
+class DecompositionError(RuntimeError):
+    """A factor could not be decomposed (non-finite input or no convergence)."""
+
+
+def _symmetrize(factor: Tensor, dtype: torch.dtype) -> Tensor:
+    m = factor.to(dtype)
+    return (m + m.t()) * 0.5
+
+
+def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Eigenvectors ``Q`` and eigenvalues ``λ ≥ 0`` of a PSD factor, in ``dtype``.
+
+    Eigenvalues below zero are rounding noise of a PSD matrix and are clamped
+    to zero.  If ``eigh`` does not converge in ``dtype`` it is retried once in
+    float64 (results cast back) before giving up.
+    """
+    matrix = _symmetrize(factor, dtype)
+    if not bool(torch.isfinite(matrix).all()):
+        raise DecompositionError("factor has non-finite entries")
+    try:
+        eigvals, eigvecs = torch.linalg.eigh(matrix)
+    except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+        try:
+            eigvals, eigvecs = torch.linalg.eigh(matrix.double())
+        except RuntimeError as exc:
+            raise DecompositionError(f"eigh failed: {exc}") from exc
+        eigvals, eigvecs = eigvals.to(dtype), eigvecs.to(dtype)
+    if not bool(torch.isfinite(eigvals).all() & torch.isfinite(eigvecs).all()):
+        raise DecompositionError("eigh returned non-finite values")
+    return eigvecs, eigvals.clamp(min=0.0)
+
+
+def eigen_outer_inverse(eig_g: Tensor, eig_a: Tensor, damping: float) -> Tensor:
+    """``1 / (λ_G λ_Aᵀ + γ)``: the divisor of the eigen-basis update, precomputed."""
+    return 1.0 / (torch.outer(eig_g, eig_a) + damping)
+
+
+def pi_split(trace_a: Tensor, dim_a: int, trace_g: Tensor, dim_g: int) -> Tensor:
+    """π of factored Tikhonov damping (Martens & Grosse 2015, §6.3).
+
+    ``π = sqrt((tr A / d_A) / (tr G / d_G))`` balances the damping between the
+    factors: ``A + π√γ I`` and ``G + (√γ/π) I``.  Falls back to 1 when either
+    trace is not positive (e.g., a dead layer).
+    """
+    mean_a = trace_a / dim_a
+    mean_g = trace_g / dim_g
+    ok = (mean_a > 0) & (mean_g > 0) & torch.isfinite(mean_a) & torch.isfinite(mean_g)
+    ratio = torch.where(ok, mean_a / torch.where(ok, mean_g, torch.ones_like(mean_g)), 1.0)
+    return torch.sqrt(ratio)
+
+
+def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) -> Tensor:
+    """``(F + shift·I)⁻¹`` in ``dtype`` via Cholesky, falling back to a general inverse."""
+    matrix = _symmetrize(factor, dtype)
+    if isinstance(shift, Tensor):
+        shift = shift.to(dtype)
+    matrix = matrix + shift * torch.eye(matrix.shape[0], dtype=dtype, device=matrix.device)
+    if not bool(torch.isfinite(matrix).all()):
+        raise DecompositionError("factor has non-finite entries")
+    chol, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) == 0:
+        inverse = torch.cholesky_inverse(chol)
+    else:
+        try:
+            inverse = torch.linalg.inv(matrix)
+        except RuntimeError as exc:
+            raise DecompositionError(f"inverse failed: {exc}") from exc
+    if not bool(torch.isfinite(inverse).all()):
+        raise DecompositionError("inverse is non-finite")
+    return inverse
+

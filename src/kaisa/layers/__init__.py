@@ -1,0 +1,21 @@
+"""Layer adapters: one per module type, mapping it to canonical K-FAC shapes."""
+
+from kaisa.layers.base import LayerAdapter
+from kaisa.layers.conv2d import Conv2dAdapter
+from kaisa.layers.linear import LinearAdapter
+from kaisa.layers.registry import (
+    SkippedModule,
+    adapter_for,
+    register_layer_type,
+    register_layers,
+)
+
+__all__ = [
+    "Conv2dAdapter",
+    "LayerAdapter",
+    "LinearAdapter",
+    "SkippedModule",
+    "adapter_for",
+    "register_layer_type",
+    "register_layers",
+]

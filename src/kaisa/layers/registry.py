@@ -1,0 +1,117 @@
+"""Which modules kaisa preconditions, and why the others are left alone.
+
+:func:`register_layers` walks the model once and returns the adapters of the
+modules it will precondition plus a :class:`SkippedModule` record for every
+module that owns parameters but is not preconditioned, so the registration
+report can tell the user exactly which parameters the optimizer sees raw.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from kaisa.layers.base import LayerAdapter
+from kaisa.layers.conv2d import Conv2dAdapter
+from kaisa.layers.linear import LinearAdapter
+
+__all__ = [
+    "SkippedModule",
+    "adapter_for",
+    "register_layer_type",
+    "register_layers",
+]
+
+AdapterFactory = Callable[[str, nn.Module], LayerAdapter]
+
+# Exact types first; subclasses of these are matched by isinstance afterwards.
+_ADAPTERS: dict[type[nn.Module], AdapterFactory] = {
+    nn.Linear: LinearAdapter,
+    nn.Conv2d: Conv2dAdapter,
+}
+
+
+def register_layer_type(module_type: type[nn.Module], factory: AdapterFactory) -> None:
+    """Teach kaisa a new module type (``factory(name, module) -> LayerAdapter``)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass; got {module_type!r}")
+    _ADAPTERS[module_type] = factory
+
+
+@dataclass(frozen=True)
+class SkippedModule:
+    """A module that owns parameters but is not preconditioned."""
+
+    name: str
+    kind: str
+    reason: str
+    parameters: tuple[str, ...]
+
+
+def _unsupported_reason(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return (
+            f"grouped convolution (groups={module.groups}) is not supported: its Fisher "
+            "block is one Kronecker product per group"
+        )
+    if isinstance(module, nn.Linear | nn.Conv2d) and module.weight is None:
+        return "no weight"
+    return None
+
+
+def adapter_for(name: str, module: nn.Module) -> tuple[LayerAdapter | None, str | None]:
+    """The adapter for ``module``, or ``(None, reason)`` when it cannot be preconditioned."""
+    factory = _ADAPTERS.get(type(module))
+    if factory is None:
+        for module_type, candidate in _ADAPTERS.items():
+            if isinstance(module, module_type):
+                factory = candidate
+                break
+    if factory is None:
+        return None, f"{type(module).__name__} is not a supported layer type"
+    reason = _unsupported_reason(module)
+    if reason is not None:
+        return None, reason
+    return factory(name, module), None
+
+
+def _direct_params(module: nn.Module, prefix: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False))
+
+
+def register_layers(
+    model: nn.Module, skip_layers: Sequence[str] = ()
+) -> tuple[list[LayerAdapter], list[SkippedModule]]:
+    """Adapters for every supported module of ``model``, in forward-definition order.
+
+    A module is skipped (and reported) when its name or class name matches one
+    of ``skip_layers`` (``re.search``), when not all of its parameters require
+    grad, or when its type or configuration is not supported.
+    """
+    patterns = [re.compile(p) for p in skip_layers]
+    adapters: list[LayerAdapter] = []
+    skipped: list[SkippedModule] = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        kind = type(module).__name__
+        params = _direct_params(module, name)
+        matched = next(
+            (p.pattern for p in patterns if p.search(name) or p.search(kind)), None
+        )
+        if matched is not None:
+            skipped.append(SkippedModule(name, kind, f"matches skip_layers {matched!r}", params))
+            continue
+        if not all(p.requires_grad for p in own):
+            skipped.append(SkippedModule(name, kind, "not all parameters require grad", params))
+            continue
+        adapter, reason = adapter_for(name, module)
+        if adapter is None:
+            skipped.append(SkippedModule(name, kind, reason or "unsupported", params))
+            continue
+        adapters.append(adapter)
+    return adapters, skipped

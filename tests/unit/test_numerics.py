@@ -1,0 +1,323 @@
+"""Every numerical path against a dense float64 reference (relative error ≤ 1e-8)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kfac_reference import (
+    conv_patches,
+    dense_precondition,
+    dense_precondition_pi,
+    grad_matrix,
+    outer_mean,
+    per_example_output_grads,
+    rel_err,
+    with_ones,
+)
+from torch import nn
+
+from kaisa import KFACPreconditioner
+
+TOL = 1e-8
+DAMPING = 0.01
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def ce_per_example(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def mlp(bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7, bias=bias), nn.Tanh(), nn.Linear(7, 3, bias=bias))
+
+
+def data(n: int = 12, d: int = 5, classes: int = 3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def reference_factors(model, layer, x, per_example_loss, bias=True):
+    inp, zg = per_example_output_grads(model, layer, x, per_example_loss)
+    rows = inp.reshape(-1, inp.shape[-1]) if not isinstance(layer, nn.Conv2d) else conv_patches(inp, layer)
+    if bias:
+        rows = with_ones(rows)
+    n = inp.shape[0]
+    g_rows = zg.reshape(-1, zg.shape[-1]) if not isinstance(layer, nn.Conv2d) else zg.permute(0, 2, 3, 1).reshape(-1, zg.shape[1])
+    return outer_mean(rows), g_rows.t() @ g_rows / n
+
+
+def kfac_step(model, loss_fn, x, **kwargs):
+    """One K-FAC step; returns the preconditioner and the raw gradients."""
+    kwargs.setdefault("damping", DAMPING)
+    kwargs.setdefault("kl_clip", None)
+    precond = KFACPreconditioner(model, **kwargs)
+    model.zero_grad()
+    loss_fn(model(x)).backward()
+    raw = {name: grad_matrix(layer.adapter.module).clone() for name, layer in precond.layers.items()}
+    precond.step()
+    return precond, raw
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_linear_factors_and_preconditioned_gradient(bias: bool, method: str) -> None:
+    model = mlp(bias)
+    x, y = data()
+    precond, raw = kfac_step(
+        model, lambda out: F.cross_entropy(out, y), x, compute_method=method
+    )
+    for name, layer in precond.layers.items():
+        module = layer.adapter.module
+        A, G = reference_factors(model, module, x, lambda out: ce_per_example(out, y), bias)
+        assert rel_err(layer.stats.A, A) <= TOL
+        assert rel_err(layer.stats.G, G) <= TOL
+        dense = dense_precondition if method == "eigen" else dense_precondition_pi
+        expected = dense(raw[name], A, G, DAMPING)
+        assert rel_err(grad_matrix(module), expected) <= TOL
+
+
+def test_eigen_path_is_exact_damped_kronecker_inverse_not_pi_split() -> None:
+    # Guards against the eigen path silently using the inverse path's damping.
+    model = mlp()
+    x, y = data()
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x)
+    layer = next(iter(precond.layers.values()))
+    A, G = layer.stats.A, layer.stats.G
+    exact = dense_precondition(raw[layer.name], A, G, DAMPING)
+    other = dense_precondition_pi(raw[layer.name], A, G, DAMPING)
+    assert rel_err(grad_matrix(layer.adapter.module), exact) <= TOL
+    assert rel_err(exact, other) > 1e-4
+
+
+@pytest.mark.parametrize("loss_average", ["batch", "batch_and_sequence", "sum"])
+def test_sequence_linear_expand(loss_average: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 5))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 4, generator=g)  # N=3 sequences of T=7 tokens
+    y = torch.randint(0, 5, (3, 7), generator=g)
+
+    def per_token(out):
+        return F.cross_entropy(out.reshape(-1, 5), y.reshape(-1), reduction="none").reshape(3, 7)
+
+    losses = {
+        "batch": lambda out: per_token(out).sum(1).mean(),
+        "batch_and_sequence": lambda out: per_token(out).mean(),
+        "sum": lambda out: per_token(out).sum(),
+    }
+    precond, raw = kfac_step(model, losses[loss_average], x, loss_average=loss_average)
+    for name, layer in precond.layers.items():
+        module = layer.adapter.module
+        # per-"term" gradients: d(sum of the averaged terms)/dz, scaled as the convention says
+        inp, zg = per_example_output_grads(model, module, x, lambda out: per_token(out).sum(1))
+        A = outer_mean(with_ones(inp.reshape(-1, inp.shape[-1])))
+        # Whatever the averaging, ĝ is the gradient of one summed term: G = (1/N) Σ ĝ ĝᵀ.
+        rows = zg.reshape(-1, zg.shape[-1])
+        G = rows.t() @ rows / 3
+        assert rel_err(layer.stats.A, A) <= TOL
+        assert rel_err(layer.stats.G, G) <= TOL
+        assert rel_err(grad_matrix(module), dense_precondition(raw[name], A, G, DAMPING)) <= TOL
+
+
+CONV_CASES = [
+    dict(kernel_size=3, stride=1, padding=1),
+    dict(kernel_size=3, stride=2, padding=0),
+    dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 2)),
+    dict(kernel_size=3, stride=1, padding=2, dilation=2),
+    dict(kernel_size=(2, 3), stride=1, padding="same", dilation=(1, 2)),
+    dict(kernel_size=4, stride=1, padding="same"),
+    dict(kernel_size=3, stride=2, padding="valid"),
+    dict(kernel_size=3, stride=1, padding=1, padding_mode="reflect"),
+    dict(kernel_size=3, stride=2, padding=(2, 1), padding_mode="replicate", dilation=(1, 2)),
+    dict(kernel_size=3, stride=1, padding="same", padding_mode="circular"),
+    dict(kernel_size=3, stride=1, padding=1, bias=False),
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_conv2d_factors_against_unfold(case: dict) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, **case)
+    with torch.no_grad():
+        out_hw = conv(torch.zeros(1, 2, 7, 6)).shape[-2:]
+    model = nn.Sequential(conv, nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(3 * out_hw[0] * out_hw[1], 4))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 2, 7, 6, generator=g)
+    y = torch.randint(0, 4, (5,), generator=g)
+    # The reference patches reproduce the convolution itself (all padding modes, 'same', dilation).
+    patches = conv_patches(x, conv)
+    w = conv.weight.reshape(3, -1)
+    direct = patches @ w.t() + (conv.bias if conv.bias is not None else 0)
+    assert rel_err(direct, conv(x).permute(0, 2, 3, 1).reshape(-1, 3)) <= 1e-12
+
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, compute_method="eigen")
+    layer = precond.layers["0"]
+    A, G = reference_factors(model, conv, x, lambda out: ce_per_example(out, y), conv.bias is not None)
+    assert layer.stats.A.shape == (layer.adapter.a_dim,) * 2
+    assert rel_err(layer.stats.A, A) <= TOL
+    assert rel_err(layer.stats.G, G) <= TOL
+    assert rel_err(grad_matrix(conv), dense_precondition(raw["0"], A, G, DAMPING)) <= TOL
+
+
+def test_conv_inverse_path() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1, dilation=1, stride=2)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(3 * 16, 4))
+    x = torch.randn(6, 2, 8, 8)
+    y = torch.randint(0, 4, (6,))
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, compute_method="inverse")
+    for name, layer in precond.layers.items():
+        expected = dense_precondition_pi(raw[name], layer.stats.A, layer.stats.G, DAMPING)
+        assert rel_err(grad_matrix(layer.adapter.module), expected) <= TOL
+
+
+@pytest.mark.parametrize("kl_clip", [1e-6, 1e6])
+def test_kl_clip(kl_clip: float) -> None:
+    model = mlp()
+    x, y = data()
+    lr = 0.3
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, kl_clip=kl_clip, lr=lr)
+    dense = {n: dense_precondition(raw[n], la.stats.A, la.stats.G, DAMPING) for n, la in precond.layers.items()}
+    vg = sum((dense[n] * raw[n]).sum() for n in dense) * lr**2
+    nu = min(1.0, float(torch.sqrt(kl_clip / vg.abs())))
+    if kl_clip < 1:
+        assert nu < 0.5  # the clip is really active in this case
+    else:
+        assert nu == 1.0
+    for name, layer in precond.layers.items():
+        assert rel_err(grad_matrix(layer.adapter.module), nu * dense[name]) <= TOL
+
+
+def _factors_after_one_step(model, loss_fn, batches, **kwargs):
+    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None, **kwargs)
+    model.zero_grad()
+    for xb in batches:
+        loss_fn(model(xb), xb).backward()
+    precond.step()
+    return precond
+
+
+def test_factors_do_not_depend_on_batch_size() -> None:
+    # Duplicating every example changes N but not the Fisher of the mean loss.
+    x, y = data(8)
+    model = mlp()
+    targets = {id(x): y}
+    big_x = torch.cat([x, x])
+    targets[id(big_x)] = torch.cat([y, y])
+    loss = lambda out, xb: F.cross_entropy(out, targets[id(xb)])  # noqa: E731
+    small = _factors_after_one_step(copy.deepcopy(model), loss, [x])
+    big = _factors_after_one_step(copy.deepcopy(model), loss, [big_x])
+    for name in small.layers:
+        assert rel_err(big.layers[name].stats.A, small.layers[name].stats.A) <= TOL
+        assert rel_err(big.layers[name].stats.G, small.layers[name].stats.G) <= TOL
+
+
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_gradient_accumulation_equals_one_big_batch(in_hook: bool) -> None:
+    x, y = data(12)
+    model = mlp()
+    parts = list(x.chunk(3))
+    part_targets = {id(p): t for p, t in zip(parts, y.chunk(3))}
+    part_targets[id(x)] = y
+    acc = KFACPreconditioner(copy.deepcopy(model), damping=DAMPING, kl_clip=None,
+                             accumulation_steps=3, update_factors_in_hook=in_hook)
+    acc.model.zero_grad()
+    for p in parts:
+        (F.cross_entropy(acc.model(p), part_targets[id(p)]) / 3).backward()
+    acc.step()
+    one = _factors_after_one_step(copy.deepcopy(model), lambda out, xb: F.cross_entropy(out, part_targets[id(xb)]), [x])
+    for name in one.layers:
+        assert rel_err(acc.layers[name].stats.A, one.layers[name].stats.A) <= TOL
+        assert rel_err(acc.layers[name].stats.G, one.layers[name].stats.G) <= TOL
+        assert rel_err(grad_matrix(acc.layers[name].adapter.module), grad_matrix(one.layers[name].adapter.module)) <= TOL
+
+
+def test_module_called_twice_accumulates_both_calls() -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    head = nn.Linear(4, 2)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.head = shared, head
+
+        def forward(self, x):
+            return self.head(self.shared(torch.tanh(self.shared(x))))
+
+    model = Twice()
+    x = torch.randn(6, 4)
+    y = torch.randint(0, 2, (6,))
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x)
+    # reference: both calls' rows; per-example output grads of each call
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    handle = shared.register_forward_hook(lambda m, i, o: calls.append((i[0].detach(), o)))
+    total = F.cross_entropy(model(x), y, reduction="sum")
+    handle.remove()
+    zgrads = torch.autograd.grad(total, [o for _, o in calls])
+    A = outer_mean(with_ones(torch.cat([i for i, _ in calls])))
+    rows = torch.cat(zgrads)
+    G = rows.t() @ rows / 6
+    layer = precond.layers["shared"]
+    assert rel_err(layer.stats.A, A) <= TOL
+    assert rel_err(layer.stats.G, G) <= TOL
+    assert rel_err(grad_matrix(shared), dense_precondition(raw["shared"], A, G, DAMPING)) <= TOL
+
+
+def test_running_average_initialised_from_first_batch() -> None:
+    model = mlp()
+    decay = 0.7
+    precond = KFACPreconditioner(model, factor_decay=decay, damping=DAMPING, kl_clip=None)
+    batches = [data(10, seed=s) for s in (1, 2)]
+    refs = []
+    for xb, yb in batches:
+        with precond.paused():  # the reference's own forward must not be captured
+            refs.append(reference_factors(model, model[0], xb, lambda out, yb=yb: ce_per_example(out, yb)))
+        model.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        precond.step()
+    A = decay * refs[0][0] + (1 - decay) * refs[1][0]
+    G = decay * refs[0][1] + (1 - decay) * refs[1][1]
+    assert rel_err(precond.layers["0"].stats.A, A) <= TOL
+    assert rel_err(precond.layers["0"].stats.G, G) <= TOL
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(update_factors_in_hook=False),
+        dict(compute_eigenvalue_outer_product=False),
+        dict(factor_dtype=torch.float64, inv_dtype=torch.float64),
+    ],
+    ids=["deferred-capture", "no-outer-product", "explicit-dtypes"],
+)
+def test_options_do_not_change_the_result(variant: dict) -> None:
+    x, y = data()
+    base_model, other_model = mlp(), mlp()
+    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    kfac_step(base_model, loss, x)
+    kfac_step(other_model, loss, x, **variant)
+    for a, b in zip(base_model.parameters(), other_model.parameters()):
+        assert rel_err(b.grad, a.grad) <= 1e-12
+
+
+def test_float32_factors_with_float64_model_are_close_not_exact() -> None:
+    x, y = data()
+    m64, m32 = mlp(), mlp()
+    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    kfac_step(m64, loss, x)
+    p32, _ = kfac_step(m32, loss, x, factor_dtype=torch.float32, inv_dtype=torch.float32)
+    assert p32.layers["0"].stats.A.dtype == torch.float32
+    for a, b in zip(m64.parameters(), m32.parameters()):
+        assert 0 < rel_err(b.grad, a.grad) <= 1e-4
