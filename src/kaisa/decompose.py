@@ -49,7 +49,9 @@ def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         eigvals, eigvecs = eigvals.to(dtype), eigvecs.to(dtype)
     if not bool(torch.isfinite(eigvals).all() & torch.isfinite(eigvecs).all()):
         raise DecompositionError("eigh returned non-finite values")
-    return eigvecs, eigvals.clamp(min=0.0)
+    # eigh returns column-major vectors; a contiguous copy makes every later
+    # matmul (and any received copy of it) round identically.
+    return eigvecs.contiguous(), eigvals.clamp(min=0.0)
 
 
 def eigen_outer_inverse(eig_g: Tensor, eig_a: Tensor, damping: float) -> Tensor:

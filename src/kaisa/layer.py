@@ -133,10 +133,11 @@ class KFACLayer:
 
     def finish_outer_product(self, damping: float) -> None:
         """Fold received eigenvalues into ``inv_outer`` (non-colocated factors)."""
-        if "eig_a" in self.second_order and "eig_g" in self.second_order:
-            self.second_order["inv_outer"] = eigen_outer_inverse(
-                self.second_order.pop("eig_g"), self.second_order.pop("eig_a"), damping
-            )
+        # The eigenvalues are kept (they are small) so that a later failed
+        # decomposition of one factor can fall back to its previous values.
+        so = self.second_order
+        if "eig_a" in so and "eig_g" in so:
+            so["inv_outer"] = eigen_outer_inverse(so["eig_g"], so["eig_a"], damping)
 
     @property
     def ready(self) -> bool:

@@ -41,6 +41,8 @@ __all__ = ["KFACPreconditioner"]
 
 logger = logging.getLogger("kaisa")
 
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
 _STATE_VERSION = 1
 
 
@@ -124,7 +126,10 @@ class KFACPreconditioner:
                 stacklevel=2,
             )
 
-        adapters, self.skipped = register_layers(model, cfg.skip_layers)
+        # Layers are named inside DDP/DataParallel wrappers, so that a
+        # checkpoint loads whether or not the model is wrapped.
+        inner = model.module if isinstance(model, _WRAPPERS) else model
+        adapters, self.skipped = register_layers(inner, cfg.skip_layers)
         if not adapters:
             reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in self.skipped)
             raise ValueError(
@@ -336,13 +341,21 @@ class KFACPreconditioner:
             pis[name] = pi_split(summed[2 * i], la.a_dim, summed[2 * i + 1], la.g_dim)
         return pis
 
-    def _second_order_keys(self, lp: LayerPlan, which: str) -> list[str]:
+    def _held_keys(self) -> list[str]:
+        """The second-order tensors a gradient worker holds after an update."""
         cfg = self.config
         if cfg.compute_method is ComputeMethod.INVERSE:
-            return ["a_inv"] if which == "a" else ["g_inv"]
+            return ["a_inv", "g_inv"]
+        if cfg.compute_eigenvalue_outer_product:
+            return ["qa", "qg", "inv_outer"]
+        return ["qa", "eig_a", "qg", "eig_g"]
+
+    def _sent_keys(self, which: str) -> list[str]:
+        """What a decomposer sends: both factors' results ("ag", colocated) or one."""
         if which == "ag":
-            return ["qa", "qg", "inv_outer"] if cfg.compute_eigenvalue_outer_product else [
-                "qa", "eig_a", "qg", "eig_g"]
+            return self._held_keys()
+        if self.config.compute_method is ComputeMethod.INVERSE:
+            return ["a_inv"] if which == "a" else ["g_inv"]
         return ["qa", "eig_a"] if which == "a" else ["qg", "eig_g"]
 
     def _shape(self, layer: KFACLayer, key: str) -> tuple[int, ...]:
@@ -361,7 +374,7 @@ class KFACPreconditioner:
         sources = [("ag", lp.a_decomposer)] if lp.colocated else [
             ("a", lp.a_decomposer), ("g", lp.g_decomposer)]
         for which, src in sources:
-            keys = self._second_order_keys(lp, which)
+            keys = self._sent_keys(which)
             if rank == src:
                 self._ensure_second_order(layer, keys)
                 tensors = [layer.second_order[k] for k in keys]
@@ -422,7 +435,7 @@ class KFACPreconditioner:
             lp = self.plan.layer(name)
             if rank in lp.grad_workers:
                 if not layer.ready:
-                    self._ensure_second_order(layer, self._second_order_keys(lp, "ag"))
+                    self._ensure_second_order(layer, self._held_keys())
                 results[name] = layer.precondition(grad, damping)
             if self.plan.grad_workers < self.plan.world_size:
                 group = lp.receiver_group_of(rank)
@@ -489,7 +502,7 @@ class KFACPreconditioner:
                     self._gather_into(layers[name], key, packed, src, (dim, dim))
             if include_second_order:
                 src = lp.grad_workers[0]
-                keys = self._second_order_keys(lp, "ag")
+                keys = self._held_keys()
                 if self.rank == src:
                     self._ensure_second_order(layer, keys)
                 for key in keys:

@@ -1,0 +1,371 @@
+"""The preconditioner's API: registration, hooks, errors, state, failures."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kfac_reference import rel_err
+from torch import nn
+
+import kaisa
+from kaisa import KFACPreconditioner
+from kaisa.decompose import DecompositionError
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3, padding=1, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 5),
+    )
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def batch(n: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def train(model, precond, opt, steps: int, seed0: int = 0) -> list[float]:
+    losses = []
+    for i in range(steps):
+        x, y = batch(seed=seed0 + i)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        precond.step()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# -- registration ----------------------------------------------------------------
+
+
+def test_registration_report_names_what_is_left_to_the_optimizer() -> None:
+    model = small_cnn()
+    precond = KFACPreconditioner(model)
+    assert list(precond.layers) == ["0", "5"]
+    reasons = {s.name: s.reason for s in precond.skipped}
+    assert "groups=2" in reasons["3"]
+    assert "BatchNorm2d" in reasons["1"]
+    report = precond.describe()
+    assert "Left to the optimizer" in report and "3.weight" in report and "1.bias" in report
+    assert "KFACPreconditioner(layers=2" in repr(precond)
+
+
+def test_skip_layers_by_name_and_class_and_frozen_params() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Conv2d(1, 1, 1), nn.Linear(4, 2))
+    model[3].weight.requires_grad_(False)
+    precond = KFACPreconditioner(model, skip_layers=["^1$", "Conv2d"])
+    assert list(precond.layers) == ["0"]
+    reasons = {s.name: s.reason for s in precond.skipped}
+    assert "skip_layers" in reasons["1"] and "skip_layers" in reasons["2"]
+    assert "require grad" in reasons["3"]
+
+
+def test_model_without_supported_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="no layer K-FAC can precondition.*BatchNorm1d"):
+        KFACPreconditioner(nn.Sequential(nn.BatchNorm1d(3)))
+
+
+# -- input validation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(damping=0.0), ValueError, r"damping must be in \(0"),
+        (dict(damping=-1.0), ValueError, "damping"),
+        (dict(factor_decay=0.0), ValueError, r"factor_decay must be in \(0.0, 1.0\]"),
+        (dict(factor_decay=1.5), ValueError, "factor_decay"),
+        (dict(inv_update_steps=0), ValueError, "inv_update_steps"),
+        (dict(inv_update_steps=2.5), TypeError, "inv_update_steps must be an int"),
+        (dict(factor_update_steps=True), TypeError, "factor_update_steps"),
+        (dict(compute_method="cholesky"), ValueError, "compute_method must be one of 'eigen', 'inverse'"),
+        (dict(assignment_strategy="speed"), ValueError, "assignment_strategy"),
+        (dict(loss_average="tokens"), ValueError, "loss_average"),
+        (dict(kl_clip=0.0), ValueError, "kl_clip"),
+        (dict(lr=-0.1), ValueError, "lr"),
+        (dict(accumulation_steps=0), ValueError, "accumulation_steps"),
+        (dict(grad_worker_fraction=1.5), ValueError, "grad_worker_fraction"),
+        (dict(grad_worker_fraction="some-opt"), ValueError, "grad_worker_fraction"),
+        (dict(allreduce_bucket_cap_mb=-1), ValueError, "allreduce_bucket_cap_mb"),
+        (dict(inv_dtype=torch.float16), ValueError, "inv_dtype"),
+        (dict(factor_dtype=torch.int32), ValueError, "factor_dtype"),
+        (dict(symmetry_aware="yes"), TypeError, "symmetry_aware"),
+        (dict(skip_layers=[1]), TypeError, "skip_layers"),
+        (dict(dampning=0.1), TypeError, "unknown keyword"),
+        (dict(pg_timeout_s=0), ValueError, "pg_timeout_s"),
+        (dict(optimizer="sgd"), TypeError, "optimizer"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        KFACPreconditioner(mlp(), **kwargs)
+
+
+def test_callable_hyperparameter_is_checked_when_evaluated() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, damping=lambda step: -1.0)
+    x, y = batch()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"damping\(0\)"):
+        precond.step()
+
+
+def test_step_before_backward_is_a_clear_error() -> None:
+    precond = KFACPreconditioner(mlp())
+    with pytest.raises(RuntimeError, match="before any forward/backward"):
+        precond.step()
+
+
+def test_string_forms_are_accepted() -> None:
+    p = KFACPreconditioner(mlp(), compute_method="INVERSE", factor_dtype="float64",
+                           grad_worker_fraction="mem-opt", skip_layers="nothing")
+    assert p.config.compute_method is kaisa.ComputeMethod.INVERSE
+    assert p.config.factor_dtype is torch.float64
+    assert p.config.grad_worker_fraction is kaisa.DistributedStrategy.MEM_OPT
+
+
+# -- hooks -----------------------------------------------------------------------------
+
+
+def test_eval_mode_and_no_grad_capture_nothing() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model)
+    x, _ = batch()
+    model.eval()
+    model(x)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert all(la.stats.calls == 0 for la in precond.layers.values())
+    model(x)
+    assert all(la.stats.calls == 1 for la in precond.layers.values())
+
+
+def test_remove_hooks_and_context_manager() -> None:
+    model = mlp()
+    with KFACPreconditioner(model) as precond:
+        model(batch()[0])
+        assert precond.layers["0"].stats.calls == 1
+    model(batch()[0])
+    assert precond.layers["0"].stats.calls == 1
+    assert not model[0]._forward_hooks and not model._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="remove_hooks"):
+        precond.step()
+
+
+def test_capture_only_on_factor_update_steps() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, factor_update_steps=3, inv_update_steps=3)
+    calls = []
+    for i in range(6):
+        x, y = batch(seed=i)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        calls.append(precond.layers["0"].stats.calls)
+        precond.step()
+        opt.step()
+    assert calls == [1, 0, 0, 1, 0, 0]
+
+
+def test_inv_update_steps_not_multiple_warns() -> None:
+    with pytest.warns(UserWarning, match="not a multiple"):
+        KFACPreconditioner(mlp(), factor_update_steps=2, inv_update_steps=3)
+
+
+# -- lr sources ---------------------------------------------------------------------------
+
+
+def test_lr_from_optimizer_and_callable() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    assert KFACPreconditioner(model, optimizer=opt).lr == 0.05
+    opt.param_groups[0]["lr"] = 0.01
+    p = KFACPreconditioner(model, optimizer=opt)
+    assert p.lr == 0.01
+    assert KFACPreconditioner(model, optimizer=opt, lr=0.3).lr == 0.3
+    assert KFACPreconditioner(model, lr=lambda s: 0.5 / (s + 1)).lr == 0.5
+
+
+def test_kl_clip_uses_current_optimizer_lr() -> None:
+    # The same gradients with a 10x larger optimizer lr must be clipped 10x harder.
+    x, y = batch()
+    results = []
+    for lr in (0.01, 0.1):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        precond = KFACPreconditioner(model, optimizer=opt, kl_clip=1e-8)
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+        results.append(model[0].weight.grad.clone())
+    assert rel_err(results[0], 10 * results[1]) < 1e-5
+
+
+# -- training ----------------------------------------------------------------------------------
+
+
+def test_kfac_reduces_loss_faster_than_sgd_on_a_fixed_problem() -> None:
+    torch.manual_seed(0)
+    x, y = batch(64, seed=42)
+
+    def run(kfac: bool) -> float:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = KFACPreconditioner(model, optimizer=opt, damping=0.01) if kfac else None
+        for _ in range(30):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if precond:
+                precond.step()
+            opt.step()
+        return F.cross_entropy(model(x), y).item()
+
+    assert run(True) < 0.8 * run(False)
+
+
+# -- state -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("second_order", [False, True])
+def test_state_dict_resume_equals_uninterrupted(second_order: bool) -> None:
+    kwargs = dict(factor_update_steps=1, inv_update_steps=3 if second_order else 1, damping=0.01)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    precond = KFACPreconditioner(model, optimizer=opt, **kwargs)
+    train(model, precond, opt, 4)
+    state = precond.state_dict(include_second_order=second_order)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, precond, opt, 3, seed0=4)
+
+    model2 = mlp()
+    model2.load_state_dict(saved_model)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved_opt)
+    precond2 = KFACPreconditioner(model2, optimizer=opt2, **kwargs)
+    precond2.load_state_dict(state)
+    assert precond2.steps == 4
+    train(model2, precond2, opt2, 3, seed0=4)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_contents_and_validation() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=lambda s: 0.01)
+    assert precond.state_dict()["layers"] == {"0": {}, "2": {}}  # nothing captured yet
+    train(model, precond, opt, 1)
+    state = precond.state_dict()
+    assert set(state["layers"]["0"]) == {"A", "G"}
+    assert state["layers"]["0"]["A"].shape == (7, 7)
+    assert "damping" not in state["hyperparameters"]  # callables are not saved
+    assert state["hyperparameters"]["compute_method"] == "eigen"
+    assert "layers" not in precond.state_dict(include_factors=False)
+    bad = copy.deepcopy(state)
+    bad["layers"]["0"]["A"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"0\.A has shape"):
+        precond.load_state_dict(bad)
+    with pytest.raises(ValueError, match="missing"):
+        precond.load_state_dict({"steps": 1, "layers": {"0": {}}})
+
+
+def test_memory_usage_counts_factors_and_second_order() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, compute_eigenvalue_outer_product=True)
+    assert precond.memory_usage()["total"] == 0
+    train(model, precond, opt, 1)
+    mem = precond.memory_usage()
+    f = 4  # float32
+    assert mem["factors"] == f * (7 * 7 + 8 * 8 + 9 * 9 + 3 * 3)
+    # Q_A, Q_G and the eigenvalue outer product per layer
+    assert mem["second_order"] == f * (7 * 7 + 8 * 8 + 8 * 7 + 9 * 9 + 3 * 3 + 3 * 9)
+    assert mem["total"] == mem["factors"] + mem["second_order"] + mem["batch_statistics"]
+
+
+# -- numerical failures ---------------------------------------------------------------------------
+
+
+def test_non_finite_backward_does_not_poison_factors() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt)
+    train(model, precond, opt, 2)
+    before = {n: la.stats.G.clone() for n, la in precond.layers.items()}
+    x, y = batch(seed=9)
+    opt.zero_grad()
+    (F.cross_entropy(model(x), y) * float("inf")).backward()
+    precond.step()  # must not raise
+    for n, la in precond.layers.items():
+        assert torch.equal(la.stats.G, before[n])
+        assert torch.isfinite(la.second_order["qg"]).all()
+    assert precond.layers["2"].stats.nonfinite_updates >= 1
+    opt.zero_grad()  # the next healthy step trains normally
+    losses = train(model, precond, opt, 3, seed0=10)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(torch.isfinite(p).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_failed_decomposition_keeps_previous(monkeypatch) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt)
+    train(model, precond, opt, 1)
+    kept = {k: v.clone() for k, v in precond.layers["0"].second_order.items()}
+
+    def broken(*args, **kwargs):
+        raise DecompositionError("simulated")
+
+    monkeypatch.setattr("kaisa.layer.symmetric_eigh", broken)
+    train(model, precond, opt, 1, seed0=1)
+    assert precond.layers["0"].failed_decompositions == 1
+    for k, v in kept.items():
+        assert torch.equal(precond.layers["0"].second_order[k], v)
+
+
+def test_eigh_that_does_not_converge_is_retried_in_float64(monkeypatch) -> None:
+    from kaisa import decompose
+
+    real = torch.linalg.eigh
+    calls = []
+
+    def flaky(m, *a, **k):
+        calls.append(m.dtype)
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("simulated")
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    q, lam = decompose.symmetric_eigh(torch.eye(3) * 2, torch.float32)
+    assert calls == [torch.float32, torch.float64]
+    assert q.dtype == torch.float32 and torch.allclose(lam, torch.full((3,), 2.0))
+
+
+def test_first_decomposition_failure_falls_back_to_damping_only(monkeypatch) -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, kl_clip=None, damping=0.5)
+
+    def broken(*args, **kwargs):
+        raise DecompositionError("simulated")
+
+    monkeypatch.setattr("kaisa.layer.symmetric_eigh", broken)
+    x, y = batch()
+    F.cross_entropy(model(x), y).backward()
+    raw = model[0].weight.grad.clone()
+    precond.step()
+    assert torch.allclose(model[0].weight.grad, raw / 0.5)
