@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "Communicator", "dist_info"]
+__all__ = ["CommStats", "CommunicationError", "Communicator", "dist_info"]
 
 Callback = Callable[[list[Tensor]], None]
 
@@ -44,20 +44,31 @@ def dist_info() -> tuple[int, int]:
     return 0, 1
 
 
+class CommunicationError(RuntimeError):
+    """A K-FAC collective failed or timed out (a rank died or never arrived)."""
+
+
 @dataclass
 class CommStats:
-    """Bytes and calls per collective kind, for the last step and in total."""
+    """Bytes and calls per collective kind: for the last step, and in total.
 
-    step: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_zero))
+    Traffic launched from backward hooks belongs to the step that follows, so
+    the running count is only closed (and becomes ``step``) by
+    :meth:`end_step`, at the end of ``KFACPreconditioner.step()``.
+    """
+
+    step: dict[str, dict[str, int]] = field(default_factory=dict)
     total: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_zero))
+    current: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_zero))
 
     def record(self, kind: str, nbytes: int) -> None:
-        for table in (self.step, self.total):
+        for table in (self.current, self.total):
             table[kind]["calls"] += 1
             table[kind]["bytes"] += nbytes
 
-    def new_step(self) -> None:
-        self.step = defaultdict(_zero)
+    def end_step(self) -> None:
+        self.step = {k: dict(v) for k, v in self.current.items()}
+        self.current = defaultdict(_zero)
 
     def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
         return {
@@ -111,6 +122,7 @@ class _Bucket:
 
 @dataclass
 class _Launched:
+    kind: str
     work: Any
     flat: Tensor
     items: list[_Item]
@@ -139,6 +151,7 @@ class Communicator:
         self.rank, self.world_size = dist_info()
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.symmetry_aware = symmetry_aware
+        self.timeout_s = timeout_s
         self.stats = CommStats()
         self._groups: dict[tuple[int, ...], Any] = {}
         self._pending: dict[tuple[Any, ...], _Bucket] = {}
@@ -237,7 +250,7 @@ class Communicator:
             ranks, src = key[1], key[2]
             work = dist.broadcast(flat, src=src, group=self.group(ranks), async_op=True)
             self.stats.record(kind, nbytes)
-        self._launched.append(_Launched(work, flat, bucket.items, finish))
+        self._launched.append(_Launched(kind, work, flat, bucket.items, finish))
 
     def flush(self) -> None:
         """Launch every partly filled bucket."""
@@ -249,7 +262,15 @@ class Communicator:
         self.flush()
         launched, self._launched = self._launched, []
         for op in launched:
-            op.work.wait()
+            try:
+                op.work.wait()
+            except RuntimeError as exc:
+                raise CommunicationError(
+                    f"kaisa: a {op.kind} collective failed on rank {self.rank} of "
+                    f"{self.world_size} (process-group timeout: {self.timeout_s or 'default'} s). "
+                    "Another rank probably died or never reached this preconditioner step "
+                    f"(every rank must call step() and state_dict() together). Cause: {exc}"
+                ) from exc
             if not any(item.callback is not None for item in op.items):
                 continue
             flat = op.finish(op.flat)

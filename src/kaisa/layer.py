@@ -58,6 +58,7 @@ class KFACLayer:
         self.pending = PendingCapture()
         self.second_order: dict[str, Tensor] = {}
         self.failed_decompositions = 0
+        self.decompositions = 0  #: factors this rank has decomposed (A and G count apart)
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {self.adapter.describe()})"
@@ -103,6 +104,7 @@ class KFACLayer:
         are kept and ``False`` is returned: a numerical failure never replaces
         a valid decomposition with garbage.
         """
+        self.decompositions += int(do_a) + int(do_g)
         try:
             new: dict[str, Tensor] = {}
             if method is ComputeMethod.EIGEN:

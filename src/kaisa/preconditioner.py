@@ -221,7 +221,6 @@ class KFACPreconditioner:
         """Precondition the gradients of every registered layer in place."""
         if not self.capture.active:
             raise RuntimeError("step() called after remove_hooks(); create a new preconditioner")
-        self.comm.stats.new_step()
         step = self.steps
         damping = self.damping
         if self._is_factor_step(step):
@@ -229,6 +228,7 @@ class KFACPreconditioner:
         if self._is_inverse_step(step) or self._stale_second_order:
             self._update_second_order(damping)
         self._precondition(damping)
+        self.comm.stats.end_step()
         self.steps += 1
         self.capture.enabled = self._is_factor_step(self.steps)
 
