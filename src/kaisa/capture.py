@@ -71,7 +71,9 @@ class Capture:
         self.on_grad_captured: Callable[[KFACLayer], None] | None = None
         self._handles: list[RemovableHandle] = [model.register_forward_pre_hook(self._count_pass)]
         for layer in layers:
-            self._handles.append(layer.adapter.module.register_forward_hook(self._forward_hook(layer)))
+            self._handles.append(
+                layer.adapter.module.register_forward_hook(self._forward_hook(layer))
+            )
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:

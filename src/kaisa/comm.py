@@ -185,7 +185,9 @@ class Communicator:
             callback(tensors)
             return
         sym = [symmetric and self.symmetry_aware] * len(tensors)
-        self._enqueue(("reduce", dst, tensors[0].dtype), tensors, sym, callback if self.rank == dst else None)
+        self._enqueue(
+            ("reduce", dst, tensors[0].dtype), tensors, sym, callback if self.rank == dst else None
+        )
 
     def broadcast(
         self,
@@ -197,7 +199,7 @@ class Communicator:
         symmetric: Sequence[bool] | None = None,
         kind: str = "broadcast",
     ) -> None:
-        """Send ``tensors`` from ``src`` to ``ranks`` (receivers pass buffers of the right shape)."""
+        """Send ``tensors`` from ``src`` to ``ranks``; receivers pass buffers of the right shape."""
         tensors = list(tensors)
         ranks = tuple(sorted(ranks))
         if not self.distributed or len(ranks) == 1 or self.rank not in ranks:
@@ -214,14 +216,21 @@ class Communicator:
         self._enqueue(("allreduce", tensor.dtype), [tensor], [False], callback)
 
     def _enqueue(
-        self, key: tuple[Any, ...], tensors: list[Tensor], symmetric: list[bool], cb: Callback | None
+        self,
+        key: tuple[Any, ...],
+        tensors: list[Tensor],
+        symmetric: list[bool],
+        cb: Callback | None,
     ) -> None:
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError("tensors sent together must share a dtype")
         numel = sum(_packed_numel(t.shape, s) for t, s in zip(tensors, symmetric))
         bucket = self._pending.setdefault(key, _Bucket())
-        if bucket.items and (bucket.numel + numel) * tensors[0].element_size() > self.bucket_cap_bytes:
+        if (
+            bucket.items
+            and (bucket.numel + numel) * tensors[0].element_size() > self.bucket_cap_bytes
+        ):
             self._launch(key, self._pending.pop(key))
             bucket = self._pending.setdefault(key, _Bucket())
         bucket.items.append(_Item(tensors, symmetric, cb))
@@ -232,7 +241,9 @@ class Communicator:
     # -- launching -------------------------------------------------------------
     def _launch(self, key: tuple[Any, ...], bucket: _Bucket) -> None:
         kind = key[0]
-        packed = [_pack(t, s) for item in bucket.items for t, s in zip(item.tensors, item.symmetric)]
+        packed = [
+            _pack(t, s) for item in bucket.items for t, s in zip(item.tensors, item.symmetric)
+        ]
         flat = torch.cat(packed) if len(packed) > 1 else packed[0].clone()
         nbytes = flat.numel() * flat.element_size()
         world = self.group(range(self.world_size))

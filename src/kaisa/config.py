@@ -130,7 +130,9 @@ def _check_number(
     """Raise a ValueError/TypeError naming ``name`` and the allowed range."""
     lo = "-inf" if low is None else str(low)
     hi = "inf" if high is None else str(high)
-    interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+    left = "(" if low_open or low is None else "["
+    right = ")" if high_open or high is None else "]"
+    interval = f"{left}{lo}, {hi}{right}"
     kind = "an int" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
         raise TypeError(f"{name} must be {kind} in {interval}; got {value!r}")

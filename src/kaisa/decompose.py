@@ -92,4 +92,3 @@ def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) ->
     if not bool(torch.isfinite(inverse).all()):
         raise DecompositionError("inverse is non-finite")
     return inverse
-

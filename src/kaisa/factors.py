@@ -30,8 +30,8 @@ from kaisa.config import LossAverage
 
 __all__ = [
     "FactorStatistics",
-    "gram",
     "grad_multiplier",
+    "gram",
     "running_average",
 ]
 
@@ -127,9 +127,7 @@ class FactorStatistics:
             raise RuntimeError("no statistics captured for this layer")
         return self.a_sum / self.a_rows, self.g_sum / self.g_passes
 
-    def update(
-        self, a_batch: Tensor | None, g_batch: Tensor | None, decay: float
-    ) -> None:
+    def update(self, a_batch: Tensor | None, g_batch: Tensor | None, decay: float) -> None:
         """Fold (already reduced) batch factors into the running averages.
 
         Either factor may be ``None`` (this rank does not keep it).  A

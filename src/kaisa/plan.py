@@ -106,7 +106,9 @@ def grad_workers_for(fraction: float | DistributedStrategy, world_size: int) -> 
             DistributedStrategy.MEM_OPT: 1.0 / world_size,
         }[fraction]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        raise TypeError(f"grad_worker_fraction must be a float or DistributedStrategy; got {fraction!r}")
+        raise TypeError(
+            f"grad_worker_fraction must be a float or DistributedStrategy; got {fraction!r}"
+        )
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in [0, 1]; got {fraction}")
     if world_size == 1:
@@ -186,7 +188,8 @@ class WorkPlan:
         """A readable table of the plan: groups, per-rank load, per-layer owners."""
         lines = [
             f"WorkPlan: world_size={self.world_size}, grad_workers={self.grad_workers} "
-            f"(fraction {self.grad_worker_fraction:g}), assignment={self.assignment_strategy.value}, "
+            f"(fraction {self.grad_worker_fraction:g}), "
+            f"assignment={self.assignment_strategy.value}, "
             f"colocate_factors={self.colocate_factors}",
             f"  worker groups:   {list(map(list, self.worker_groups))}",
             f"  receiver groups: {list(map(list, self.receiver_groups))}",
@@ -257,9 +260,7 @@ def make_plan(
                 load[rank] += cost
             a_rank, g_rank = chosen["a"], chosen["g"]
         workers = tuple(group)
-        groups = tuple(
-            (w, *[r for r in receiver_groups[w % m] if r != w]) for w in workers
-        )
+        groups = tuple((w, *[r for r in receiver_groups[w % m] if r != w]) for w in workers)
         planned[i] = LayerPlan(
             name=spec.name,
             a_dim=spec.a_dim,

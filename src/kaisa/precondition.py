@@ -60,6 +60,11 @@ def kl_clip_scale(
     """
     if kl_clip is None or not preconditioned:
         return None
-    dots = torch.stack([torch.vdot(v.reshape(-1), g.reshape(-1).to(v.dtype)) for v, g in zip(preconditioned, grads)])
+    dots = torch.stack(
+        [
+            torch.vdot(v.reshape(-1), g.reshape(-1).to(v.dtype))
+            for v, g in zip(preconditioned, grads)
+        ]
+    )
     vg = dots.sum().abs() * (lr * lr)
     return torch.clamp(torch.sqrt(kl_clip / vg), max=1.0)

@@ -22,14 +22,14 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from kaisa.capture import Capture
 from kaisa.comm import Communicator, dist_info
-from kaisa.config import ComputeMethod, KFACConfig, resolve
+from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig, resolve
 from kaisa.decompose import pi_split
 from kaisa.grads import GradientAccess, ParamGradAccess, read_grad_matrix, write_grad_matrix
 from kaisa.layer import KFACLayer
@@ -100,11 +100,15 @@ class KFACPreconditioner:
                 f"{sorted(KFACConfig.field_names())}"
             )
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
+            )
         if pg_timeout_s is not None and not (
             isinstance(pg_timeout_s, (int, float)) and pg_timeout_s > 0
         ):
-            raise ValueError(f"pg_timeout_s must be a positive number of seconds; got {pg_timeout_s!r}")
+            raise ValueError(
+                f"pg_timeout_s must be a positive number of seconds; got {pg_timeout_s!r}"
+            )
         self.config = KFACConfig(lr=0.1 if lr is None else lr, **kwargs)
         self._lr_from_optimizer = lr is None and optimizer is not None
         self.optimizer = optimizer
@@ -138,17 +142,24 @@ class KFACPreconditioner:
             )
         self.layers: dict[str, KFACLayer] = {}
         for adapter in adapters:
-            weight_dtype = adapter.module.weight.dtype
+            weight_dtype = adapter.weight.dtype
             base = torch.promote_types(weight_dtype, torch.float32)
-            factor_dtype = cfg.factor_dtype or base
-            inv_dtype = cfg.inv_dtype or torch.promote_types(factor_dtype, torch.float32)
-            self.layers[adapter.name] = KFACLayer(adapter, factor_dtype, inv_dtype)  # type: ignore[arg-type]
+            # normalised to torch.dtype | None by KFACConfig.__post_init__
+            factor_dtype = cast("torch.dtype | None", cfg.factor_dtype) or base
+            inv_dtype = cast("torch.dtype | None", cfg.inv_dtype) or torch.promote_types(
+                factor_dtype, torch.float32
+            )
+            self.layers[adapter.name] = KFACLayer(adapter, factor_dtype, inv_dtype)
 
         # Who does what: fixed once, the same on every rank.
         specs = [LayerSpec(n, la.adapter.a_dim, la.adapter.g_dim) for n, la in self.layers.items()]
         rank, world = dist_info()
         self.plan: WorkPlan = make_plan(
-            specs, world, cfg.grad_worker_fraction, cfg.assignment_strategy, cfg.colocate_factors
+            specs,
+            world,
+            cast("float | DistributedStrategy", cfg.grad_worker_fraction),
+            cfg.assignment_strategy,
+            cfg.colocate_factors,
         )
         self.rank = rank
         groups = list(self.plan.worker_groups) + list(self.plan.receiver_groups)
@@ -272,9 +283,11 @@ class KFACPreconditioner:
             self._reduce_layer(layer, self.factor_decay)
 
     def _update_factors(self, decay: float) -> None:
-        if self.steps == 0 and not any(
-            la.stats.calls or la.pending.inputs for la in self.layers.values()
-        ) and not self._launched:
+        if (
+            self.steps == 0
+            and not any(la.stats.calls or la.pending.inputs for la in self.layers.values())
+            and not self._launched
+        ):
             raise RuntimeError(
                 "step() was called before any forward/backward pass was captured: call "
                 "loss.backward() on a training-mode forward pass before precond.step()"
@@ -361,18 +374,27 @@ class KFACPreconditioner:
     def _shape(self, layer: KFACLayer, key: str) -> tuple[int, ...]:
         a, g = layer.adapter.a_dim, layer.adapter.g_dim
         return {
-            "qa": (a, a), "a_inv": (a, a), "eig_a": (a,),
-            "qg": (g, g), "g_inv": (g, g), "eig_g": (g,),
+            "qa": (a, a),
+            "a_inv": (a, a),
+            "eig_a": (a,),
+            "qg": (g, g),
+            "g_inv": (g, g),
+            "eig_g": (g,),
             "inv_outer": (g, a),
         }[key]
 
-    def _broadcast_second_order(self, layer: KFACLayer, lp: LayerPlan, method: ComputeMethod) -> None:
+    def _broadcast_second_order(
+        self, layer: KFACLayer, lp: LayerPlan, method: ComputeMethod
+    ) -> None:
         """Decomposer → gradient workers of the layer (COMM-OPT: every rank)."""
         rank = self.rank
         if rank not in lp.grad_workers:
             return
-        sources = [("ag", lp.a_decomposer)] if lp.colocated else [
-            ("a", lp.a_decomposer), ("g", lp.g_decomposer)]
+        sources = (
+            [("ag", lp.a_decomposer)]
+            if lp.colocated
+            else [("a", lp.a_decomposer), ("g", lp.g_decomposer)]
+        )
         for which, src in sources:
             keys = self._sent_keys(which)
             if rank == src:
@@ -380,8 +402,11 @@ class KFACPreconditioner:
                 tensors = [layer.second_order[k] for k in keys]
             else:
                 tensors = [
-                    torch.empty(self._shape(layer, k), dtype=layer.inv_dtype,
-                                device=layer.adapter.module.weight.device)
+                    torch.empty(
+                        self._shape(layer, k),
+                        dtype=layer.inv_dtype,
+                        device=layer.adapter.device,
+                    )
                     for k in keys
                 ]
             symmetric = [k in ("a_inv", "g_inv") for k in keys]
@@ -390,8 +415,12 @@ class KFACPreconditioner:
                 layer.second_order.update(dict(zip(keys, received)))
 
             self.comm.broadcast(
-                tensors, src, lp.grad_workers, None if rank == src else store,
-                symmetric=symmetric, kind="second_order_broadcast",
+                tensors,
+                src,
+                lp.grad_workers,
+                None if rank == src else store,
+                symmetric=symmetric,
+                kind="second_order_broadcast",
             )
 
     def _ensure_second_order(self, layer: KFACLayer, keys: list[str]) -> None:
@@ -405,7 +434,7 @@ class KFACPreconditioner:
             if key in layer.second_order:
                 continue
             shape = self._shape(layer, key)
-            dev = layer.adapter.module.weight.device
+            dev = layer.adapter.device
             if key in ("qa", "qg"):
                 value = torch.eye(shape[0], dtype=layer.inv_dtype, device=dev)
             elif key in ("a_inv", "g_inv"):
@@ -450,8 +479,9 @@ class KFACPreconditioner:
                 )
         self.comm.wait()
         names = list(results)
-        nu = kl_clip_scale([results[n] for n in names], [grads[n] for n in names], self.lr,
-                           self.kl_clip)
+        nu = kl_clip_scale(
+            [results[n] for n in names], [grads[n] for n in names], self.lr, self.kl_clip
+        )
         for name in names:
             value = results[name] if nu is None else results[name] * nu
             write_grad_matrix(self.layers[name].adapter, self.gradient_access, value)
@@ -470,7 +500,9 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------
     # state
-    def state_dict(self, include_factors: bool = True, include_second_order: bool = False) -> dict[str, Any]:
+    def state_dict(
+        self, include_factors: bool = True, include_second_order: bool = False
+    ) -> dict[str, Any]:
         """Steps, non-callable hyperparameters and (by default) the running factors.
 
         Collective when distributed: every rank must call it, and every rank
@@ -489,9 +521,12 @@ class KFACPreconditioner:
         layers: dict[str, dict[str, Tensor | None]] = {name: {} for name in self.layers}
         for name, layer in self.layers.items():
             lp = self.plan.layer(name)
-            dev = layer.adapter.module.weight.device
+            dev = layer.adapter.device
             if include_factors:
-                for key, src, dim in (("A", lp.a_decomposer, lp.a_dim), ("G", lp.g_decomposer, lp.g_dim)):
+                for key, src, dim in (
+                    ("A", lp.a_decomposer, lp.a_dim),
+                    ("G", lp.g_decomposer, lp.g_dim),
+                ):
                     mine = getattr(layer.stats, key) if self.rank == src else None
                     # Whether a factor exists yet is known to its owner only:
                     # send a presence flag after the entries.
@@ -507,13 +542,16 @@ class KFACPreconditioner:
                     self._ensure_second_order(layer, keys)
                 for key in keys:
                     shape = self._shape(layer, key)
-                    packed = torch.ones(int(torch.Size(shape).numel()) + 1, dtype=layer.inv_dtype, device=dev)
+                    packed = torch.ones(
+                        int(torch.Size(shape).numel()) + 1, dtype=layer.inv_dtype, device=dev
+                    )
                     if self.rank == src:
                         packed[:-1] = layer.second_order[key].reshape(-1)
                     self._gather_into(layers[name], key, packed, src, shape)
         self.comm.wait()
         state["layers"] = {
-            name: {k: v for k, v in entries.items() if v is not None} for name, entries in layers.items()
+            name: {k: v for k, v in entries.items() if v is not None}
+            for name, entries in layers.items()
         }
         return state
 
@@ -526,7 +564,9 @@ class KFACPreconditioner:
             flat = received[0]
             out[key] = flat[:-1].reshape(shape).clone() if bool(flat[-1] != 0) else None
 
-        self.comm.broadcast([packed], src, range(self.comm.world_size), store, kind="state_broadcast")
+        self.comm.broadcast(
+            [packed], src, range(self.comm.world_size), store, kind="state_broadcast"
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any], compute_inverses: bool = True) -> None:
         """Restore a :meth:`state_dict` taken at any world size or fraction.
@@ -538,7 +578,9 @@ class KFACPreconditioner:
         does not recompute them anyway).
         """
         if not isinstance(state_dict, Mapping) or "steps" not in state_dict:
-            raise ValueError("state_dict must be a mapping produced by KFACPreconditioner.state_dict()")
+            raise ValueError(
+                "state_dict must be a mapping produced by KFACPreconditioner.state_dict()"
+            )
         steps = state_dict["steps"]
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"state_dict['steps'] must be a non-negative int; got {steps!r}")
@@ -556,21 +598,28 @@ class KFACPreconditioner:
         self.steps = steps
         self.capture.enabled = self._is_factor_step(self.steps)
         if layers is not None:
-            has_second = all(self.layers[n].ready or self.rank not in self.plan.layer(n).grad_workers
-                             for n in self.layers)
+            has_second = all(
+                self.layers[n].ready or self.rank not in self.plan.layer(n).grad_workers
+                for n in self.layers
+            )
             self._stale_second_order = compute_inverses and not has_second
 
     def _load_layer(self, name: str, entry: Mapping[str, Tensor]) -> None:
         layer = self.layers[name]
         lp = self.plan.layer(name)
         a, g = layer.adapter.a_dim, layer.adapter.g_dim
-        dev = layer.adapter.module.weight.device
+        dev = layer.adapter.device
         for key, dim, owner in (("A", a, lp.a_decomposer), ("G", g, lp.g_decomposer)):
             value = entry.get(key)
             if value is not None and tuple(value.shape) != (dim, dim):
-                raise ValueError(f"state_dict factor {name}.{key} has shape {tuple(value.shape)}, expected {(dim, dim)}")
-            keep = value is not None and self.rank == owner
-            setattr(layer.stats, key, value.to(dev, layer.factor_dtype).clone() if keep else None)
+                raise ValueError(
+                    f"state_dict factor {name}.{key} has shape {tuple(value.shape)}, "
+                    f"expected {(dim, dim)}"
+                )
+            kept = None
+            if value is not None and self.rank == owner:
+                kept = value.to(dev, layer.factor_dtype).clone()
+            setattr(layer.stats, key, kept)
         layer.second_order.clear()
         if self.rank in lp.grad_workers:
             for key in ("qa", "qg", "inv_outer", "eig_a", "eig_g", "a_inv", "g_inv"):
@@ -597,7 +646,9 @@ class KFACPreconditioner:
         lines = [repr(self), "Preconditioned layers:"]
         for name, layer in self.layers.items():
             lp = self.plan.layer(name)
-            params = ", ".join(f"{name}.{p}" for p in ("weight", "bias")[: 1 + layer.adapter.has_bias])
+            params = ", ".join(
+                f"{name}.{p}" for p in ("weight", "bias")[: 1 + layer.adapter.has_bias]
+            )
             lines.append(
                 f"  {name:<30} {layer.adapter.describe():<40} [{params}] "
                 f"A on rank {lp.a_decomposer}, G on rank {lp.g_decomposer}"
@@ -605,7 +656,10 @@ class KFACPreconditioner:
         if self.skipped:
             lines.append("Left to the optimizer alone (not preconditioned):")
             for s in self.skipped:
-                lines.append(f"  {s.name or '<root>':<30} {s.kind:<16} {s.reason} [{', '.join(s.parameters)}]")
+                lines.append(
+                    f"  {s.name or '<root>':<30} {s.kind:<16} {s.reason} "
+                    f"[{', '.join(s.parameters)}]"
+                )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -613,9 +667,11 @@ class KFACPreconditioner:
         return (
             f"KFACPreconditioner(layers={len(self.layers)}, skipped={len(self.skipped)}, "
             f"compute_method={ComputeMethod(cfg.compute_method).value}, "
-            f"factor_update_steps={cfg.factor_update_steps}, inv_update_steps={cfg.inv_update_steps}, "
+            f"factor_update_steps={cfg.factor_update_steps}, "
+            f"inv_update_steps={cfg.inv_update_steps}, "
             f"damping={cfg.damping}, factor_decay={cfg.factor_decay}, kl_clip={cfg.kl_clip}, "
-            f"world_size={self.plan.world_size}, grad_workers={self.plan.grad_workers}, steps={self.steps})"
+            f"world_size={self.plan.world_size}, grad_workers={self.plan.grad_workers}, "
+            f"steps={self.steps})"
         )
 
     @contextmanager

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_distributed
-from test_invariance import B, make_model, rel
 from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa.comm import CommunicationError
+
+from harness import run_distributed
+from test_invariance import B, make_model, rel
 
 pytestmark = pytest.mark.distributed
 
@@ -35,8 +36,9 @@ def run_wide(rank: int, world: int, configs: list[dict[str, Any]]) -> list[dict[
     out = []
     for config in configs:
         model = wide_model()
-        precond = KFACPreconditioner(model, lr=0.1, damping=0.01, factor_update_steps=1,
-                                     inv_update_steps=3, **config)
+        precond = KFACPreconditioner(
+            model, lr=0.1, damping=0.01, factor_update_steps=1, inv_update_steps=3, **config
+        )
         g = torch.Generator().manual_seed(rank)
         record: dict[str, Any] = {"comm": [], "memory": []}
         for _ in range(4):
@@ -68,7 +70,7 @@ def test_communication_and_memory_per_strategy() -> None:
     results = run_distributed(4, run_wide, configs)
     a, g = WIDTH + 1, WIDTH
     f64 = 8
-    for rank, per_rank in enumerate(results):
+    for per_rank in results:
         comm_opt, hybrid, mem_opt, sym, unbucketed = per_rank
         # step 0 and 3 are inverse-update steps, 1 and 2 are not
         for step in (1, 2):
@@ -78,17 +80,24 @@ def test_communication_and_memory_per_strategy() -> None:
             assert bytes_of(mem_opt["comm"][step], "grad_broadcast") > 0
             assert bytes_of(hybrid["comm"][step], "grad_broadcast") > 0
         assert bytes_of(comm_opt["comm"][0], "second_order_broadcast") > 0
-        assert bytes_of(mem_opt["comm"][0], "second_order_broadcast") == 0  # one worker: nothing to send
+        assert (
+            bytes_of(mem_opt["comm"][0], "second_order_broadcast") == 0
+        )  # one worker: nothing to send
         # every rank contributes every factor once per factor step
         full = DEPTH * (a * a + g * g) * f64
         assert bytes_of(comm_opt["comm"][1], "factor_reduce") == full
-        assert bytes_of(sym["comm"][1], "factor_reduce") == DEPTH * (a * (a + 1) // 2 + g * (g + 1) // 2) * f64
+        assert (
+            bytes_of(sym["comm"][1], "factor_reduce")
+            == DEPTH * (a * (a + 1) // 2 + g * (g + 1) // 2) * f64
+        )
         # bucketing: one call per owner rank instead of one per layer
         assert comm_opt["comm"][1]["factor_reduce"]["calls"] <= 4
         assert unbucketed["comm"][1]["factor_reduce"]["calls"] == DEPTH
         # memory: MEM-OPT keeps 1/W of COMM-OPT's second-order tensors; HYBRID 2/W
-        so = {name: r["memory"][-1]["second_order"] for name, r in
-              (("comm", comm_opt), ("hybrid", hybrid), ("mem", mem_opt))}
+        so = {
+            name: r["memory"][-1]["second_order"]
+            for name, r in (("comm", comm_opt), ("hybrid", hybrid), ("mem", mem_opt))
+        }
         assert so["mem"] * 4 == so["comm"]
         assert so["hybrid"] * 2 == so["comm"]
     # factors are kept by their owners only: no rank duplicates another's
@@ -106,8 +115,10 @@ KW = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
 def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [
-        (torch.randn(4 * B, 2, 6, 6, generator=g, dtype=torch.float64),
-         torch.randint(0, 5, (4 * B,), generator=g))
+        (
+            torch.randn(4 * B, 2, 6, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (4 * B,), generator=g),
+        )
         for _ in range(TOTAL_STEPS)
     ]
 
@@ -117,7 +128,9 @@ def steps(model, opt, precond, rank, world, first, last, record) -> None:
     for i in range(first, last):
         x, y = global_batches()[i]
         opt.zero_grad()
-        F.cross_entropy(model(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share]).backward()
+        F.cross_entropy(
+            model(x[rank * share : (rank + 1) * share]), y[rank * share : (rank + 1) * share]
+        ).backward()
         if world > 1:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
@@ -152,7 +165,9 @@ def take_checkpoints(rank: int, world: int) -> dict[str, Any]:
     return {"with_so": with_so, "factors_only": factors_only}
 
 
-def resume(rank: int, world: int, ckpt: dict[str, Any], fraction: float, start: int) -> dict[str, Any]:
+def resume(
+    rank: int, world: int, ckpt: dict[str, Any], fraction: float, start: int
+) -> dict[str, Any]:
     model, opt, precond = make_run(fraction)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -162,8 +177,11 @@ def resume(rank: int, world: int, ckpt: dict[str, Any], fraction: float, start: 
     for name, layer in precond.layers.items():
         lp = precond.plan.layer(name)
         held[name] = dict(
-            A=layer.stats.A is not None, G=layer.stats.G is not None, so=bool(layer.second_order),
-            a_owner=lp.a_decomposer == rank, g_owner=lp.g_decomposer == rank,
+            A=layer.stats.A is not None,
+            G=layer.stats.G is not None,
+            so=bool(layer.second_order),
+            a_owner=lp.a_decomposer == rank,
+            g_owner=lp.g_decomposer == rank,
             worker=rank in lp.grad_workers,
         )
     record: list = []
@@ -172,8 +190,12 @@ def resume(rank: int, world: int, ckpt: dict[str, Any], fraction: float, start: 
         name: (layer.decompositions, precond.plan.layer(name).is_decomposer(rank))
         for name, layer in precond.layers.items()
     }
-    return {"grads": record, "params": [p.detach().clone() for p in model.parameters()],
-            "held": held, "decomposed": decomposed}
+    return {
+        "grads": record,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "held": held,
+        "decomposed": decomposed,
+    }
 
 
 def test_checkpoint_from_w4_hybrid_loads_anywhere() -> None:
@@ -183,7 +205,7 @@ def test_checkpoint_from_w4_hybrid_loads_anywhere() -> None:
     ref: list = []
     steps(model, opt, precond, 0, 1, 0, TOTAL_STEPS, ref)
     ref_params = [p.detach().clone() for p in model.parameters()]
-    for world, fraction in [(4, 1.0), (4, 0.0), (4, 0.5), (2, 0.5), (2, 0.0)] + [(1, 1.0)]:
+    for world, fraction in [(4, 1.0), (4, 0.0), (4, 0.5), (2, 0.5), (2, 0.0), (1, 1.0)]:
         for key, start in (("with_so", 3), ("factors_only", 4)):
             if world == 1:
                 results = [resume(0, 1, ckpts[key], fraction, start)]

@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa import KFACPreconditioner
+
+from harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -45,8 +46,10 @@ def make_model(dtype: torch.dtype) -> nn.Module:
 def make_data(world_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(123)
     return [
-        (torch.randn(world_size * B, 2, 6, 6, generator=g).to(dtype),
-         torch.randint(0, 5, (world_size * B,), generator=g))
+        (
+            torch.randn(world_size * B, 2, 6, 6, generator=g).to(dtype),
+            torch.randint(0, 5, (world_size * B,), generator=g),
+        )
         for _ in range(STEPS)
     ]
 
@@ -123,12 +126,18 @@ def check(world_size: int, configs: list[dict[str, Any]], dtype: torch.dtype, to
     for c in configs:
         key = _reference_key(c)
         if key not in references:
-            single = {k: v for k, v in c.items() if k in ("compute_method", "compute_eigenvalue_outer_product", "inv_dtype")}
+            single = {
+                k: v
+                for k, v in c.items()
+                if k in ("compute_method", "compute_eigenvalue_outer_product", "inv_dtype")
+            }
             references[key] = train(single, 0, 1, dtype, world_size)
     results = run_distributed(world_size, run_configs, configs, dtype, timeout_s=240)
     for rank, per_rank in enumerate(results):
         for c, got in zip(configs, per_rank):
-            assert_equal_runs(got, references[_reference_key(c)], tol, f"W={world_size} rank {rank} {c}")
+            assert_equal_runs(
+                got, references[_reference_key(c)], tol, f"W={world_size} rank {rank} {c}"
+            )
     return results
 
 
@@ -138,7 +147,11 @@ def strategy_configs(world_size: int) -> list[dict[str, Any]]:
         dict(),
         dict(symmetry_aware=True, allreduce_bucket_cap_mb=0, update_factors_in_hook=False),
         dict(symmetry_aware=True, allreduce_bucket_cap_mb=0.0005, colocate_factors=False),
-        dict(compute_eigenvalue_outer_product=False, colocate_factors=False, update_factors_in_hook=False),
+        dict(
+            compute_eigenvalue_outer_product=False,
+            colocate_factors=False,
+            update_factors_in_hook=False,
+        ),
         dict(assignment_strategy="memory", accumulation_steps=2),
     ]
     return [
@@ -171,7 +184,9 @@ def test_ddp_equals_single_process() -> None:
         dict(ddp=True, grad_worker_fraction=f, compute_method=m)
         for f, m in [(1.0, "eigen"), (0.5, "inverse"), (0.0, "eigen")]
     ]
-    configs.append(dict(ddp=True, grad_worker_fraction=0.5, update_factors_in_hook=False, symmetry_aware=True))
+    configs.append(
+        dict(ddp=True, grad_worker_fraction=0.5, update_factors_in_hook=False, symmetry_aware=True)
+    )
     check(4, configs, torch.float64, 1e-10)
 
 
@@ -181,7 +196,8 @@ def test_float32_equals_single_process_within_1e5() -> None:
     # micro-batch split changes, so the eigen cases decompose in float64;
     # the inverse path is float32 throughout.
     configs = [
-        dict(grad_worker_fraction=f, symmetry_aware=True, inv_dtype=torch.float64) for f in (1.0, 0.0)
+        dict(grad_worker_fraction=f, symmetry_aware=True, inv_dtype=torch.float64)
+        for f in (1.0, 0.0)
     ]
     configs.append(dict(grad_worker_fraction=0.5, compute_method="inverse"))
     configs.append(dict(grad_worker_fraction=0.0, compute_method="inverse", symmetry_aware=True))

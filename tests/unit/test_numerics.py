@@ -7,6 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+
 from kfac_reference import (
     conv_patches,
     dense_precondition,
@@ -17,9 +21,6 @@ from kfac_reference import (
     rel_err,
     with_ones,
 )
-from torch import nn
-
-from kaisa import KFACPreconditioner
 
 TOL = 1e-8
 DAMPING = 0.01
@@ -49,11 +50,19 @@ def data(n: int = 12, d: int = 5, classes: int = 3, seed: int = 1):
 
 def reference_factors(model, layer, x, per_example_loss, bias=True):
     inp, zg = per_example_output_grads(model, layer, x, per_example_loss)
-    rows = inp.reshape(-1, inp.shape[-1]) if not isinstance(layer, nn.Conv2d) else conv_patches(inp, layer)
+    rows = (
+        inp.reshape(-1, inp.shape[-1])
+        if not isinstance(layer, nn.Conv2d)
+        else conv_patches(inp, layer)
+    )
     if bias:
         rows = with_ones(rows)
     n = inp.shape[0]
-    g_rows = zg.reshape(-1, zg.shape[-1]) if not isinstance(layer, nn.Conv2d) else zg.permute(0, 2, 3, 1).reshape(-1, zg.shape[1])
+    g_rows = (
+        zg.reshape(-1, zg.shape[-1])
+        if not isinstance(layer, nn.Conv2d)
+        else zg.permute(0, 2, 3, 1).reshape(-1, zg.shape[1])
+    )
     return outer_mean(rows), g_rows.t() @ g_rows / n
 
 
@@ -64,7 +73,9 @@ def kfac_step(model, loss_fn, x, **kwargs):
     precond = KFACPreconditioner(model, **kwargs)
     model.zero_grad()
     loss_fn(model(x)).backward()
-    raw = {name: grad_matrix(layer.adapter.module).clone() for name, layer in precond.layers.items()}
+    raw = {
+        name: grad_matrix(layer.adapter.module).clone() for name, layer in precond.layers.items()
+    }
     precond.step()
     return precond, raw
 
@@ -74,9 +85,7 @@ def kfac_step(model, loss_fn, x, **kwargs):
 def test_linear_factors_and_preconditioned_gradient(bias: bool, method: str) -> None:
     model = mlp(bias)
     x, y = data()
-    precond, raw = kfac_step(
-        model, lambda out: F.cross_entropy(out, y), x, compute_method=method
-    )
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, compute_method=method)
     for name, layer in precond.layers.items():
         module = layer.adapter.module
         A, G = reference_factors(model, module, x, lambda out: ce_per_example(out, y), bias)
@@ -145,13 +154,17 @@ CONV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case", CONV_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+)
 def test_conv2d_factors_against_unfold(case: dict) -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(2, 3, **case)
     with torch.no_grad():
         out_hw = conv(torch.zeros(1, 2, 7, 6)).shape[-2:]
-    model = nn.Sequential(conv, nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(3 * out_hw[0] * out_hw[1], 4))
+    model = nn.Sequential(
+        conv, nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(3 * out_hw[0] * out_hw[1], 4)
+    )
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 2, 7, 6, generator=g)
     y = torch.randint(0, 4, (5,), generator=g)
@@ -163,7 +176,9 @@ def test_conv2d_factors_against_unfold(case: dict) -> None:
 
     precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, compute_method="eigen")
     layer = precond.layers["0"]
-    A, G = reference_factors(model, conv, x, lambda out: ce_per_example(out, y), conv.bias is not None)
+    A, G = reference_factors(
+        model, conv, x, lambda out: ce_per_example(out, y), conv.bias is not None
+    )
     assert layer.stats.A.shape == (layer.adapter.a_dim,) * 2
     assert rel_err(layer.stats.A, A) <= TOL
     assert rel_err(layer.stats.G, G) <= TOL
@@ -176,7 +191,9 @@ def test_conv_inverse_path() -> None:
     model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(3 * 16, 4))
     x = torch.randn(6, 2, 8, 8)
     y = torch.randint(0, 4, (6,))
-    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, compute_method="inverse")
+    precond, raw = kfac_step(
+        model, lambda out: F.cross_entropy(out, y), x, compute_method="inverse"
+    )
     for name, layer in precond.layers.items():
         expected = dense_precondition_pi(raw[name], layer.stats.A, layer.stats.G, DAMPING)
         assert rel_err(grad_matrix(layer.adapter.module), expected) <= TOL
@@ -188,7 +205,10 @@ def test_kl_clip(kl_clip: float) -> None:
     x, y = data()
     lr = 0.3
     precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, kl_clip=kl_clip, lr=lr)
-    dense = {n: dense_precondition(raw[n], la.stats.A, la.stats.G, DAMPING) for n, la in precond.layers.items()}
+    dense = {
+        n: dense_precondition(raw[n], la.stats.A, la.stats.G, DAMPING)
+        for n, la in precond.layers.items()
+    }
     vg = sum((dense[n] * raw[n]).sum() for n in dense) * lr**2
     nu = min(1.0, float(torch.sqrt(kl_clip / vg.abs())))
     if kl_clip < 1:
@@ -230,17 +250,30 @@ def test_gradient_accumulation_equals_one_big_batch(in_hook: bool) -> None:
     parts = list(x.chunk(3))
     part_targets = {id(p): t for p, t in zip(parts, y.chunk(3))}
     part_targets[id(x)] = y
-    acc = KFACPreconditioner(copy.deepcopy(model), damping=DAMPING, kl_clip=None,
-                             accumulation_steps=3, update_factors_in_hook=in_hook)
+    acc = KFACPreconditioner(
+        copy.deepcopy(model),
+        damping=DAMPING,
+        kl_clip=None,
+        accumulation_steps=3,
+        update_factors_in_hook=in_hook,
+    )
     acc.model.zero_grad()
     for p in parts:
         (F.cross_entropy(acc.model(p), part_targets[id(p)]) / 3).backward()
     acc.step()
-    one = _factors_after_one_step(copy.deepcopy(model), lambda out, xb: F.cross_entropy(out, part_targets[id(xb)]), [x])
+    one = _factors_after_one_step(
+        copy.deepcopy(model), lambda out, xb: F.cross_entropy(out, part_targets[id(xb)]), [x]
+    )
     for name in one.layers:
         assert rel_err(acc.layers[name].stats.A, one.layers[name].stats.A) <= TOL
         assert rel_err(acc.layers[name].stats.G, one.layers[name].stats.G) <= TOL
-        assert rel_err(grad_matrix(acc.layers[name].adapter.module), grad_matrix(one.layers[name].adapter.module)) <= TOL
+        assert (
+            rel_err(
+                grad_matrix(acc.layers[name].adapter.module),
+                grad_matrix(one.layers[name].adapter.module),
+            )
+            <= TOL
+        )
 
 
 def test_module_called_twice_accumulates_both_calls() -> None:
@@ -283,7 +316,9 @@ def test_running_average_initialised_from_first_batch() -> None:
     refs = []
     for xb, yb in batches:
         with precond.paused():  # the reference's own forward must not be captured
-            refs.append(reference_factors(model, model[0], xb, lambda out, yb=yb: ce_per_example(out, yb)))
+            refs.append(
+                reference_factors(model, model[0], xb, lambda out, yb=yb: ce_per_example(out, yb))
+            )
         model.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         precond.step()

@@ -12,8 +12,10 @@ from kaisa.plan import LayerSpec, allowed_fractions, grad_workers_for, make_plan
 
 def resnet_like(n: int = 12, seed: int = 0) -> list[LayerSpec]:
     rng = random.Random(seed)
-    return [LayerSpec(f"layer{i}", rng.choice([28, 64, 147, 577, 1153]), rng.choice([10, 64, 128, 256]))
-            for i in range(n)]
+    return [
+        LayerSpec(f"layer{i}", rng.choice([28, 64, 147, 577, 1153]), rng.choice([10, 64, 128, 256]))
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -34,7 +36,9 @@ def test_grad_workers_for(fraction, world, expected) -> None:
     assert grad_workers_for(fraction, world) == expected
 
 
-@pytest.mark.parametrize(("fraction", "world"), [(0.3, 4), (0.75, 4), (DistributedStrategy.HYBRID_OPT, 3), (0.4, 8)])
+@pytest.mark.parametrize(
+    ("fraction", "world"), [(0.3, 4), (0.75, 4), (DistributedStrategy.HYBRID_OPT, 3), (0.4, 8)]
+)
 def test_fraction_that_gives_unequal_groups_is_refused(fraction, world) -> None:
     with pytest.raises(ValueError, match=f"world size {world}.*Allowed fractions") as info:
         grad_workers_for(fraction, world)
@@ -84,7 +88,9 @@ def test_comm_opt_and_mem_opt_extremes() -> None:
         assert all(len(g) == 1 for g in lp.receiver_groups)  # nothing to broadcast per step
     for lp in mem.layers:
         assert lp.grad_workers == (lp.a_decomposer,)
-        assert lp.receiver_groups == ((lp.a_decomposer, *[r for r in range(4) if r != lp.a_decomposer]),)
+        assert lp.receiver_groups == (
+            (lp.a_decomposer, *[r for r in range(4) if r != lp.a_decomposer]),
+        )
 
 
 @pytest.mark.parametrize("strategy", ["compute", "memory"])
@@ -125,7 +131,9 @@ def test_plan_is_deterministic_and_describable() -> None:
     assert "world_size=8, grad_workers=4" in text
     assert "receiver groups: [[0, 4], [1, 5], [2, 6], [3, 7]]" in text
     assert all(f"layer{i}" in text for i in range(12))
-    assert len([line for line in text.splitlines() if line.strip().startswith(tuple("01234567"))]) == 8
+    assert (
+        len([line for line in text.splitlines() if line.strip().startswith(tuple("01234567"))]) == 8
+    )
 
 
 def test_memory_per_rank_shrinks_with_fraction() -> None:

@@ -7,12 +7,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from kfac_reference import rel_err
 from torch import nn
 
 import kaisa
 from kaisa import KFACPreconditioner
 from kaisa.decompose import DecompositionError
+
+from kfac_reference import rel_err
 
 
 def small_cnn() -> nn.Module:
@@ -76,7 +77,7 @@ def test_skip_layers_by_name_and_class_and_frozen_params() -> None:
 
 
 def test_model_without_supported_layers_is_refused() -> None:
-    with pytest.raises(ValueError, match="no layer K-FAC can precondition.*BatchNorm1d"):
+    with pytest.raises(ValueError, match=r"no layer K-FAC can precondition.*BatchNorm1d"):
         KFACPreconditioner(nn.Sequential(nn.BatchNorm1d(3)))
 
 
@@ -93,7 +94,11 @@ def test_model_without_supported_layers_is_refused() -> None:
         (dict(inv_update_steps=0), ValueError, "inv_update_steps"),
         (dict(inv_update_steps=2.5), TypeError, "inv_update_steps must be an int"),
         (dict(factor_update_steps=True), TypeError, "factor_update_steps"),
-        (dict(compute_method="cholesky"), ValueError, "compute_method must be one of 'eigen', 'inverse'"),
+        (
+            dict(compute_method="cholesky"),
+            ValueError,
+            "compute_method must be one of 'eigen', 'inverse'",
+        ),
         (dict(assignment_strategy="speed"), ValueError, "assignment_strategy"),
         (dict(loss_average="tokens"), ValueError, "loss_average"),
         (dict(kl_clip=0.0), ValueError, "kl_clip"),
@@ -132,8 +137,13 @@ def test_step_before_backward_is_a_clear_error() -> None:
 
 
 def test_string_forms_are_accepted() -> None:
-    p = KFACPreconditioner(mlp(), compute_method="INVERSE", factor_dtype="float64",
-                           grad_worker_fraction="mem-opt", skip_layers="nothing")
+    p = KFACPreconditioner(
+        mlp(),
+        compute_method="INVERSE",
+        factor_dtype="float64",
+        grad_worker_fraction="mem-opt",
+        skip_layers="nothing",
+    )
     assert p.config.compute_method is kaisa.ComputeMethod.INVERSE
     assert p.config.factor_dtype is torch.float64
     assert p.config.grad_worker_fraction is kaisa.DistributedStrategy.MEM_OPT

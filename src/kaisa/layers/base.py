@@ -13,6 +13,7 @@ rows (K-FAC-expand), a Conv2d contributes ``N·H_out·W_out`` unfolded patches.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -77,12 +78,22 @@ class LayerAdapter(ABC):
         return rows
 
     # -- parameters --------------------------------------------------------
+    @property
+    def weight(self) -> nn.Parameter:
+        return cast(nn.Parameter, self.module.weight)
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return cast("nn.Parameter | None", getattr(self.module, "bias", None))
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
     def parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients this adapter preconditions."""
-        params = [self.module.weight]
-        if self.has_bias:
-            params.append(self.module.bias)
-        return params
+        bias = self.bias
+        return [self.weight] if bias is None else [self.weight, bias]
 
     def grads_to_matrix(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
         """``[d_out, d_in(+1)]`` gradient matrix; bias as the last column."""
@@ -93,10 +104,11 @@ class LayerAdapter(ABC):
 
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:
         """Inverse of :meth:`grads_to_matrix`, shaped like the parameters."""
-        weight = self.module.weight
-        if self.has_bias:
-            return mat[:, :-1].reshape(weight.shape), mat[:, -1].reshape(self.module.bias.shape)
+        weight, bias = self.weight, self.bias
+        if bias is not None:
+            return mat[:, :-1].reshape(weight.shape), mat[:, -1].reshape(bias.shape)
         return mat.reshape(weight.shape), None
 
     def describe(self) -> str:
-        return f"{type(self.module).__name__}(A: {self.a_dim}×{self.a_dim}, G: {self.g_dim}×{self.g_dim})"
+        a, g = self.a_dim, self.g_dim
+        return f"{type(self.module).__name__}(A: {a}×{a}, G: {g}×{g})"

@@ -79,7 +79,9 @@ def adapter_for(name: str, module: nn.Module) -> tuple[LayerAdapter | None, str 
 
 
 def _direct_params(module: nn.Module, prefix: str) -> tuple[str, ...]:
-    return tuple(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False))
+    return tuple(
+        f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)
+    )
 
 
 def register_layers(
@@ -100,9 +102,7 @@ def register_layers(
             continue
         kind = type(module).__name__
         params = _direct_params(module, name)
-        matched = next(
-            (p.pattern for p in patterns if p.search(name) or p.search(kind)), None
-        )
+        matched = next((p.pattern for p in patterns if p.search(name) or p.search(kind)), None)
         if matched is not None:
             skipped.append(SkippedModule(name, kind, f"matches skip_layers {matched!r}", params))
             continue

@@ -1,0 +1,40 @@
+# Two set-up commands, each building its own virtual environment on a fresh
+# machine.  torch is pinned first (the CPU wheel); nothing later may pull
+# another build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test lint venv bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev]" "$(TORCH)"
+	touch $@
+
+venv: $(VENV)/.installed
+
+## Train SGD and SGD+K-FAC on the digits CNN and compare time to target.
+demo: venv
+	$(VENV)/bin/kaisa compare --task digits-cnn --out runs/demo
+
+## The whole test suite (unit, distributed on gloo, integration) plus lint.
+test: venv lint
+	$(PY) -m pytest -q --durations=15
+
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).
+bench: venv
+	$(PY) benchmarks/step_time.py --out runs/bench
+	$(PY) benchmarks/strategies.py --out runs/bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
