@@ -379,3 +379,44 @@ def test_first_decomposition_failure_falls_back_to_damping_only(monkeypatch) -> 
     raw = model[0].weight.grad.clone()
     precond.step()
     assert torch.allclose(model[0].weight.grad, raw / 0.5)
+
+
+# -- precision -----------------------------------------------------------------------------------
+
+
+def _one_step_factors(scaler=None, autocast_dtype=None):
+    model = mlp()
+    precond = KFACPreconditioner(model, grad_scaler=scaler, kl_clip=None)
+    x, y = batch(32)
+    ctx = (
+        torch.autocast("cpu", dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else torch.autocast("cpu", enabled=False)
+    )
+    with ctx:
+        loss = F.cross_entropy(model(x), y)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+    precond.step()
+    return precond
+
+
+def test_grad_scaler_scale_is_divided_out_of_g() -> None:
+    plain = _one_step_factors()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaled = _one_step_factors(scaler=scaler)
+    for name in plain.layers:
+        g_plain, g_scaled = plain.layers[name].stats.G, scaled.layers[name].stats.G
+        assert rel_err(g_scaled, g_plain) < 1e-5  # without the division: 2**20 times larger
+
+
+def test_autocast_bf16_capture_gives_float32_factors() -> None:
+    plain = _one_step_factors()
+    half = _one_step_factors(autocast_dtype=torch.bfloat16)
+    for name in plain.layers:
+        for key in ("A", "G"):
+            got = getattr(half.layers[name].stats, key)
+            assert got.dtype == torch.float32
+            assert torch.isfinite(got).all()
+            assert rel_err(got, getattr(plain.layers[name].stats, key)) < 5e-2

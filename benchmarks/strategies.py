@@ -1,0 +1,215 @@
+"""Memory vs communication across gradient-worker fractions (the SC'21 trade-off).
+
+Run under torchrun, e.g. on CPU with gloo::
+
+    torchrun --nproc_per_node=4 benchmarks/strategies.py --out runs/bench
+
+For every fraction allowed at this world size it trains a few steps of a
+ResNet-style CNN on random data and records, per rank: the K-FAC memory
+(factors, second-order tensors), the bytes and calls of every collective kind
+on inverse-update and on ordinary steps, and the time of ``precond.step()``.
+It also measures what reducing factors to their owner saves over the
+all-reduce used by kfac-pytorch: the factor memory every rank would hold, and
+the time of one ``reduce`` vs one ``all_reduce`` of the same payload.
+
+Rank 0 prints a table, writes ``strategies.json`` and ``strategies.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+from kaisa.plan import allowed_fractions
+
+
+def model_for_bench(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
+
+
+def measure(fraction: float, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    model = model_for_bench(args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    precond = KFACPreconditioner(
+        model,
+        optimizer=opt,
+        grad_worker_fraction=fraction,
+        factor_update_steps=1,
+        inv_update_steps=args.inv_update_steps,
+    )
+    g = torch.Generator().manual_seed(rank)
+    times: list[float] = []
+    inverse_steps: list[dict[str, Any]] = []
+    plain_steps: list[dict[str, Any]] = []
+    for step in range(args.steps):
+        x = torch.randn(args.batch, 3, 16, 16, generator=g)
+        y = torch.randint(0, 10, (args.batch,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        dist.barrier()
+        start = time.perf_counter()
+        precond.step()
+        elapsed = time.perf_counter() - start
+        opt.step()
+        if step > 0:  # the first step pays one-time costs
+            times.append(elapsed)
+        comm = precond.comm_stats()["step"]
+        (inverse_steps if step % args.inv_update_steps == 0 else plain_steps).append(comm)
+    memory = precond.memory_usage()
+
+    def mean_bytes(steps: list[dict[str, Any]]) -> dict[str, float]:
+        kinds = {k for s in steps for k in s}
+        return {k: statistics.mean(s.get(k, {}).get("bytes", 0) for s in steps) for k in kinds}
+
+    return {
+        "fraction": fraction,
+        "grad_workers": precond.plan.grad_workers,
+        "memory": memory,
+        "step_time_s": statistics.median(times),
+        "bytes_inverse_step": mean_bytes(inverse_steps),
+        "bytes_plain_step": mean_bytes(plain_steps),
+        "factor_bytes_if_allreduced": sum(
+            4 * (la.adapter.a_dim**2 + la.adapter.g_dim**2) for la in precond.layers.values()
+        ),
+    }
+
+
+def reduce_vs_allreduce(numel: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of one reduce and one all-reduce of ``numel`` float32."""
+    buf = torch.ones(numel)
+    out: dict[str, float] = {}
+    for name, op in (
+        ("reduce_s", lambda: dist.reduce(buf, dst=0)),
+        ("all_reduce_s", lambda: dist.all_reduce(buf)),
+    ):
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            samples.append(time.perf_counter() - start)
+        out[name] = statistics.median(samples)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--inv-update-steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32)
+    args = parser.parse_args()
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("run me under torchrun, e.g. torchrun --nproc_per_node=4 " + __file__)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for fraction in sorted(allowed_fractions(world), reverse=True):
+        mine = measure(fraction, args, rank, world)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        results.append({"fraction": fraction, "ranks": gathered})
+    factor_numel = results[0]["ranks"][0]["factor_bytes_if_allreduced"] // 4
+    timing = reduce_vs_allreduce(factor_numel)
+    if rank == 0:
+        report(results, timing, world, args)
+    dist.destroy_process_group()
+
+
+def report(results: list[dict[str, Any]], timing: dict[str, float], world: int, args: Any) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for entry in results:
+        ranks = entry["ranks"]
+        rows.append(
+            {
+                "fraction": entry["fraction"],
+                "grad_workers": ranks[0]["grad_workers"],
+                "max_rank_memory_mb": max(r["memory"]["total"] for r in ranks) / 2**20,
+                "max_rank_second_order_mb": max(r["memory"]["second_order"] for r in ranks) / 2**20,
+                "max_rank_factors_mb": max(r["memory"]["factors"] for r in ranks) / 2**20,
+                "factors_if_allreduced_mb": ranks[0]["factor_bytes_if_allreduced"] / 2**20,
+                "mb_per_plain_step": sum(ranks[0]["bytes_plain_step"].values()) / 2**20,
+                "mb_per_inverse_step": sum(ranks[0]["bytes_inverse_step"].values()) / 2**20,
+                "median_step_s": max(r["step_time_s"] for r in ranks),
+            }
+        )
+    header = (
+        f"{'f':>6} {'workers':>7} {'mem/rank MB':>12} {'2nd-ord MB':>11} {'factors MB':>11} "
+        f"{'(allreduce)':>12} {'MB/step':>9} {'MB/inv step':>12} {'step s':>8}"
+    )
+    print(f"world size {world}, inv_update_steps {args.inv_update_steps}, batch {args.batch}/rank")
+    print(header)
+    for r in rows:
+        print(
+            f"{r['fraction']:>6.3g} {r['grad_workers']:>7} {r['max_rank_memory_mb']:>12.3f} "
+            f"{r['max_rank_second_order_mb']:>11.3f} {r['max_rank_factors_mb']:>11.3f} "
+            f"{r['factors_if_allreduced_mb']:>12.3f} {r['mb_per_plain_step']:>9.3f} "
+            f"{r['mb_per_inverse_step']:>12.3f} {r['median_step_s']:>8.4f}"
+        )
+    print(
+        f"factor payload: reduce {timing['reduce_s'] * 1e3:.2f} ms vs all_reduce "
+        f"{timing['all_reduce_s'] * 1e3:.2f} ms (gloo, {world} ranks)"
+    )
+    payload = {
+        "world_size": world,
+        "args": vars(args) | {"out": str(args.out)},
+        "rows": rows,
+        "reduce_vs_allreduce": timing,
+        "raw": results,
+    }
+    (args.out / "strategies.json").write_text(json.dumps(payload, indent=2, default=str))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    fr = [r["fraction"] for r in rows]
+    ax.plot(fr, [r["max_rank_memory_mb"] for r in rows], "o-", label="K-FAC memory / rank (MB)")
+    ax.plot(fr, [r["mb_per_plain_step"] for r in rows], "s-", label="traffic / ordinary step (MB)")
+    ax.plot(fr, [r["mb_per_inverse_step"] for r in rows], "^-", label="traffic / inverse step (MB)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("grad_worker_fraction")
+    ax.set_title(f"KAISA memory vs communication, {world} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "strategies.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
