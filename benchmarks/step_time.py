@@ -110,7 +110,8 @@ def main() -> None:
                 }
             )
             print(
-                f"{model_name:<20} {variant:<26} {1e3 * t:8.2f} ms  {rows[-1]['ratio_to_sgd']:5.2f}x",
+                f"{model_name:<20} {variant:<26} {1e3 * t:8.2f} ms  "
+                f"{rows[-1]['ratio_to_sgd']:5.2f}x",
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)
