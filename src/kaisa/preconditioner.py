@@ -18,6 +18,7 @@ Who does what is fixed once, at construction, by the work plan
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -595,14 +596,37 @@ class KFACPreconditioner:
                 )
             for name, entry in layers.items():
                 self._load_layer(name, entry)
+        self._restore_hyperparameters(state_dict.get("hyperparameters", {}))
         self.steps = steps
         self.capture.enabled = self._is_factor_step(self.steps)
         if layers is not None:
-            has_second = all(
-                self.layers[n].ready or self.rank not in self.plan.layer(n).grad_workers
-                for n in self.layers
-            )
-            self._stale_second_order = compute_inverses and not has_second
+            # Decided from the checkpoint itself, which every rank holds whole,
+            # so that all ranks agree on whether to run the collective update.
+            held = set(self._held_keys())
+            complete = all(held <= set(entry) for entry in layers.values())
+            self._stale_second_order = compute_inverses and not complete
+
+    #: schedule hyperparameters a checkpoint restores (as torch.optim restores
+    #: its param groups); structural options (method, fraction, dtypes) are not.
+    _RESTORED = (
+        "factor_update_steps",
+        "inv_update_steps",
+        "damping",
+        "factor_decay",
+        "kl_clip",
+        "lr",
+    )
+
+    def _restore_hyperparameters(self, saved: Mapping[str, Any]) -> None:
+        restore = {
+            k: saved[k]
+            for k in self._RESTORED
+            if k in saved
+            and not callable(getattr(self.config, k))
+            and not (k == "lr" and self._lr_from_optimizer)
+        }
+        if restore:
+            self.config = dataclasses.replace(self.config, **restore)
 
     def _load_layer(self, name: str, entry: Mapping[str, Tensor]) -> None:
         layer = self.layers[name]

@@ -420,3 +420,23 @@ def test_autocast_bf16_capture_gives_float32_factors() -> None:
             assert got.dtype == torch.float32
             assert torch.isfinite(got).all()
             assert rel_err(got, getattr(plain.layers[name].stats, key)) < 5e-2
+
+
+def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    source = KFACPreconditioner(model, optimizer=opt, damping=0.05, inv_update_steps=4)
+    train(model, source, opt, 1)
+    target = KFACPreconditioner(
+        mlp(),
+        damping=0.001,
+        inv_update_steps=2,
+        factor_decay=lambda s: 0.9,
+        compute_method="inverse",
+    )
+    target.load_state_dict(source.state_dict())
+    assert target.config.damping == 0.05
+    assert target.config.inv_update_steps == 4
+    assert callable(target.config.factor_decay)  # a callable is never replaced
+    assert target.config.compute_method is kaisa.ComputeMethod.INVERSE
+    assert target.config.lr == 0.1
