@@ -1,0 +1,1 @@
+"""The ``kaisa`` command-line tool (entry point: :func:`kaisa.cli.main.main`)."""

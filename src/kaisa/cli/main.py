@@ -1,0 +1,219 @@
+"""``kaisa``: train a built-in task with or without K-FAC, or compare both.
+
+``kaisa train`` trains one configuration; ``kaisa compare`` trains the
+first-order optimizer and the same optimizer preconditioned by K-FAC, from the
+same initial weights and batches, and reports time and steps to a target
+metric. Both write ``results.json`` and ``results.png`` into ``--out``.
+
+This module only parses arguments and dispatches; see :mod:`kaisa.cli.spec`
+(defaults), :mod:`kaisa.cli.train` (the loop), :mod:`kaisa.cli.results` and
+:mod:`kaisa.cli.plot` (outputs), :mod:`kaisa.cli.distributed` (torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kaisa import __version__
+from kaisa.cli import distributed
+from kaisa.cli.options import add_kfac_arguments
+from kaisa.cli.plot import plot_runs
+from kaisa.cli.progress import Progress
+from kaisa.cli.results import format_table, run_to_dict, write_results
+from kaisa.cli.spec import build_specs
+from kaisa.cli.train import RunResult, train_run, warm_up
+from kaisa.tasks.base import OPTIMIZERS
+from kaisa.tasks.registry import TASKS, get_task
+
+__all__ = ["build_parser", "main"]
+
+RESULTS_JSON = "results.json"
+RESULTS_PNG = "results.png"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
+def _float_at_least(low: float, *, strict: bool) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
+        if not (value > low if strict else value >= low) or value != value:
+            raise argparse.ArgumentTypeError(
+                f"expected a number {'>' if strict else '>='} {low:g}; got {text!r}"
+            )
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``train`` and ``compare``; None means "the task's default"."""
+    task_help = "; ".join(f"{name}: {cls.description}" for name, cls in TASKS.items()) + "."
+    parser.add_argument(
+        "--task",
+        choices=list(TASKS),
+        default="digits-mlp",
+        help=f"task to train (default: digits-mlp). {task_help}",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="first-order optimizer (default: the task's; sgd except adam for text-lm)",
+    )
+    training = parser.add_argument_group("training (unset: the task's default)")
+    training.add_argument("--epochs", type=_positive_int, help="number of epochs")
+    training.add_argument("--batch-size", type=_positive_int, help="batch size per rank")
+    training.add_argument("--lr", type=_float_at_least(0.0, strict=True), help="learning rate")
+    training.add_argument(
+        "--momentum", type=_float_at_least(0.0, strict=False), help="SGD momentum"
+    )
+    training.add_argument(
+        "--weight-decay", type=_float_at_least(0.0, strict=False), help="weight decay"
+    )
+    training.add_argument(
+        "--max-steps-per-epoch",
+        type=_positive_int,
+        help="cap on optimizer steps per epoch (for quick runs)",
+    )
+    training.add_argument("--target", type=float, help="target value of the task's metric")
+    training.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="end a run at the first epoch that reaches the target",
+    )
+    training.add_argument(
+        "--seed", type=int, default=0, help="seed of init and data order (default 0)"
+    )
+    run = parser.add_argument_group("environment")
+    run.add_argument(
+        "--device", choices=distributed.DEVICES, default="auto", help="auto: cuda if available"
+    )
+    run.add_argument(
+        "--threads", type=_positive_int, help="torch CPU threads (default: leave as is)"
+    )
+    run.add_argument("--data-dir", type=Path, help="folder with the task's data (cifar10)")
+    run.add_argument("--out", type=Path, help="output folder (default: runs/<task>-<timestamp>)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars; one line per epoch")
+    run.add_argument(
+        "--backend",
+        choices=distributed.BACKENDS,
+        help="torch.distributed backend under torchrun (default: nccl on cuda, else gloo)",
+    )
+    run.add_argument(
+        "--pg-timeout-s",
+        type=_float_at_least(0.0, strict=True),
+        default=300.0,
+        help="process-group timeout in seconds under torchrun (default 300)",
+    )
+    add_kfac_arguments(parser)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and its subcommand parsers (for subcommand-specific errors)."""
+    parser = argparse.ArgumentParser(
+        prog="kaisa",
+        description="Train built-in tasks with and without the KAISA K-FAC preconditioner.",
+    )
+    parser.add_argument("--version", action="version", version=f"kaisa {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,compare}", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train one configuration",
+        description="Train one configuration; writes results.json and results.png.",
+    )
+    train.add_argument(
+        "--kfac",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="precondition gradients with K-FAC (default: on)",
+    )
+    compare = commands.add_parser(
+        "compare",
+        help="train the optimizer with and without K-FAC and compare time to target",
+        description=(
+            "Train the first-order optimizer and the same optimizer with K-FAC (same seed, "
+            "batch size, initial weights and data order) and report time, steps and epochs "
+            "to the target metric. Times exclude evaluation."
+        ),
+    )
+    for sub in (train, compare):
+        _add_common_arguments(sub)
+    return parser, {"train": train, "compare": compare}
+
+
+def _default_out(task: str) -> Path:
+    return Path("runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _write_outputs(results: list[RunResult], ctx: distributed.DistContext, out: Path) -> None:
+    """results.json, results.png and the table on stdout (main rank only)."""
+    environment = {
+        "device": str(ctx.device),
+        "world_size": ctx.world_size,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kaisa": __version__,
+    }
+    runs = [run_to_dict(r, environment) for r in results]
+    write_results(out / RESULTS_JSON, runs)
+    plot_runs(runs, out / RESULTS_PNG)
+    print(format_table(runs), flush=True)
+    print(f"wrote {out / RESULTS_JSON} and {out / RESULTS_PNG}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kaisa`` console script and of ``python -m kaisa``.
+
+    Every usage problem (bad option, inconsistent K-FAC options, missing data,
+    missing device) is reported before any training starts, as an argparse
+    error naming the option (exit status 2).
+    """
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    command = commands[args.command]
+    task = get_task(args.task)
+    try:
+        specs = build_specs(args, task, [args.kfac] if args.command == "train" else [False, True])
+    except (TypeError, ValueError) as err:
+        command.error(f"invalid K-FAC options: {err}")
+    try:
+        data = task.load(args.data_dir)
+    except FileNotFoundError as err:
+        command.error(f"argument --data-dir: {err}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        ctx = distributed.init(args.device, args.backend, args.pg_timeout_s)
+    except distributed.DeviceError as err:
+        command.error(f"argument --device: {err}")
+    try:
+        progress = Progress(enabled=ctx.is_main, bars=not args.quiet)
+        warm_up(specs, task, data, ctx)
+        results = [train_run(spec, task, data, ctx, progress) for spec in specs]
+        if ctx.is_main:
+            _write_outputs(results, ctx, args.out or _default_out(task.name))
+    finally:
+        distributed.shutdown(ctx)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

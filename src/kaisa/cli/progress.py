@@ -1,0 +1,65 @@
+"""What a run prints while it trains: tqdm bars, or one plain line per epoch.
+
+Bars suit a terminal; ``--quiet`` gives one line per epoch, which suits logs and
+CI. Ranks other than 0 print nothing, so a ``torchrun`` job shows one bar.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import TextIO
+
+import torch
+from tqdm import tqdm
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """Per-epoch progress of one process; silent when ``enabled`` is false."""
+
+    #: Refresh the loss shown on the bar every this many steps: reading a loss
+    #: forces the device to finish its queued work, which would slow CUDA runs.
+    refresh_every = 10
+
+    def __init__(self, enabled: bool, bars: bool, stream: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.bars = bars and enabled
+        self.stream = stream if stream is not None else sys.stdout
+        self._bar: tqdm[object] | None = None
+        self._steps = 0
+
+    def log(self, message: str) -> None:
+        """Print a line (without breaking a bar that is on screen)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def start_epoch(self, description: str, total: int) -> None:
+        self._steps = 0
+        if self.bars:
+            self._bar = tqdm(
+                total=total, desc=description, file=self.stream, leave=True, dynamic_ncols=True
+            )
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Advance the bar by one training step whose loss is ``loss``."""
+        self._steps += 1
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if self._steps == 1 or self._steps % self.refresh_every == 0:
+            self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+
+    def end_epoch(self, summary: str, values: Mapping[str, float]) -> None:
+        """Close the bar showing the epoch's results, or log ``summary`` without bars."""
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4f}" for k, v in values.items()}, refresh=False)
+            self._bar.close()
+            self._bar = None
+        elif self.enabled:
+            self.log(summary)

@@ -1,0 +1,113 @@
+"""What one run trains: command-line options merged with the task's defaults.
+
+Resolution order for every hyperparameter is: the command line, then the
+task's default, then (for K-FAC) the library's default. Resolving here, once,
+means the training loop never looks at ``argparse`` and ``results.json``
+records the values actually used.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kaisa.cli.options import kfac_overrides
+from kaisa.config import KFACConfig
+from kaisa.tasks.base import Task
+
+__all__ = ["RunSpec", "build_specs"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One fully-resolved training configuration."""
+
+    name: str
+    task: str
+    optimizer: str
+    kfac: bool
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    seed: int
+    target: float
+    steps_per_epoch: int | None
+    eval_batch_size: int
+    stop_at_target: bool = False
+    #: Keywords for ``KFACPreconditioner`` besides ``optimizer``; contains
+    #: ``lr`` only when the user gave ``--kfac-lr``.
+    kfac_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def kfac_config(self) -> KFACConfig:
+        """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
+        return KFACConfig(**{"lr": self.lr, **self.kfac_kwargs})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every hyperparameter, JSON-ready; ``kfac`` is null for first-order runs."""
+        kfac: dict[str, Any] | None = None
+        if self.kfac:
+            kfac = self.kfac_config().hyperparameters()
+            kfac["lr_from_optimizer"] = "lr" not in self.kfac_kwargs
+        return {
+            "task": self.task,
+            "optimizer": self.optimizer,
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "seed": self.seed,
+            "target": self.target,
+            "steps_per_epoch": self.steps_per_epoch,
+            "eval_batch_size": self.eval_batch_size,
+            "stop_at_target": self.stop_at_target,
+            "kfac": kfac,
+        }
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) -> list[RunSpec]:
+    """One :class:`RunSpec` per entry of ``kfac_flags``, identical except for K-FAC.
+
+    Raises ``ValueError``/``TypeError`` (from :class:`KFACConfig`) when the
+    merged K-FAC options are inconsistent.
+    """
+    defaults = task.defaults
+    optimizer = _pick(args.optimizer, defaults.optimizer)
+    kfac_kwargs: dict[str, Any] = {
+        "loss_average": task.loss_average,
+        **defaults.kfac,
+        **kfac_overrides(args),
+    }
+    lr = _pick(args.lr, defaults.lr[optimizer])
+    KFACConfig(**{"lr": lr, **kfac_kwargs})  # validate once, before any training
+    steps = defaults.steps_per_epoch
+    if args.max_steps_per_epoch is not None:
+        steps = args.max_steps_per_epoch if steps is None else min(steps, args.max_steps_per_epoch)
+    return [
+        RunSpec(
+            name=f"{optimizer}+kfac" if use_kfac else optimizer,
+            task=task.name,
+            optimizer=optimizer,
+            kfac=use_kfac,
+            epochs=_pick(args.epochs, defaults.epochs),
+            batch_size=_pick(args.batch_size, defaults.batch_size),
+            lr=lr,
+            momentum=_pick(args.momentum, defaults.momentum),
+            weight_decay=_pick(args.weight_decay, defaults.weight_decay[optimizer]),
+            seed=args.seed,
+            target=_pick(args.target, task.target),
+            steps_per_epoch=steps,
+            eval_batch_size=defaults.eval_batch_size,
+            stop_at_target=args.stop_at_target,
+            kfac_kwargs=dict(kfac_kwargs) if use_kfac else {},
+        )
+        for use_kfac in kfac_flags
+    ]

@@ -1,0 +1,330 @@
+"""The ``kaisa`` command, run in-process on tiny digits-mlp runs (a few seconds each)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kaisa.cli.distributed import DistContext, eval_indices
+from kaisa.cli.main import build_parser, main
+from kaisa.cli.options import kfac_options, kfac_overrides
+from kaisa.config import KFACConfig
+from kaisa.tasks import get_task
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RUN_FIELDS = {
+    "name",
+    "optimizer",
+    "kfac",
+    "task",
+    "target",
+    "metric_name",
+    "higher_is_better",
+    "time_to_target_s",
+    "steps_to_target",
+    "epochs_to_target",
+    "final_metric",
+    "wall_time_s",
+    "config",
+    "curve",
+}
+# One thread: these models are too small to gain from more, and a single thread
+# keeps the tests fast when other processes compete for the cores.
+QUICK = ["--task", "digits-mlp", "--max-steps-per-epoch", "5", "--quiet", "--threads", "1"]
+
+
+def run_cli(out: Path, *args: str) -> list[dict[str, Any]]:
+    """Run ``kaisa`` in-process and return the parsed results.json."""
+    threads = torch.get_num_threads()
+    try:
+        assert main([*args, "--out", str(out)]) == 0
+    finally:  # --threads is process-wide: do not leak it into other tests
+        torch.set_num_threads(threads)
+    runs: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
+    return runs
+
+
+def assert_valid_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 2000
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(path))
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    # A target of 0.5 accuracy is reached within 10 steps by both runs.
+    out = tmp_path_factory.mktemp("compare")
+    return out, run_cli(out, "compare", *QUICK, "--epochs", "2", "--target", "0.5")
+
+
+def test_compare_writes_both_runs_with_all_fields(
+    compared: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out, runs = compared
+    assert [r["name"] for r in runs] == ["sgd", "sgd+kfac"]
+    assert [r["kfac"] for r in runs] == [False, True]
+    for run in runs:
+        assert set(run) >= RUN_FIELDS
+        assert run["task"] == "digits-mlp" and run["optimizer"] == "sgd"
+        assert run["metric_name"] == "accuracy" and run["higher_is_better"] is True
+        assert run["target"] == 0.5
+        curve = run["curve"]
+        assert [p["epoch"] for p in curve] == [1, 2]
+        assert [p["step"] for p in curve] == [5, 10]
+        assert 0 < curve[0]["wall_time_s"] < curve[1]["wall_time_s"] == run["wall_time_s"]
+        assert all(0.0 <= p["metric"] <= 1.0 and p["train_loss"] > 0 for p in curve)
+        assert run["final_metric"] == curve[-1]["metric"]
+        # Target reached: the first epoch at or above it is the one reported.
+        first = next(p for p in curve if p["metric"] >= run["target"])
+        assert run["steps_to_target"] == first["step"]
+        assert run["epochs_to_target"] == first["epoch"]
+        assert run["time_to_target_s"] == first["wall_time_s"]
+    assert_valid_png(out / "results.png")
+
+
+def test_compare_runs_share_hyperparameters_and_record_kfac_config(
+    compared: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, (sgd, kfac) = compared
+    shared = ("batch_size", "lr", "momentum", "weight_decay", "seed", "epochs")
+    assert {k: sgd["config"][k] for k in shared} == {k: kfac["config"][k] for k in shared}
+    assert sgd["config"]["kfac"] is None
+    kfac_config = kfac["config"]["kfac"]
+    assert set(KFACConfig.field_names()) <= set(kfac_config)
+    # The task's K-FAC defaults win over the library's.
+    task_kfac = get_task("digits-mlp").defaults.kfac
+    assert task_kfac["damping"] != KFACConfig().damping
+    assert {k: kfac_config[k] for k in task_kfac} == dict(task_kfac)
+    assert kfac_config["lr"] == kfac["config"]["lr"] and kfac_config["lr_from_optimizer"]
+    assert kfac_config["loss_average"] == "batch"
+    # Different optimizers from the same start: the first epochs differ.
+    assert sgd["curve"][0]["train_loss"] != kfac["curve"][0]["train_loss"]
+
+
+def test_compare_prints_a_table_saying_evaluation_is_excluded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = run_cli(tmp_path, "compare", *QUICK, "--epochs", "1", "--target", "1.01")
+    text = capsys.readouterr().out
+    assert "evaluation at the end of each epoch is excluded" in text
+    assert "sgd+kfac" in text and "[sgd] epoch 1/1" in text
+    for run in runs:  # accuracy can never reach 1.01
+        assert run["time_to_target_s"] is None
+        assert run["steps_to_target"] is None and run["epochs_to_target"] is None
+
+
+def test_wall_time_excludes_evaluation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake clock that jumps 1000 s during each evaluation must not show in the times."""
+    import kaisa.cli.train as train_module
+
+    now = [0.0]
+
+    def fake_clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    real_evaluate = train_module.evaluate
+
+    def slow_evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
+        now[0] += 1000.0
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module.time, "perf_counter", fake_clock)
+    monkeypatch.setattr(train_module, "evaluate", slow_evaluate)
+    (run,) = run_cli(tmp_path, "train", "--no-kfac", *QUICK, "--epochs", "3", "--target", "0.3")
+    assert 0 < run["wall_time_s"] < 1.0
+    assert run["time_to_target_s"] is not None and run["time_to_target_s"] < 1.0
+
+
+def test_progress_bars_unless_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["train", "--no-kfac", "--task", "digits-mlp", "--max-steps-per-epoch", "3"]
+    main([*args, "--epochs", "1", "--out", str(tmp_path)])
+    bars = capsys.readouterr().out
+    assert "[sgd] epoch 1/1: 100%" in bars and "3/3" in bars and "loss=" in bars
+    main([*args, "--epochs", "1", "--quiet", "--out", str(tmp_path)])
+    quiet = capsys.readouterr().out
+    assert "100%" not in quiet and "[sgd] epoch 1/1 step 3 train_loss" in quiet
+
+
+def test_train_with_kfac_options(tmp_path: Path) -> None:
+    (run,) = run_cli(
+        tmp_path,
+        "train",
+        *QUICK,
+        "--epochs",
+        "1",
+        "--kfac-damping",
+        "0.05",
+        "--kfac-kl-clip",
+        "none",
+        "--kfac-inv-update-steps",
+        "2",
+        "--kfac-skip-layers",
+        "4",
+        "--kfac-lr",
+        "0.2",
+    )
+    assert run["kfac"] is True and run["name"] == "sgd+kfac" and len(run["curve"]) == 1
+    config = run["config"]["kfac"]
+    assert config["damping"] == 0.05 and config["kl_clip"] is None
+    assert config["inv_update_steps"] == 2 and config["skip_layers"] == ["4"]
+    assert config["lr"] == 0.2 and config["lr_from_optimizer"] is False
+    assert_valid_png(tmp_path / "results.png")
+
+
+def test_train_without_kfac_and_other_optimizer(tmp_path: Path) -> None:
+    (run,) = run_cli(tmp_path, "train", "--no-kfac", *QUICK, "--epochs", "2", "--optimizer", "adam")
+    assert run["kfac"] is False and run["name"] == "adam"
+    assert run["config"]["lr"] == get_task("digits-mlp").defaults.lr["adam"]
+    assert run["config"]["kfac"] is None
+    assert len(run["curve"]) == 2
+
+
+def test_same_seed_same_results_other_seed_other_results(tmp_path: Path) -> None:
+    args = ("train", "--no-kfac", *QUICK, "--epochs", "1")
+    a = run_cli(tmp_path / "a", *args, "--seed", "1")[0]["curve"]
+    b = run_cli(tmp_path / "b", *args, "--seed", "1")[0]["curve"]
+    c = run_cli(tmp_path / "c", *args, "--seed", "2")[0]["curve"]
+    strip = [{k: v for k, v in p.items() if k != "wall_time_s"} for p in a]
+    assert strip == [{k: v for k, v in p.items() if k != "wall_time_s"} for p in b]
+    assert a[0]["train_loss"] != c[0]["train_loss"]
+
+
+def test_stop_at_target_ends_the_run_early(tmp_path: Path) -> None:
+    (run,) = run_cli(
+        tmp_path,
+        "train",
+        "--no-kfac",
+        *QUICK,
+        "--epochs",
+        "5",
+        "--target",
+        "0.3",
+        "--stop-at-target",
+    )
+    assert run["epochs_to_target"] is not None
+    assert len(run["curve"]) == run["epochs_to_target"] < 5
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--kfac-damping", "-1"], "--kfac-damping"),
+        (["--kfac-damping", "abc"], "--kfac-damping"),
+        (["--kfac-grad-worker-fraction", "most"], "--kfac-grad-worker-fraction"),
+        (["--kfac-grad-worker-fraction", "1.5"], "--kfac-grad-worker-fraction"),
+        (["--kfac-factor-update-steps", "1.5"], "--kfac-factor-update-steps"),
+        (["--kfac-compute-method", "cholesky"], "--kfac-compute-method"),
+        (["--kfac-symmetry-aware", "maybe"], "--kfac-symmetry-aware"),
+        (["--kfac-inv-dtype", "float16"], "--kfac-inv-dtype"),
+        (["--optimizer", "rmsprop"], "--optimizer"),
+        (["--epochs", "0"], "--epochs"),
+        (["--lr", "-0.1"], "--lr"),
+        (["--task", "mnist"], "--task"),
+    ],
+)
+def test_bad_option_values_exit_2_naming_the_option(
+    args: list[str], option: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *args, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_missing_cifar_data_is_a_clear_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--task", "cifar10", "--data-dir", str(tmp_path), "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--data-dir" in err and "data_batch_1" in err
+
+
+def test_every_kfac_config_field_has_a_typed_option() -> None:
+    parser, commands = build_parser()
+    help_text = commands["train"].format_help()
+    for f in dataclasses.fields(KFACConfig):
+        assert "--kfac-" + f.name.replace("_", "-") in help_text
+    assert [o.field for o in kfac_options()] == list(KFACConfig.field_names())
+    args = parser.parse_args(
+        [
+            "compare",
+            "--kfac-factor-update-steps",
+            "3",
+            "--kfac-factor-decay",
+            "0.9",
+            "--kfac-grad-worker-fraction",
+            "HYBRID_OPT",
+            "--kfac-colocate-factors",
+            "false",
+            "--kfac-skip-layers",
+            "fc.*",
+            "conv1",
+            "--kfac-factor-dtype",
+            "float64",
+            "--kfac-kl-clip",
+            "None",
+        ]
+    )
+    overrides = kfac_overrides(args)
+    assert overrides == {
+        "factor_update_steps": 3,
+        "factor_decay": 0.9,
+        "grad_worker_fraction": "hybrid-opt",
+        "colocate_factors": False,
+        "skip_layers": ("fc.*", "conv1"),
+        "factor_dtype": "float64",
+        "kl_clip": None,
+    }
+    assert type(overrides["factor_update_steps"]) is int
+    KFACConfig(**overrides)
+    assert kfac_overrides(parser.parse_args(["train"])) == {}
+    fraction = parser.parse_args(["train", "--kfac-grad-worker-fraction", "0.25"])
+    assert kfac_overrides(fraction) == {"grad_worker_fraction": 0.25}
+
+
+def test_single_process_context_and_eval_shards() -> None:
+    single = DistContext(device=torch.device("cpu"))
+    assert single.is_main and not single.is_distributed
+    values = torch.tensor([1.0, 2.0])
+    assert torch.equal(single.sum(values), values)
+    shards = [
+        eval_indices(10, DistContext(torch.device("cpu"), rank=r, world_size=3)) for r in range(3)
+    ]
+    assert sorted(torch.cat(shards).tolist()) == list(range(10))
+
+
+def test_python_dash_m_kaisa_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kaisa", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: kaisa" in proc.stdout
+    assert "train" in proc.stdout and "compare" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *QUICK, "--device", "cuda", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "argument --device" in capsys.readouterr().err
