@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kaisa.factors import all_finite
+
 __all__ = [
     "DecompositionError",
     "damped_inverse",
@@ -26,7 +28,7 @@ class DecompositionError(RuntimeError):
 
 def _symmetrize(factor: Tensor, dtype: torch.dtype) -> Tensor:
     m = factor.to(dtype)
-    return (m + m.t()) * 0.5
+    return (m + m.t()).mul_(0.5)
 
 
 def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -37,7 +39,7 @@ def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     float64 (results cast back) before giving up.
     """
     matrix = _symmetrize(factor, dtype)
-    if not bool(torch.isfinite(matrix).all()):
+    if not bool(all_finite(matrix)):
         raise DecompositionError("factor has non-finite entries")
     try:
         eigvals, eigvecs = torch.linalg.eigh(matrix)
@@ -47,7 +49,7 @@ def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         except RuntimeError as exc:
             raise DecompositionError(f"eigh failed: {exc}") from exc
         eigvals, eigvecs = eigvals.to(dtype), eigvecs.to(dtype)
-    if not bool(torch.isfinite(eigvals).all() & torch.isfinite(eigvecs).all()):
+    if not bool(all_finite(eigvals) & all_finite(eigvecs)):
         raise DecompositionError("eigh returned non-finite values")
     # eigh returns column-major vectors; a contiguous copy makes every later
     # matmul (and any received copy of it) round identically.
@@ -76,10 +78,8 @@ def pi_split(trace_a: Tensor, dim_a: int, trace_g: Tensor, dim_g: int) -> Tensor
 def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) -> Tensor:
     """``(F + shift·I)⁻¹`` in ``dtype`` via Cholesky, falling back to a general inverse."""
     matrix = _symmetrize(factor, dtype)
-    if isinstance(shift, Tensor):
-        shift = shift.to(dtype)
-    matrix = matrix + shift * torch.eye(matrix.shape[0], dtype=dtype, device=matrix.device)
-    if not bool(torch.isfinite(matrix).all()):
+    matrix.diagonal().add_(shift.to(dtype) if isinstance(shift, Tensor) else shift)
+    if not bool(all_finite(matrix)):
         raise DecompositionError("factor has non-finite entries")
     chol, info = torch.linalg.cholesky_ex(matrix)
     if int(info) == 0:
@@ -89,6 +89,6 @@ def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) ->
             inverse = torch.linalg.inv(matrix)
         except RuntimeError as exc:
             raise DecompositionError(f"inverse failed: {exc}") from exc
-    if not bool(torch.isfinite(inverse).all()):
+    if not bool(all_finite(inverse)):
         raise DecompositionError("inverse is non-finite")
     return inverse

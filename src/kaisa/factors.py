@@ -30,16 +30,10 @@ from kaisa.config import LossAverage
 
 __all__ = [
     "FactorStatistics",
+    "all_finite",
     "grad_multiplier",
-    "gram",
-    "running_average",
+    "running_average_",
 ]
-
-
-def gram(rows: Tensor, dtype: torch.dtype) -> Tensor:
-    """``rowsᵀ rows`` computed in ``dtype`` (never under autocast)."""
-    rows = rows.to(dtype)
-    return rows.t() @ rows
 
 
 def grad_multiplier(
@@ -53,21 +47,26 @@ def grad_multiplier(
     return 1.0
 
 
-def running_average(
-    running: Tensor | None, batch: Tensor, decay: float, keep: Tensor | None = None
-) -> Tensor:
-    """``F ← decay·F + (1−decay)·F_batch``, initialised from the first batch.
+def all_finite(t: Tensor) -> Tensor:
+    """0-d bool: no NaN/Inf in ``t``, from one reduction (NaN and Inf propagate
+    through a sum; a finite sum that overflows is treated as non-finite too).
+    Several times cheaper than ``isfinite(t).all()``."""
+    return torch.isfinite(t.sum())
 
-    Where ``keep`` (a boolean scalar tensor) is true the running factor is
-    returned unchanged; the choice is made on device, without a host
-    synchronisation, so that a non-finite step never poisons the estimate.
+
+def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
+    """In place: ``running ← decay·running + (1−decay)·batch``; returns "rejected".
+
+    A non-finite ``batch`` leaves ``running`` unchanged.  The choice is made on
+    device — the interpolation weight becomes 0 — so there is no host
+    synchronisation and no temporary the size of the factor; ``batch`` is
+    consumed (its non-finite entries are zeroed).
     """
-    if running is None:
-        return batch.clone()
-    updated = running * decay + batch * (1.0 - decay)
-    if keep is None:
-        return updated
-    return torch.where(keep, running, updated)
+    rejected = ~all_finite(batch)
+    weight = (~rejected).to(running.dtype) * (1.0 - decay)
+    batch.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    running.lerp_(batch, weight)
+    return rejected
 
 
 class FactorStatistics:
@@ -100,9 +99,12 @@ class FactorStatistics:
         return self.a_sum is not None and self.g_sum is not None
 
     def add_a(self, a_rows: Tensor, dtype: torch.dtype) -> None:
-        contribution = gram(a_rows, dtype)
-        self.a_sum = contribution if self.a_sum is None else self.a_sum + contribution
-        self.a_rows += int(a_rows.shape[0])
+        rows = a_rows.to(dtype)
+        if self.a_sum is None:
+            self.a_sum = rows.t() @ rows
+        else:
+            self.a_sum.addmm_(rows.t(), rows)
+        self.a_rows += int(rows.shape[0])
         self.calls += 1
 
     def add_g(
@@ -114,18 +116,24 @@ class FactorStatistics:
         dtype: torch.dtype,
     ) -> None:
         """Add ``(m²/N) gᵀg`` of one call; ``pass_id`` counts micro-batches."""
-        contribution = gram(g_rows, dtype) * (multiplier * multiplier / batch)
-        self.g_sum = contribution if self.g_sum is None else self.g_sum + contribution
+        rows = g_rows.to(dtype)
+        scale = multiplier * multiplier / batch
+        if self.g_sum is None:
+            self.g_sum = (rows.t() @ rows).mul_(scale)
+        elif isinstance(scale, Tensor):  # a grad scaler's scale stays on device
+            self.g_sum.add_((rows.t() @ rows).mul_(scale))
+        else:
+            self.g_sum.addmm_(rows.t(), rows, alpha=scale)
         if pass_id != self._last_pass:
             self.g_passes += 1
             self._last_pass = pass_id
         self.grad_calls += 1
 
     def batch_factors(self) -> tuple[Tensor, Tensor]:
-        """The batch A and G since the last reset."""
+        """The batch A and G since the last reset (computed in place: call once, then reset)."""
         if self.a_sum is None or self.g_sum is None:
             raise RuntimeError("no statistics captured for this layer")
-        return self.a_sum / self.a_rows, self.g_sum / self.g_passes
+        return self.a_sum.div_(self.a_rows), self.g_sum.div_(self.g_passes)
 
     def update(self, a_batch: Tensor | None, g_batch: Tensor | None, decay: float) -> None:
         """Fold (already reduced) batch factors into the running averages.
@@ -139,15 +147,14 @@ class FactorStatistics:
             self.G = self._fold(self.G, g_batch, decay)
 
     def _fold(self, running: Tensor | None, batch: Tensor, decay: float) -> Tensor | None:
-        bad = ~torch.isfinite(batch).all()
         if running is None:
             # No previous value to fall back to: one host sync, once per factor.
-            if bool(bad):
+            if not bool(all_finite(batch)):
                 self._rejected = self._rejected + 1
                 return None
             return batch.clone()
-        self._rejected = self._rejected + bad.to(torch.int64)
-        return running_average(running, batch, decay, keep=bad)
+        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
+        return running
 
     @property
     def nonfinite_updates(self) -> int:

@@ -484,7 +484,7 @@ class KFACPreconditioner:
             [results[n] for n in names], [grads[n] for n in names], self.lr, self.kl_clip
         )
         for name in names:
-            value = results[name] if nu is None else results[name] * nu
+            value = results[name] if nu is None else results[name].mul_(nu)
             write_grad_matrix(self.layers[name].adapter, self.gradient_access, value)
 
     # ------------------------------------------------------------------
