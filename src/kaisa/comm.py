@@ -158,8 +158,14 @@ class Communicator:
         self._launched: list[_Launched] = []
         if self.world_size > 1:
             kwargs: dict[str, Any] = {}
-            if timeout_s is not None:
-                kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+            timeout = (
+                datetime.timedelta(seconds=timeout_s)
+                if timeout_s is not None
+                else _default_group_timeout()
+            )
+            if timeout is not None:
+                kwargs["timeout"] = timeout
+                self.timeout_s = timeout.total_seconds()
             everyone = tuple(range(self.world_size))
             wanted = sorted({tuple(sorted(g)) for g in groups if len(g) > 1} | {everyone})
             for ranks in wanted:  # same order on every rank, as new_group requires
@@ -294,6 +300,27 @@ class Communicator:
                     offset += n
                 if item.callback is not None:
                     item.callback(outs)
+
+
+def _default_group_timeout() -> datetime.timedelta | None:
+    """The timeout the user gave ``init_process_group``.
+
+    ``new_group`` does not inherit it (it falls back to torch's 30-minute
+    default), so read it from the default group's backend; None if this
+    (private) attribute is unavailable in a future torch.
+    """
+    try:
+        group = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError):
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
 
 
 def _identity(x: Tensor) -> Tensor:

@@ -339,13 +339,15 @@ class KFACPreconditioner:
                     pis[name] = pi_split(ta, layer.adapter.a_dim, tg, layer.adapter.g_dim)
             return pis
         names = list(self.layers)
-        traces = torch.zeros(2 * len(names), dtype=torch.float64)
+        # on the layers' device: NCCL reduces GPU tensors only
+        device = next(iter(self.layers.values())).adapter.device
+        traces = torch.zeros(2 * len(names), dtype=torch.float64, device=device)
         for i, name in enumerate(names):
             stats = self.layers[name].stats
             if stats.A is not None:
-                traces[2 * i] = torch.trace(stats.A).double().cpu()
+                traces[2 * i] = torch.trace(stats.A)
             if stats.G is not None:
-                traces[2 * i + 1] = torch.trace(stats.G).double().cpu()
+                traces[2 * i + 1] = torch.trace(stats.G)
         result: list[Tensor] = []
         self.comm.allreduce_sum(traces, result.extend)
         self.comm.wait()

@@ -250,3 +250,13 @@ def test_absent_rank_fails_clearly_within_timeout() -> None:
     assert result["message"] is not None, "step() returned although rank 1 never arrived"
     assert "never reached this preconditioner step" in result["message"]
     assert result["elapsed"] < 5.5
+
+
+def group_timeout(rank: int, world: int) -> float | None:
+    precond = KFACPreconditioner(make_model(torch.float64))
+    return precond.comm.timeout_s
+
+
+def test_groups_inherit_the_init_process_group_timeout() -> None:
+    # the harness initialises the default group with pg_timeout_s=7
+    assert run_distributed(2, group_timeout, pg_timeout_s=7.0) == [7.0, 7.0]
