@@ -34,7 +34,8 @@ lint: venv
 ## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).
 bench: venv
 	$(PY) benchmarks/step_time.py --out runs/bench
-	$(PY) benchmarks/strategies.py --out runs/bench
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 \
+		benchmarks/strategies.py --out runs/bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

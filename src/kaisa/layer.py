@@ -59,6 +59,9 @@ class KFACLayer:
         self.second_order: dict[str, Tensor] = {}
         self.failed_decompositions = 0
         self.decompositions = 0  #: factors this rank has decomposed (A and G count apart)
+        #: statistics were captured at some factor update (or loaded).  The same
+        #: on every rank; a layer never captured keeps its raw gradient.
+        self.captured = False
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {self.adapter.describe()})"

@@ -184,6 +184,7 @@ class KFACPreconditioner:
         if cfg.update_factors_in_hook and self.comm.distributed:
             self.capture.on_grad_captured = self._maybe_launch_reduce
         self._launched: set[str] = set()
+        self._warned: set[str] = set()
         logger.log(loglevel, "%s", self.describe())
 
     # ------------------------------------------------------------------
@@ -258,6 +259,7 @@ class KFACPreconditioner:
         layer.stats.reset()
         if batch is None:
             return
+        layer.captured = True
         lp = self.plan.layer(layer.name)
         a_batch, g_batch = batch
         if lp.colocated:
@@ -306,6 +308,8 @@ class KFACPreconditioner:
         rank = self.rank
         pis = self._pi_splits() if method is ComputeMethod.INVERSE else {}
         for name, layer in self.layers.items():
+            if not layer.captured:
+                continue
             lp = self.plan.layer(name)
             do_a = lp.a_decomposer == rank and layer.stats.A is not None
             do_g = lp.g_decomposer == rank and layer.stats.G is not None
@@ -458,6 +462,9 @@ class KFACPreconditioner:
         rank = self.rank
         grads: dict[str, Tensor] = {}
         for name, layer in self.layers.items():
+            if not layer.captured:
+                self._warn_uncaptured(layer)
+                continue
             grad = read_grad_matrix(layer.adapter, self.gradient_access)
             if grad is not None:
                 grads[name] = grad
@@ -488,6 +495,17 @@ class KFACPreconditioner:
         for name in names:
             value = results[name] if nu is None else results[name].mul_(nu)
             write_grad_matrix(self.layers[name].adapter, self.gradient_access, value)
+
+    def _warn_uncaptured(self, layer: KFACLayer) -> None:
+        if layer.name in self._warned:
+            return
+        self._warned.add(layer.name)
+        if read_grad_matrix(layer.adapter, self.gradient_access) is not None:
+            warnings.warn(
+                f"kaisa: layer {layer.name!r} has a gradient but its hooks never captured "
+                "statistics (is it called functionally?); its gradient is left unchanged",
+                stacklevel=4,
+            )
 
     # ------------------------------------------------------------------
     # hooks
@@ -538,7 +556,7 @@ class KFACPreconditioner:
                         packed[:-1] = mine.reshape(-1)
                         packed[-1] = 1.0
                     self._gather_into(layers[name], key, packed, src, (dim, dim))
-            if include_second_order:
+            if include_second_order and layer.captured:
                 src = lp.grad_workers[0]
                 keys = self._held_keys()
                 if self.rank == src:
@@ -605,7 +623,9 @@ class KFACPreconditioner:
             # Decided from the checkpoint itself, which every rank holds whole,
             # so that all ranks agree on whether to run the collective update.
             held = set(self._held_keys())
-            complete = all(held <= set(entry) for entry in layers.values())
+            complete = all(
+                held <= set(entry) for entry in layers.values() if "A" in entry or "G" in entry
+            )
             self._stale_second_order = compute_inverses and not complete
 
     #: schedule hyperparameters a checkpoint restores (as torch.optim restores
@@ -635,6 +655,7 @@ class KFACPreconditioner:
         lp = self.plan.layer(name)
         a, g = layer.adapter.a_dim, layer.adapter.g_dim
         dev = layer.adapter.device
+        layer.captured = "A" in entry or "G" in entry
         for key, dim, owner in (("A", a, lp.a_decomposer), ("G", g, lp.g_decomposer)):
             value = entry.get(key)
             if value is not None and tuple(value.shape) != (dim, dim):

@@ -56,7 +56,8 @@ def train(model, precond, opt, steps: int, seed0: int = 0) -> list[float]:
 
 def test_registration_report_names_what_is_left_to_the_optimizer() -> None:
     model = small_cnn()
-    precond = KFACPreconditioner(model)
+    with pytest.warns(UserWarning, match=r"not preconditioning '3'.*groups=2"):
+        precond = KFACPreconditioner(model)
     assert list(precond.layers) == ["0", "5"]
     reasons = {s.name: s.reason for s in precond.skipped}
     assert "groups=2" in reasons["3"]
@@ -440,3 +441,47 @@ def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> No
     assert callable(target.config.factor_decay)  # a callable is never replaced
     assert target.config.compute_method is kaisa.ComputeMethod.INVERSE
     assert target.config.lr == 0.1
+
+
+def test_multihead_attention_out_proj_is_not_registered() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x)[0].mean(1))
+
+    torch.manual_seed(0)
+    model = Block()
+    precond = KFACPreconditioner(model)
+    assert list(precond.layers) == ["head"]
+    assert "applied functionally" in {s.name: s.reason for s in precond.skipped}["attn.out_proj"]
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(x), y).backward()
+    precond.step()  # kfac-pytorch crashes here
+
+
+def test_layer_whose_hooks_never_fire_keeps_its_raw_gradient() -> None:
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(6, 4)
+            self.bypassed = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.used(x))
+            return F.linear(h, self.bypassed.weight, self.bypassed.bias)  # no module call
+
+    torch.manual_seed(0)
+    model = Functional()
+    precond = KFACPreconditioner(model, kl_clip=None)
+    x, y = batch()
+    F.cross_entropy(model(x), y).backward()
+    raw_bypassed = model.bypassed.weight.grad.clone()
+    raw_used = model.used.weight.grad.clone()
+    with pytest.warns(UserWarning, match="'bypassed' has a gradient but its hooks never captured"):
+        precond.step()
+    assert torch.equal(model.bypassed.weight.grad, raw_bypassed)
+    assert not torch.allclose(model.used.weight.grad, raw_used)  # the other layer is preconditioned

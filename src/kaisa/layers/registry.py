@@ -9,6 +9,7 @@ report can tell the user exactly which parameters the optimizer sees raw.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -93,7 +94,13 @@ def register_layers(
     of ``skip_layers`` (``re.search``), when not all of its parameters require
     grad, or when its type or configuration is not supported.
     """
-    patterns = [re.compile(p) for p in skip_layers]
+    try:
+        patterns = [re.compile(p) for p in skip_layers]
+    except re.error as exc:
+        raise ValueError(f"skip_layers contains an invalid regex: {exc}") from exc
+    # nn.MultiheadAttention calls its out_proj functionally (its weight is
+    # passed to F.multi_head_attention_forward), so hooks on it never fire.
+    functional = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     adapters: list[LayerAdapter] = []
     skipped: list[SkippedModule] = []
     for name, module in model.named_modules():
@@ -109,8 +116,14 @@ def register_layers(
         if not all(p.requires_grad for p in own):
             skipped.append(SkippedModule(name, kind, "not all parameters require grad", params))
             continue
+        if id(module) in functional:
+            reason = "out_proj of nn.MultiheadAttention is applied functionally; no hook sees it"
+            skipped.append(SkippedModule(name, kind, reason, params))
+            continue
         adapter, reason = adapter_for(name, module)
         if adapter is None:
+            if isinstance(module, tuple(_ADAPTERS)):  # a supported type, unsupported here
+                warnings.warn(f"kaisa: not preconditioning {name!r}: {reason}", stacklevel=3)
             skipped.append(SkippedModule(name, kind, reason or "unsupported", params))
             continue
         adapters.append(adapter)
