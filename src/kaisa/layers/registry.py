@@ -117,8 +117,8 @@ def register_layers(
             skipped.append(SkippedModule(name, kind, "not all parameters require grad", params))
             continue
         if id(module) in functional:
-            reason = "out_proj of nn.MultiheadAttention is applied functionally; no hook sees it"
-            skipped.append(SkippedModule(name, kind, reason, params))
+            why = "out_proj of nn.MultiheadAttention is applied functionally; no hook sees it"
+            skipped.append(SkippedModule(name, kind, why, params))
             continue
         adapter, reason = adapter_for(name, module)
         if adapter is None:
