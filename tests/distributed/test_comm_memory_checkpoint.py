@@ -260,3 +260,24 @@ def group_timeout(rank: int, world: int) -> float | None:
 def test_groups_inherit_the_init_process_group_timeout() -> None:
     # the harness initialises the default group with pg_timeout_s=7
     assert run_distributed(2, group_timeout, pg_timeout_s=7.0) == [7.0, 7.0]
+
+
+def launched_during_backward(rank: int, world: int) -> list[int]:
+    counts = []
+    for in_hook in (True, False):
+        model = wide_model()
+        precond = KFACPreconditioner(
+            model, allreduce_bucket_cap_mb=0, update_factors_in_hook=in_hook
+        )
+        x = torch.randn(B, WIDTH, dtype=torch.float64)
+        F.mse_loss(model(x), torch.zeros_like(x)).backward()
+        counts.append(len(precond.comm._launched))  # in flight before step()
+        precond.step()
+    return counts
+
+
+def test_factor_reduction_overlaps_backward() -> None:
+    # With hooks, each layer's reduction is launched as soon as its output
+    # gradient arrives; without, nothing is sent before step().
+    for counts in run_distributed(2, launched_during_backward):
+        assert counts == [DEPTH, 0]
