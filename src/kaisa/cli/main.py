@@ -29,6 +29,7 @@ from kaisa.cli.progress import Progress
 from kaisa.cli.results import format_table, run_to_dict, write_results
 from kaisa.cli.spec import build_specs
 from kaisa.cli.train import RunResult, train_run, warm_up
+from kaisa.plan import grad_workers_for
 from kaisa.tasks.base import OPTIMIZERS
 from kaisa.tasks.registry import TASKS, get_task
 
@@ -204,6 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = distributed.init(args.device, args.backend, args.pg_timeout_s)
     except distributed.DeviceError as err:
         command.error(f"argument --device: {err}")
+    for spec in specs:
+        if not spec.kfac:
+            continue
+        try:  # fractions are only valid or not for a given world size
+            grad_workers_for(spec.kfac_config().grad_worker_fraction, ctx.world_size)
+        except ValueError as err:
+            distributed.shutdown(ctx)
+            command.error(f"argument --kfac-grad-worker-fraction: {err}")
     try:
         progress = Progress(enabled=ctx.is_main, bars=not args.quiet)
         warm_up(specs, task, data, ctx)
