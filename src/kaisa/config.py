@@ -243,6 +243,12 @@ class KFACConfig:
             raise TypeError(f"skip_layers must be a list of regex strings; got {skip!r}")
         set_(self, "skip_layers", tuple(skip))
 
+    @property
+    def worker_fraction(self) -> DistributedStrategy | float:
+        """``grad_worker_fraction`` as normalised by ``__post_init__`` (never a str)."""
+        assert not isinstance(self.grad_worker_fraction, str)
+        return self.grad_worker_fraction
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))

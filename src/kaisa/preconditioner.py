@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from kaisa.capture import Capture
 from kaisa.comm import Communicator, dist_info
-from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig, resolve
+from kaisa.config import ComputeMethod, KFACConfig, resolve
 from kaisa.decompose import pi_split
 from kaisa.grads import GradientAccess, ParamGradAccess, read_grad_matrix, write_grad_matrix
 from kaisa.layer import KFACLayer
@@ -158,7 +158,7 @@ class KFACPreconditioner:
         self.plan: WorkPlan = make_plan(
             specs,
             world,
-            cast("float | DistributedStrategy", cfg.grad_worker_fraction),
+            cfg.worker_fraction,
             cfg.assignment_strategy,
             cfg.colocate_factors,
         )

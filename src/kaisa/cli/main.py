@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not spec.kfac:
             continue
         try:  # fractions are only valid or not for a given world size
-            grad_workers_for(spec.kfac_config().grad_worker_fraction, ctx.world_size)
+            grad_workers_for(spec.kfac_config().worker_fraction, ctx.world_size)
         except ValueError as err:
             distributed.shutdown(ctx)
             command.error(f"argument --kfac-grad-worker-fraction: {err}")
