@@ -14,8 +14,10 @@ from torch import nn
 from kaisa.config import KFACConfig
 from kaisa.tasks import EvalSums, Metric, bits_per_char, get_task, task_names
 from kaisa.tasks.base import OPTIMIZERS
-from kaisa.tasks.cifar import SUBFOLDER, TEST_FILE, TRAIN_FILES, load_cifar10
+from kaisa.tasks.cifar import SUBFOLDER, TEST_FILE, load_cifar10
 from kaisa.tasks.text import TextLMTask, WindowDataset
+
+from fakes import write_fake_cifar
 
 # ---------------------------------------------------------------- registry/defaults
 
@@ -188,24 +190,9 @@ def test_metric_reached_respects_direction() -> None:
 # ---------------------------------------------------------------- cifar10
 
 
-def _write_fake_cifar(folder: Path, per_batch: int = 4, n_test: int = 3) -> np.ndarray:
-    """Write tiny batches in the real format; returns the first training batch's data."""
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    first = None
-    for name, n in [*((f, per_batch) for f in TRAIN_FILES), (TEST_FILE, n_test)]:
-        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-        labels = [int(v) for v in rng.integers(0, 10, size=n)]
-        with (folder / name).open("wb") as f:
-            pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, f)
-        first = data if first is None else first
-    assert first is not None
-    return first
-
-
 @pytest.mark.parametrize("point_at", ["parent", "subfolder"])
 def test_cifar10_reads_pickle_batches(tmp_path: Path, point_at: str) -> None:
-    first = _write_fake_cifar(tmp_path / SUBFOLDER)
+    first = write_fake_cifar(tmp_path / SUBFOLDER)
     data_dir = tmp_path if point_at == "parent" else tmp_path / SUBFOLDER
     x_train, y_train, x_test, y_test = load_cifar10(data_dir)
     assert x_train.shape == (20, 3, 32, 32) and x_train.dtype == torch.uint8
@@ -223,7 +210,7 @@ def test_cifar10_reads_pickle_batches(tmp_path: Path, point_at: str) -> None:
 
 def test_cifar10_missing_files_give_a_clear_error(tmp_path: Path) -> None:
     folder = tmp_path / SUBFOLDER
-    _write_fake_cifar(folder)
+    write_fake_cifar(folder)
     (folder / "data_batch_3").unlink()
     with pytest.raises(FileNotFoundError, match="data_batch_3"):
         load_cifar10(tmp_path)
@@ -235,7 +222,7 @@ def test_cifar10_missing_files_give_a_clear_error(tmp_path: Path) -> None:
 
 def test_cifar10_rejects_a_file_of_the_wrong_format(tmp_path: Path) -> None:
     folder = tmp_path / SUBFOLDER
-    _write_fake_cifar(folder)
+    write_fake_cifar(folder)
     with (folder / TEST_FILE).open("wb") as f:
         pickle.dump({b"data": np.zeros((2, 100), dtype=np.uint8), b"labels": [0, 1]}, f)
     with pytest.raises(ValueError, match="3072"):
