@@ -7,6 +7,7 @@ from kaisa.config import (
     KFACConfig,
     LossAverage,
 )
+from kaisa.preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 
@@ -19,13 +20,3 @@ __all__ = [
     "LossAverage",
     "__version__",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # Imported lazily so that `import kaisa.config` (used by the CLI's option
-    # parser) stays cheap.
-    if name == "KFACPreconditioner":
-        from kaisa.preconditioner import KFACPreconditioner
-
-        return KFACPreconditioner
-    raise AttributeError(name)
