@@ -231,6 +231,25 @@ class Communicator:
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError("tensors sent together must share a dtype")
+        if self.bucket_cap_bytes == 0 and len(tensors) > 1:
+            # Bucketing off: one collective per tensor; the callback still
+            # receives the item's tensors together, once all have arrived.
+            parts: list[Tensor | None] = [None] * len(tensors)
+
+            def part(i: int) -> Callback | None:
+                if cb is None:
+                    return None
+
+                def store(out: list[Tensor]) -> None:
+                    parts[i] = out[0]
+                    if all(p is not None for p in parts):
+                        cb([p for p in parts if p is not None])
+
+                return store
+
+            for i, (t, s) in enumerate(zip(tensors, symmetric)):
+                self._enqueue(key, [t], [s], part(i))
+            return
         numel = sum(_packed_numel(t.shape, s) for t, s in zip(tensors, symmetric))
         bucket = self._pending.setdefault(key, _Bucket())
         if (

@@ -90,9 +90,9 @@ def test_communication_and_memory_per_strategy() -> None:
             bytes_of(sym["comm"][1], "factor_reduce")
             == DEPTH * (a * (a + 1) // 2 + g * (g + 1) // 2) * f64
         )
-        # bucketing: one call per owner rank instead of one per layer
+        # bucketing: one call per owner rank; without, one per factor
         assert comm_opt["comm"][1]["factor_reduce"]["calls"] <= 4
-        assert unbucketed["comm"][1]["factor_reduce"]["calls"] == DEPTH
+        assert unbucketed["comm"][1]["factor_reduce"]["calls"] == 2 * DEPTH
         # memory: MEM-OPT keeps 1/W of COMM-OPT's second-order tensors; HYBRID 2/W
         so = {
             name: r["memory"][-1]["second_order"]
@@ -280,4 +280,4 @@ def test_factor_reduction_overlaps_backward() -> None:
     # With hooks, each layer's reduction is launched as soon as its output
     # gradient arrives; without, nothing is sent before step().
     for counts in run_distributed(2, launched_during_backward):
-        assert counts == [DEPTH, 0]
+        assert counts == [2 * DEPTH, 0]
