@@ -39,6 +39,21 @@ def _first_tensor(inputs: Any) -> Tensor | None:
     return None
 
 
+def _add_input(layer: KFACLayer, x: Tensor) -> None:
+    """A's contribution of one call, in the factor dtype, never under autocast."""
+    with torch.autocast(x.device.type, enabled=False):
+        layer.stats.add_a(layer.adapter.a_rows(x), layer.factor_dtype)
+
+
+def _add_grad(
+    layer: KFACLayer, g: Tensor, batch: int, multiplier: float | Tensor, pass_id: int
+) -> None:
+    """G's contribution of one call (both the hook and the deferred path use it)."""
+    with torch.autocast(g.device.type, enabled=False):
+        rows = layer.adapter.grad_output_rows(g)
+        layer.stats.add_g(rows, batch, multiplier, pass_id, layer.factor_dtype)
+
+
 class Capture:
     """Owns every hook kaisa registers; :meth:`remove` takes them all off.
 
@@ -91,8 +106,7 @@ class Capture:
             pass_id = self.pass_id
             x = x.detach()
             if self.in_hook:
-                with torch.autocast(x.device.type, enabled=False):
-                    layer.stats.add_a(layer.adapter.a_rows(x), layer.factor_dtype)
+                _add_input(layer, x)
             else:
                 layer.pending.inputs.append(x)
             output.register_hook(self._grad_hook(layer, batch, pass_id))
@@ -104,9 +118,7 @@ class Capture:
             g = grad.detach()
             multiplier: float | Tensor = self._multiplier(layer, g, batch)
             if self.in_hook:
-                with torch.autocast(g.device.type, enabled=False):
-                    rows = layer.adapter.grad_output_rows(g)
-                    layer.stats.add_g(rows, batch, multiplier, pass_id, layer.factor_dtype)
+                _add_grad(layer, g, batch, multiplier, pass_id)
             else:
                 layer.pending.grads.append((g, batch, multiplier, pass_id))
             if self.on_grad_captured is not None:
@@ -115,7 +127,7 @@ class Capture:
         return hook
 
     def _multiplier(self, layer: KFACLayer, g: Tensor, batch: int) -> float | Tensor:
-        rows = layer.adapter.grad_output_rows(g).shape[0]
+        rows = g.numel() // layer.adapter.g_dim  # no reshape (a copy for conv) just to count
         m: float | Tensor = grad_multiplier(
             self.loss_average, batch, max(rows // max(batch, 1), 1), self.accumulation_steps
         )
@@ -129,12 +141,10 @@ class Capture:
     def flush(self, layer: KFACLayer) -> None:
         """Turn raw captures kept by ``in_hook=False`` into statistics."""
         pending = layer.pending
-        with torch.autocast("cpu", enabled=False):
-            for x in pending.inputs:
-                layer.stats.add_a(layer.adapter.a_rows(x), layer.factor_dtype)
-            for g, batch, multiplier, pass_id in pending.grads:
-                rows = layer.adapter.grad_output_rows(g)
-                layer.stats.add_g(rows, batch, multiplier, pass_id, layer.factor_dtype)
+        for x in pending.inputs:
+            _add_input(layer, x)
+        for g, batch, multiplier, pass_id in pending.grads:
+            _add_grad(layer, g, batch, multiplier, pass_id)
         pending.inputs.clear()
         pending.grads.clear()
 
