@@ -23,6 +23,7 @@ Nothing here touches ``torch.distributed``: the plan is immutable, printable
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,11 +156,13 @@ class WorkPlan:
     def grad_worker_fraction(self) -> float:
         return self.grad_workers / self.world_size
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, LayerPlan]:
+        return {lp.name: lp for lp in self.layers}
+
     def layer(self, name: str) -> LayerPlan:
-        for lp in self.layers:
-            if lp.name == name:
-                return lp
-        raise KeyError(name)
+        """The plan of one layer (O(1): it is looked up for every layer every step)."""
+        return self._by_name[name]
 
     def rank_load(self, rank: int) -> dict[str, float]:
         """Per-rank work and memory in element counts (not bytes)."""

@@ -426,7 +426,7 @@ def test_autocast_bf16_capture_gives_float32_factors() -> None:
 def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    source = KFACPreconditioner(model, optimizer=opt, damping=0.05, inv_update_steps=4)
+    source = KFACPreconditioner(model, lr=0.2, damping=0.05, inv_update_steps=4)
     train(model, source, opt, 1)
     target = KFACPreconditioner(
         mlp(),
@@ -440,7 +440,11 @@ def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> No
     assert target.config.inv_update_steps == 4
     assert callable(target.config.factor_decay)  # a callable is never replaced
     assert target.config.compute_method is kaisa.ComputeMethod.INVERSE
-    assert target.config.lr == 0.1
+    assert target.config.lr == 0.2
+    # an lr read from an optimizer is never overridden by the checkpoint
+    follower = KFACPreconditioner(mlp(), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.07))
+    follower.load_state_dict(source.state_dict())
+    assert follower.lr == 0.07
 
 
 def test_multihead_attention_out_proj_is_not_registered() -> None:
