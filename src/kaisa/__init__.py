@@ -8,6 +8,7 @@ from kaisa.config import (
     LossAverage,
 )
 from kaisa.preconditioner import KFACPreconditioner
+from kaisa.topology import Topology
 
 __version__ = "0.1.0"
 
@@ -18,5 +19,6 @@ __all__ = [
     "KFACConfig",
     "KFACPreconditioner",
     "LossAverage",
+    "Topology",
     "__version__",
 ]

@@ -8,9 +8,16 @@
   gradient accumulation over micro-batches (and modules called several times
   per pass) are normalised correctly.
 
-Capture is dtype-agnostic: the rows are cast to the factor dtype and the
-Gram matrices are computed with autocast disabled, whatever precision the
-forward pass ran in.
+A forward call commits nothing until its output gradient arrives: its input
+statistics wait in the tensor hook.  So a training-mode forward that is
+never followed by a backward adds nothing (it is counted, and reported at
+``step()`` with a pointer to ``paused()``), and the forward that activation
+checkpointing recomputes during backward — whose output gradient never
+arrives — is counted once.
+
+Hooks are small picklable objects: a deep copy (or pickle) of the model
+carries inert hooks, so a copied model (an EMA or teacher) never captures
+into this preconditioner, and a model holding them can still be copied.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
-from kaisa.factors import grad_multiplier
+from kaisa.factors import FactorSource, contribution, grad_multiplier
 from kaisa.layer import KFACLayer
 
 __all__ = ["Capture"]
@@ -39,19 +46,71 @@ def _first_tensor(inputs: Any) -> Tensor | None:
     return None
 
 
-def _add_input(layer: KFACLayer, x: Tensor) -> None:
-    """A's contribution of one call, in the factor dtype, never under autocast."""
-    with torch.autocast(x.device.type, enabled=False):
-        layer.stats.add_a(layer.adapter.a_rows(x), layer.factor_dtype)
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (recomputation)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _add_grad(
-    layer: KFACLayer, g: Tensor, batch: int, multiplier: float | Tensor, pass_id: int
+class _InertHook:
+    """What a copied or unpickled model gets in place of a kaisa hook."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _inert() -> _InertHook:
+    return _InertHook()
+
+
+class _Hook:
+    """A bound hook that fires only for the module it was registered on and
+    turns inert when the model is deep-copied or pickled."""
+
+    def __init__(self, fn: Callable[..., None], module: nn.Module) -> None:
+        self.fn = fn
+        self.module = module
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        if module is self.module:
+            self.fn(module, *args)
+
+    def __reduce__(self) -> tuple[Callable[[], _InertHook], tuple[()]]:
+        return (_inert, ())
+
+
+def _input_terms(layer: KFACLayer, x: Tensor) -> list[tuple[int, Tensor, float]]:
+    """(factor index, contribution, rows) of every input factor for one call."""
+    out = []
+    for i, spec in enumerate(layer.factors):
+        if spec.source is FactorSource.INPUT:
+            rows = layer.adapter.rows_for(spec.source, x)
+            rows_count = float(rows.shape[0] * rows.shape[1])
+            out.append((i, contribution(rows, spec.kind, layer.factor_dtype), rows_count))
+    return out
+
+
+def commit_call(
+    layer: KFACLayer,
+    inputs: list[tuple[int, Tensor, float]],
+    g: Tensor,
+    batch: int,
+    multiplier: float | Tensor,
+    pass_id: int,
 ) -> None:
-    """G's contribution of one call (both the hook and the deferred path use it)."""
-    with torch.autocast(g.device.type, enabled=False):
-        rows = layer.adapter.grad_output_rows(g)
-        layer.stats.add_g(rows, batch, multiplier, pass_id, layer.factor_dtype)
+    """Add one call's input terms and output-gradient terms to the layer's sums."""
+    stats = layer.batch
+    for i, value, count in inputs:
+        stats.add(i, value)
+        stats.counts[i] += count
+    new_pass = stats.new_pass(pass_id)
+    scale = multiplier * multiplier
+    for i, spec in enumerate(layer.factors):
+        if spec.source is FactorSource.OUTPUT_GRAD:
+            grad_rows = layer.adapter.rows_for(spec.source, g)
+            stats.add(i, contribution(grad_rows, spec.kind, layer.factor_dtype, scale))
+            if new_pass:
+                stats.counts[i] += batch
+    stats.calls += 1
 
 
 class Capture:
@@ -62,7 +121,7 @@ class Capture:
         layers: the registered layers.
         loss_average: what the loss was averaged over (sets ``ĝ = m·g``).
         accumulation_steps: micro-batches per optimizer step.
-        in_hook: compute Gram matrices inside the hooks (no activations kept)
+        in_hook: compute the statistics inside the hooks (no activations kept)
             or keep the raw tensors until :meth:`flush`.
         loss_scale: returns the current loss scale of a grad scaler (or None).
     """
@@ -83,11 +142,15 @@ class Capture:
         self.loss_scale = loss_scale
         self.enabled = True
         self.pass_id = 0
-        self.on_grad_captured: Callable[[KFACLayer], None] | None = None
-        self._handles: list[RemovableHandle] = [model.register_forward_pre_hook(self._count_pass)]
+        #: called with a layer once all of its passes for this step are in
+        self.on_layer_complete: Callable[[KFACLayer], None] | None = None
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(_Hook(self._count_pass, model))
+        ]
         for layer in layers:
+            module = layer.adapter.module
             self._handles.append(
-                layer.adapter.module.register_forward_hook(self._forward_hook(layer))
+                module.register_forward_hook(_Hook(self._forward_hook(layer), module))
             )
 
     # -- hooks -------------------------------------------------------------
@@ -102,34 +165,49 @@ class Capture:
             x = _first_tensor(inputs)
             if x is None or not isinstance(output, Tensor) or not output.requires_grad:
                 return
+            if not layer.adapter.trainable:
+                return
             batch = layer.adapter.batch_size(x)
-            pass_id = self.pass_id
+            recomputed = _in_backward()
+            if not recomputed:
+                layer.batch.pending_forwards += 1
             x = x.detach()
-            if self.in_hook:
-                _add_input(layer, x)
-            else:
-                layer.pending.inputs.append(x)
-            output.register_hook(self._grad_hook(layer, batch, pass_id))
+            terms = _input_terms(layer, x) if self.in_hook else []
+            output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed))
 
         return hook
 
-    def _grad_hook(self, layer: KFACLayer, batch: int, pass_id: int) -> Callable[[Tensor], None]:
+    def _grad_hook(
+        self,
+        layer: KFACLayer,
+        x: Tensor,
+        terms: list[tuple[int, Tensor, float]],
+        batch: int,
+        recomputed: bool,
+    ) -> Callable[[Tensor], None]:
+        pass_id = self.pass_id
+        keep = None if self.in_hook else x
+
         def hook(grad: Tensor) -> None:
             g = grad.detach()
-            multiplier: float | Tensor = self._multiplier(layer, g, batch)
-            if self.in_hook:
-                _add_grad(layer, g, batch, multiplier, pass_id)
-            else:
-                layer.pending.grads.append((g, batch, multiplier, pass_id))
-            if self.on_grad_captured is not None:
-                self.on_grad_captured(layer)
+            multiplier = self._multiplier(layer, g, batch)
+            if not recomputed:
+                layer.batch.pending_forwards -= 1
+            if keep is not None:
+                layer.pending.calls.append((keep, g, batch, multiplier, pass_id))
+                return
+            commit_call(layer, terms, g, batch, multiplier, pass_id)
+            stats = layer.batch
+            complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
+            if complete and self.on_layer_complete is not None:
+                self.on_layer_complete(layer)
 
         return hook
 
     def _multiplier(self, layer: KFACLayer, g: Tensor, batch: int) -> float | Tensor:
-        rows = g.numel() // layer.adapter.g_dim  # no reshape (a copy for conv) just to count
+        positions = layer.adapter.grad_output_rows(g).shape[1]
         m: float | Tensor = grad_multiplier(
-            self.loss_average, batch, max(rows // max(batch, 1), 1), self.accumulation_steps
+            self.loss_average, batch, positions, self.accumulation_steps
         )
         if self.loss_scale is not None:
             scale = self.loss_scale()
@@ -140,13 +218,9 @@ class Capture:
     # -- deferred path -------------------------------------------------------
     def flush(self, layer: KFACLayer) -> None:
         """Turn raw captures kept by ``in_hook=False`` into statistics."""
-        pending = layer.pending
-        for x in pending.inputs:
-            _add_input(layer, x)
-        for g, batch, multiplier, pass_id in pending.grads:
-            _add_grad(layer, g, batch, multiplier, pass_id)
-        pending.inputs.clear()
-        pending.grads.clear()
+        for x, g, batch, multiplier, pass_id in layer.pending.calls:
+            commit_call(layer, _input_terms(layer, x), g, batch, multiplier, pass_id)
+        layer.pending.calls.clear()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,15 +1,21 @@
 """Every ``torch.distributed`` call kaisa makes lives in this module.
 
-:class:`Communicator` creates its process groups once (a private copy of the
-world, so K-FAC traffic never interleaves with DDP's gradient buckets, plus
-one group per worker group and per receiver group of the work plan) and
-offers three bucketed, asynchronous collectives:
+:class:`Communicator` works on one data-parallel group (from a
+:class:`~kaisa.topology.Topology`; the world by default).  Ranks it is given
+and reports are *positions in that group*, as in the work plan; it maps them
+to global ranks itself.  It creates its process groups once (a private copy
+of the data-parallel group, so K-FAC traffic never interleaves with DDP's
+gradient buckets, plus one group per worker group and per receiver group of
+the work plan) and offers:
 
-* :meth:`Communicator.reduce_mean` — average a tensor over all ranks *onto
-  one owner* (the rank that decomposes the factor); nobody else keeps it;
-* :meth:`Communicator.broadcast` — from a source rank to a group (eigenbases
-  to gradient workers, preconditioned gradients to receivers);
-* :meth:`Communicator.allreduce_sum` — small vectors (traces for the π-split).
+* :meth:`Communicator.reduce_sum` — a flat buffer summed *onto one owner*
+  (the factor reduction of :mod:`kaisa.reduction` lays out its buckets);
+* :meth:`Communicator.broadcast` — bucketed, from a source rank to a group
+  (eigenbases to gradient workers, preconditioned gradients to receivers);
+* :meth:`Communicator.allreduce_sum` — small vectors (row counts, traces);
+* :meth:`Communicator.agree_all` — which of a few flags hold on every rank;
+* :meth:`Communicator.sum_model_parallel` — the KL clip's inner product over
+  the tensor- and pipeline-parallel groups.
 
 Each call only *enqueues*; tensors are packed into flat buckets of at most
 ``bucket_cap_mb`` keyed by (kind, group ranks, root, dtype) — group identity,
@@ -32,7 +38,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "CommunicationError", "Communicator", "dist_info"]
+from kaisa.topology import Topology
+
+__all__ = [
+    "CommStats",
+    "CommunicationError",
+    "Communicator",
+    "dist_info",
+    "group_ranks",
+    "pack",
+    "packed_numel",
+    "unpack",
+]
 
 Callback = Callable[[list[Tensor]], None]
 
@@ -42,6 +59,15 @@ def dist_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of ``group`` (None: the world), in group order; (0,) alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 class CommunicationError(RuntimeError):
@@ -81,7 +107,7 @@ def _zero() -> dict[str, int]:
     return {"calls": 0, "bytes": 0}
 
 
-def _pack(t: Tensor, symmetric: bool) -> Tensor:
+def pack(t: Tensor, symmetric: bool) -> Tensor:
     if symmetric:
         n = t.shape[0]
         idx = torch.triu_indices(n, n, device=t.device)
@@ -89,14 +115,14 @@ def _pack(t: Tensor, symmetric: bool) -> Tensor:
     return t.reshape(-1)
 
 
-def _packed_numel(shape: torch.Size, symmetric: bool) -> int:
+def packed_numel(shape: torch.Size, symmetric: bool) -> int:
     if symmetric:
         n = shape[0]
         return n * (n + 1) // 2
     return int(torch.Size(shape).numel())
 
 
-def _unpack(flat: Tensor, shape: torch.Size, symmetric: bool) -> Tensor:
+def unpack(flat: Tensor, shape: torch.Size, symmetric: bool) -> Tensor:
     if symmetric:
         n = shape[0]
         idx = torch.triu_indices(n, n, device=flat.device)
@@ -126,15 +152,16 @@ class _Launched:
     work: Any
     flat: Tensor
     items: list[_Item]
-    finish: Callable[[Tensor], Tensor]
 
 
 class Communicator:
     """Bucketed asynchronous collectives over the groups of one work plan.
 
     Args:
-        groups: every rank set the plan will use as a broadcast group; a
-            process group is created for each (in sorted order, on every rank).
+        topology: the data-parallel group and the model-parallel groups.
+        groups: every rank set (positions in the data-parallel group) the
+            plan will use as a broadcast group; a process group is created
+            for each (in sorted order, on every rank of the group).
         bucket_cap_mb: bucket size; 0 sends each tensor on its own.
         symmetry_aware: send only the upper triangle of symmetric matrices.
         timeout_s: timeout of the groups created here (None: the default's).
@@ -142,13 +169,22 @@ class Communicator:
 
     def __init__(
         self,
+        topology: Topology | None = None,
         groups: Sequence[Sequence[int]] = (),
         *,
         bucket_cap_mb: float = 25.0,
         symmetry_aware: bool = False,
         timeout_s: float | None = None,
     ) -> None:
-        self.rank, self.world_size = dist_info()
+        topology = topology or Topology()
+        self.topology = topology
+        self.global_ranks = group_ranks(topology.dp)
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if me not in self.global_ranks:
+            raise ValueError(f"topology.dp does not contain this process (global rank {me})")
+        self.rank = self.global_ranks.index(me)
+        self.world_size = len(self.global_ranks)
+        self.model_parallel = tuple(g for g in topology.model_parallel if g.size() > 1)
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.symmetry_aware = symmetry_aware
         self.timeout_s = timeout_s
@@ -166,10 +202,15 @@ class Communicator:
             if timeout is not None:
                 kwargs["timeout"] = timeout
                 self.timeout_s = timeout.total_seconds()
+            if self.world_size < dist.get_world_size():
+                # only this group's members create its subgroups
+                kwargs["use_local_synchronization"] = True
             everyone = tuple(range(self.world_size))
             wanted = sorted({tuple(sorted(g)) for g in groups if len(g) > 1} | {everyone})
             for ranks in wanted:  # same order on every rank, as new_group requires
-                self._groups[ranks] = dist.new_group(list(ranks), **kwargs)
+                self._groups[ranks] = dist.new_group(
+                    [self.global_ranks[r] for r in ranks], **kwargs
+                )
 
     @property
     def distributed(self) -> bool:
@@ -181,19 +222,35 @@ class Communicator:
             raise KeyError(f"no process group was created for ranks {list(key)}")
         return self._groups[key]
 
-    # -- enqueueing ----------------------------------------------------------
-    def reduce_mean(
-        self, tensors: Sequence[Tensor], dst: int, callback: Callback, *, symmetric: bool = True
-    ) -> None:
-        """Average ``tensors`` over all ranks; ``callback(averaged)`` runs on ``dst`` only."""
-        tensors = list(tensors)
-        if not self.distributed:
-            callback(tensors)
-            return
-        sym = [symmetric and self.symmetry_aware] * len(tensors)
-        self._enqueue(
-            ("reduce", dst, tensors[0].dtype), tensors, sym, callback if self.rank == dst else None
+    def _error(self, kind: str, exc: Exception) -> CommunicationError:
+        return CommunicationError(
+            f"kaisa: a {kind} collective failed on rank {self.rank} of the {self.world_size}-rank "
+            f"data-parallel group (process-group timeout: {self.timeout_s or 'default'} s). "
+            "Another rank probably died or never reached this preconditioner step "
+            f"(every rank must call step() and state_dict() together). Cause: {exc}"
         )
+
+    # -- enqueueing ----------------------------------------------------------
+    def reduce_sum(self, flat: Tensor, dst: int, callback: Callback | None) -> None:
+        """Sum ``flat`` over the group onto ``dst`` now; ``callback([sum])`` runs there.
+
+        The caller lays the buffer out (the same on every rank); it is sent
+        as is, so that the order of these calls alone must match across ranks.
+        """
+        if not self.distributed:
+            if callback is not None:
+                callback([flat])
+            return
+        item = _Item([flat], [False], callback if self.rank == dst else None)
+        work = dist.reduce(
+            flat,
+            dst=self.global_ranks[dst],
+            op=dist.ReduceOp.SUM,
+            group=self.group(range(self.world_size)),
+            async_op=True,
+        )
+        self.stats.record("factor_reduce", flat.numel() * flat.element_size())
+        self._launched.append(_Launched("factor_reduce", work, flat, [item]))
 
     def broadcast(
         self,
@@ -215,11 +272,38 @@ class Communicator:
         sym = [bool(s) and self.symmetry_aware for s in (symmetric or [False] * len(tensors))]
         self._enqueue((kind, ranks, src, tensors[0].dtype), tensors, sym, callback)
 
-    def allreduce_sum(self, tensor: Tensor, callback: Callback) -> None:
+    def allreduce_sum(self, tensor: Tensor, callback: Callback, *, kind: str = "allreduce") -> None:
         if not self.distributed:
             callback([tensor])
             return
-        self._enqueue(("allreduce", tensor.dtype), [tensor], [False], callback)
+        self._enqueue(("allreduce", kind, tensor.dtype), [tensor], [False], callback)
+
+    def agree_all(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """``flags[i]`` and-ed over the group: blocking, one small collective."""
+        if not self.distributed or not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32, device=device)
+        self._run(
+            "agree",
+            dist.all_reduce(
+                t, op=dist.ReduceOp.MIN, group=self.group(range(self.world_size)), async_op=True
+            ),
+        )
+        self.stats.record("agree", t.numel() * t.element_size())
+        return [bool(v) for v in t.tolist()]
+
+    def sum_model_parallel(self, value: Tensor) -> Tensor:
+        """``value`` summed over the tensor- and pipeline-parallel groups (in place)."""
+        for group in self.model_parallel:
+            self._run("model_parallel", dist.all_reduce(value, group=group, async_op=True))
+            self.stats.record("model_parallel", value.numel() * value.element_size())
+        return value
+
+    def _run(self, kind: str, work: Any) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise self._error(kind, exc) from exc
 
     def _enqueue(
         self,
@@ -250,7 +334,7 @@ class Communicator:
             for i, (t, s) in enumerate(zip(tensors, symmetric)):
                 self._enqueue(key, [t], [s], part(i))
             return
-        numel = sum(_packed_numel(t.shape, s) for t, s in zip(tensors, symmetric))
+        numel = sum(packed_numel(t.shape, s) for t, s in zip(tensors, symmetric))
         bucket = self._pending.setdefault(key, _Bucket())
         if (
             bucket.items
@@ -266,27 +350,20 @@ class Communicator:
     # -- launching -------------------------------------------------------------
     def _launch(self, key: tuple[Any, ...], bucket: _Bucket) -> None:
         kind = key[0]
-        packed = [
-            _pack(t, s) for item in bucket.items for t, s in zip(item.tensors, item.symmetric)
-        ]
+        packed = [pack(t, s) for item in bucket.items for t, s in zip(item.tensors, item.symmetric)]
         flat = torch.cat(packed) if len(packed) > 1 else packed[0].clone()
         nbytes = flat.numel() * flat.element_size()
-        world = self.group(range(self.world_size))
-        finish: Callable[[Tensor], Tensor] = _identity
-        if kind == "reduce":
-            dst = key[1]
-            work = dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=world, async_op=True)
-            world_size = self.world_size
-            finish = lambda x: x.div_(world_size)  # noqa: E731
-            self.stats.record("factor_reduce", nbytes)
-        elif kind == "allreduce":
+        if kind == "allreduce":
+            kind = key[1]
+            world = self.group(range(self.world_size))
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=world, async_op=True)
-            self.stats.record("allreduce", nbytes)
         else:
             ranks, src = key[1], key[2]
-            work = dist.broadcast(flat, src=src, group=self.group(ranks), async_op=True)
-            self.stats.record(kind, nbytes)
-        self._launched.append(_Launched(kind, work, flat, bucket.items, finish))
+            work = dist.broadcast(
+                flat, src=self.global_ranks[src], group=self.group(ranks), async_op=True
+            )
+        self.stats.record(kind, nbytes)
+        self._launched.append(_Launched(kind, work, flat, bucket.items))
 
     def flush(self) -> None:
         """Launch every partly filled bucket."""
@@ -298,24 +375,16 @@ class Communicator:
         self.flush()
         launched, self._launched = self._launched, []
         for op in launched:
-            try:
-                op.work.wait()
-            except RuntimeError as exc:
-                raise CommunicationError(
-                    f"kaisa: a {op.kind} collective failed on rank {self.rank} of "
-                    f"{self.world_size} (process-group timeout: {self.timeout_s or 'default'} s). "
-                    "Another rank probably died or never reached this preconditioner step "
-                    f"(every rank must call step() and state_dict() together). Cause: {exc}"
-                ) from exc
+            self._run(op.kind, op.work)
             if not any(item.callback is not None for item in op.items):
                 continue
-            flat = op.finish(op.flat)
+            flat = op.flat
             offset = 0
             for item in op.items:
                 outs = []
                 for t, s in zip(item.tensors, item.symmetric):
-                    n = _packed_numel(t.shape, s)
-                    outs.append(_unpack(flat[offset : offset + n], t.shape, s))
+                    n = packed_numel(t.shape, s)
+                    outs.append(unpack(flat[offset : offset + n], t.shape, s))
                     offset += n
                 if item.callback is not None:
                     item.callback(outs)
@@ -340,7 +409,3 @@ def _default_group_timeout() -> datetime.timedelta | None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return None
-
-
-def _identity(x: Tensor) -> Tensor:
-    return x

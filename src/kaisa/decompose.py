@@ -18,6 +18,7 @@ __all__ = [
     "damped_inverse",
     "eigen_outer_inverse",
     "pi_split",
+    "pi_splits",
     "symmetric_eigh",
 ]
 
@@ -56,6 +57,14 @@ def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return eigvecs.contiguous(), eigvals.clamp(min=0.0)
 
 
+def eigen_outer(eigenvalues: list[Tensor]) -> Tensor:
+    """``λ_0 ∘ λ_1 ∘ …``: the outer product of eigenvalue vectors, axis by axis."""
+    out = eigenvalues[0]
+    for lam in eigenvalues[1:]:
+        out = torch.outer(out.reshape(-1), lam).reshape(*out.shape, lam.shape[0])
+    return out
+
+
 def eigen_outer_inverse(eig_g: Tensor, eig_a: Tensor, damping: float) -> Tensor:
     """``1 / (λ_G λ_Aᵀ + γ)``: the divisor of the eigen-basis update, precomputed."""
     return 1.0 / (torch.outer(eig_g, eig_a) + damping)
@@ -73,6 +82,21 @@ def pi_split(trace_a: Tensor, dim_a: int, trace_g: Tensor, dim_g: int) -> Tensor
     ok = (mean_a > 0) & (mean_g > 0) & torch.isfinite(mean_a) & torch.isfinite(mean_g)
     ratio = torch.where(ok, mean_a / torch.where(ok, mean_g, torch.ones_like(mean_g)), 1.0)
     return torch.sqrt(ratio)
+
+
+def pi_splits(traces: Tensor, dims: list[int]) -> Tensor:
+    """Per-factor π_i of factored Tikhonov damping for N factors.
+
+    With ``t_i = tr F_i / d_i``, ``π_i = t_i / (∏ t_j)^{1/N}`` (so ``∏ π_i =
+    1``) and factor ``i`` is damped by ``γ^{1/N} π_i``; for two factors this is
+    :func:`pi_split`'s ``A + π√γ I``, ``G + (√γ/π) I``.  All ones when any
+    trace is not positive or not finite (e.g., a dead layer).
+    """
+    means = traces.to(torch.float64) / torch.tensor(dims, dtype=torch.float64, device=traces.device)
+    ok = bool(((means > 0) & torch.isfinite(means)).all())
+    if not ok:
+        return torch.ones_like(means)
+    return means / torch.exp(torch.log(means).mean())
 
 
 def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) -> Tensor:

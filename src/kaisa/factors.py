@@ -1,39 +1,113 @@
-"""Kronecker-factor statistics: per-batch contributions and running averages.
+"""Kronecker factors: their typed specs, batch statistics and running averages.
+
+A layer's curvature block is ``F_0 ⊗ F_1 ⊗ …`` over the axes of its gradient
+tensor; each factor is described by a :class:`FactorSpec` (dense ``d×d`` or
+diagonal ``d``, the gradient axis it acts on, and whether it is estimated
+from the layer's inputs or from its output gradients).  Everything that sizes,
+sends, stores or plans a factor reads it from the spec.
 
 Conventions (stated in the README and tested against dense references):
 
-* ``A = (1/R) Σ_r ā_r ā_rᵀ`` over all R rows (data points × positions × calls)
-  a layer saw between two factor updates, ``ā`` the input row with a trailing
-  one for the bias.
-* ``G = (1/P) Σ_passes (1/N) Σ_rows ĝ ĝᵀ`` with N the batch size of the call,
-  P the number of forward/backward passes accumulated (micro-batches), and
-  ``ĝ = m · g`` where ``m`` undoes the loss averaging: ``m = N·k`` for a loss
-  averaged over the batch, ``m = N·S·k`` for one averaged over batch and
-  positions, ``m = 1`` for a summed loss; ``k`` is ``accumulation_steps``
-  (the usual ``loss / k`` scaling of gradient accumulation), and a loss scale
-  from a grad scaler is divided out as well.
+* an input factor is ``A = Σ_r ā_r ā_rᵀ / R`` over all R rows (data points ×
+  shared positions × calls) a layer saw between two factor updates — on every
+  rank: sums and counts are reduced separately, so the result is the
+  statistics of all rows, whatever their split over ranks;
+* an output-gradient factor is ``G = Σ ĝ ĝᵀ / N`` with ``ĝ = m·g`` and N the
+  data points of the passes that reached the layer; ``m`` undoes the loss
+  averaging: ``m = n·k`` for a loss averaged over the call's n data points,
+  ``m = n·S·k`` for one averaged over data points and S positions, ``m = 1``
+  for a summed loss; ``k`` is ``accumulation_steps`` and a grad scaler's
+  scale is divided out too.
 
-With these, A⊗G approximates the Fisher of the mean-reduced loss and neither
-depends on the batch size, the number of micro-batches or — since every rank
-holds an equal share and the factors are averaged — the world size.
+With these, the factors depend neither on the batch size, nor on the number
+of micro-batches, nor on the world size or the split of rows over ranks.
 
-Everything here is pure tensor math on the canonical ``[rows, features]``
-shape; nothing here knows about modules, hooks or processes.
+Everything here is pure tensor math on the canonical ``[batch, shared,
+features]`` shape; nothing knows about modules, hooks or processes.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from kaisa.config import LossAverage
+from kaisa.config import AssignmentStrategy, LossAverage
 
 __all__ = [
-    "FactorStatistics",
+    "FactorKind",
+    "FactorSource",
+    "FactorSpec",
     "all_finite",
+    "contribution",
     "grad_multiplier",
+    "kfac_factors",
     "running_average_",
 ]
+
+
+class FactorKind(str, enum.Enum):
+    """How a factor is stored: a full symmetric matrix or its diagonal."""
+
+    DENSE = "dense"
+    DIAGONAL = "diagonal"
+
+
+class FactorSource(str, enum.Enum):
+    """What a factor is estimated from."""
+
+    INPUT = "input"  #: the layer's input rows (with a ones column for a bias)
+    OUTPUT_GRAD = "output_grad"  #: the gradient w.r.t. the layer's output
+
+
+@dataclass(frozen=True)
+class FactorSpec:
+    """One Kronecker factor of a layer's curvature block.
+
+    Attributes:
+        name: the factor's name in reports and checkpoints (``"A"``, ``"G"``).
+        kind: dense or diagonal.
+        dim: its size d (a ``d×d`` matrix or a ``d`` vector).
+        axis: the axis of the layer's gradient tensor it acts on.
+        source: inputs or output gradients.
+    """
+
+    name: str
+    kind: FactorKind
+    dim: int
+    axis: int
+    source: FactorSource
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.dim, self.dim) if self.kind is FactorKind.DENSE else (self.dim,)
+
+    @property
+    def numel(self) -> int:
+        return self.dim * self.dim if self.kind is FactorKind.DENSE else self.dim
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether it may travel as a triangle (``symmetry_aware``)."""
+        return self.kind is FactorKind.DENSE
+
+    def cost(self, strategy: AssignmentStrategy) -> float:
+        """What its decomposition costs the planner: n³ (compute) or n² (memory), n if diagonal."""
+        if self.kind is FactorKind.DIAGONAL:
+            return float(self.dim)
+        return float(self.dim) ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
+
+
+def kfac_factors(a_dim: int, g_dim: int) -> tuple[FactorSpec, ...]:
+    """The two dense factors of a Linear/Conv2d-like layer: A from the inputs,
+    acting on the gradient matrix's columns, and G from the output gradients,
+    acting on its rows."""
+    return (
+        FactorSpec("A", FactorKind.DENSE, a_dim, axis=1, source=FactorSource.INPUT),
+        FactorSpec("G", FactorKind.DENSE, g_dim, axis=0, source=FactorSource.OUTPUT_GRAD),
+    )
 
 
 def grad_multiplier(
@@ -45,6 +119,23 @@ def grad_multiplier(
     if loss_average is LossAverage.BATCH_AND_SEQUENCE:
         return float(batch * positions * accumulation_steps)
     return 1.0
+
+
+def contribution(
+    rows: Tensor, kind: FactorKind, dtype: torch.dtype, scale: float | Tensor = 1.0
+) -> Tensor:
+    """``scale · Σ_r x_r x_rᵀ`` (or its diagonal) of ``[batch, shared, features]`` rows.
+
+    K-FAC-expand: every (data point, shared position) pair is a row.  The sum
+    is formed in ``dtype`` with autocast off, whatever precision the forward
+    or backward pass ran in.
+    """
+    flat = rows.reshape(-1, rows.shape[-1]).to(dtype)
+    with torch.autocast(flat.device.type, enabled=False):
+        out = flat.t() @ flat if kind is FactorKind.DENSE else (flat * flat).sum(0)
+    if isinstance(scale, Tensor) or scale != 1.0:
+        out.mul_(scale)
+    return out
 
 
 def all_finite(t: Tensor) -> Tensor:
@@ -67,96 +158,3 @@ def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
     batch.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     running.lerp_(batch, weight)
     return rejected
-
-
-class FactorStatistics:
-    """Accumulated batch statistics and running factors of one layer.
-
-    ``add_a``/``add_g`` are called once per module call (from the hooks or,
-    with ``update_factors_in_hook=False``, at ``step()``); :meth:`batch_factors`
-    turns the sums into the batch factors defined in the module docstring.
-    """
-
-    def __init__(self, a_dim: int, g_dim: int) -> None:
-        self.a_dim = a_dim
-        self.g_dim = g_dim
-        self.A: Tensor | None = None  #: running A (only where this rank keeps it)
-        self.G: Tensor | None = None  #: running G
-        self._rejected: Tensor | int = 0  # non-finite batch statistics, kept on device
-        self.reset()
-
-    def reset(self) -> None:
-        self.a_sum: Tensor | None = None
-        self.a_rows = 0
-        self.g_sum: Tensor | None = None
-        self.g_passes = 0
-        self.calls = 0  # forward calls captured since reset
-        self.grad_calls = 0  # backward (output-gradient) calls captured since reset
-        self._last_pass: int | None = None
-
-    @property
-    def has_batch(self) -> bool:
-        return self.a_sum is not None and self.g_sum is not None
-
-    def add_a(self, a_rows: Tensor, dtype: torch.dtype) -> None:
-        rows = a_rows.to(dtype)
-        if self.a_sum is None:
-            self.a_sum = rows.t() @ rows
-        else:
-            self.a_sum.addmm_(rows.t(), rows)
-        self.a_rows += int(rows.shape[0])
-        self.calls += 1
-
-    def add_g(
-        self,
-        g_rows: Tensor,
-        batch: int,
-        multiplier: float | Tensor,
-        pass_id: int,
-        dtype: torch.dtype,
-    ) -> None:
-        """Add ``(m²/N) gᵀg`` of one call; ``pass_id`` counts micro-batches."""
-        rows = g_rows.to(dtype)
-        scale = multiplier * multiplier / batch
-        if self.g_sum is None:
-            self.g_sum = (rows.t() @ rows).mul_(scale)
-        elif isinstance(scale, Tensor):  # a grad scaler's scale stays on device
-            self.g_sum.add_((rows.t() @ rows).mul_(scale))
-        else:
-            self.g_sum.addmm_(rows.t(), rows, alpha=scale)
-        if pass_id != self._last_pass:
-            self.g_passes += 1
-            self._last_pass = pass_id
-        self.grad_calls += 1
-
-    def batch_factors(self) -> tuple[Tensor, Tensor]:
-        """The batch A and G since the last reset (computed in place: call once, then reset)."""
-        if self.a_sum is None or self.g_sum is None:
-            raise RuntimeError("no statistics captured for this layer")
-        return self.a_sum.div_(self.a_rows), self.g_sum.div_(self.g_passes)
-
-    def update(self, a_batch: Tensor | None, g_batch: Tensor | None, decay: float) -> None:
-        """Fold (already reduced) batch factors into the running averages.
-
-        Either factor may be ``None`` (this rank does not keep it).  A
-        non-finite batch factor leaves its running factor unchanged.
-        """
-        if a_batch is not None:
-            self.A = self._fold(self.A, a_batch, decay)
-        if g_batch is not None:
-            self.G = self._fold(self.G, g_batch, decay)
-
-    def _fold(self, running: Tensor | None, batch: Tensor, decay: float) -> Tensor | None:
-        if running is None:
-            # No previous value to fall back to: one host sync, once per factor.
-            if not bool(all_finite(batch)):
-                self._rejected = self._rejected + 1
-                return None
-            return batch.clone()
-        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
-        return running
-
-    @property
-    def nonfinite_updates(self) -> int:
-        """How many batch statistics were rejected as non-finite (syncs once)."""
-        return int(self._rejected)

@@ -1,9 +1,9 @@
-"""Per-layer K-FAC state: statistics, running factors and second-order tensors.
+"""Per-layer K-FAC state: batch statistics, running factors, second-order tensors.
 
-A :class:`KFACLayer` owns nothing but tensors and the pure math that maps
-them into each other; *which* of these steps a rank performs for a layer is
-decided by the work plan (:mod:`kaisa.plan`) and carried out by the
-orchestrator (:mod:`kaisa.preconditioner`).
+A :class:`KFACLayer` owns tensors and nothing else; *which* of them a rank
+keeps is decided by the work plan (:mod:`kaisa.plan`), what the second-order
+tensors are by the curvature method (:mod:`kaisa.methods`), and when they
+change by the step pipeline (:mod:`kaisa.pipeline`).
 """
 
 from __future__ import annotations
@@ -13,38 +13,73 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kaisa.config import ComputeMethod
-from kaisa.decompose import (
-    DecompositionError,
-    damped_inverse,
-    eigen_outer_inverse,
-    pi_split,
-    symmetric_eigh,
-)
-from kaisa.factors import FactorStatistics
+from kaisa.factors import FactorSpec, all_finite, running_average_
 from kaisa.layers.base import LayerAdapter
-from kaisa.precondition import precondition_eigen, precondition_inverse
 
-__all__ = ["KFACLayer", "PendingCapture"]
+__all__ = ["BatchStatistics", "KFACLayer", "PendingCapture"]
 
 
 @dataclass
 class PendingCapture:
-    """Raw captures kept until ``step()`` when ``update_factors_in_hook=False``."""
+    """Raw (input, output-gradient) pairs kept until ``step()`` when
+    ``update_factors_in_hook=False``: ``(x, g, batch, multiplier, pass_id)``."""
 
-    inputs: list[Tensor] = field(default_factory=list)
-    grads: list[tuple[Tensor, int, float | Tensor, int]] = field(default_factory=list)
+    calls: list[tuple[Tensor, Tensor, int, float | Tensor, int]] = field(default_factory=list)
+
+
+class BatchStatistics:
+    """Sums and counts of one layer since the last factor update.
+
+    ``sums[i]`` is the unnormalised contribution to factor ``i``; ``counts[i]``
+    what it will be divided by once the sums and counts of every rank have
+    been added up (rows for input factors, data points for output-gradient
+    factors).  A forward call adds nothing until its output gradient arrives,
+    so a forward that is never followed by a backward leaves no trace.
+    """
+
+    def __init__(self, n_factors: int) -> None:
+        self.n_factors = n_factors
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: list[Tensor | None] = [None] * self.n_factors
+        self.counts: list[float] = [0.0] * self.n_factors
+        self.calls = 0  #: forward calls whose statistics were committed
+        self.pending_forwards = 0  #: forward calls still waiting for their gradient
+        self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
+        self._last_pass: int | None = None
+
+    def add(self, index: int, value: Tensor) -> None:
+        current = self.sums[index]
+        if current is None:
+            self.sums[index] = value
+        else:
+            current.add_(value)
+
+    def new_pass(self, pass_id: int) -> bool:
+        """Record that ``pass_id`` reached the layer; True the first time it does."""
+        if pass_id == self._last_pass:
+            return False
+        self._last_pass = pass_id
+        self.passes += 1
+        return True
+
+    @property
+    def has_data(self) -> bool:
+        return self.calls > 0
 
 
 class KFACLayer:
     """The K-FAC state of one registered module.
 
-    Second-order tensors live in :attr:`second_order` under fixed keys so that
-    communication and memory accounting can treat them uniformly:
-
-    * eigen: ``qa``, ``qg`` and either ``inv_outer`` = 1/(λ_G λ_Aᵀ + γ) or
-      ``eig_a``, ``eig_g``;
-    * inverse: ``a_inv``, ``g_inv``.
+    Attributes:
+        factors: the specs of its Kronecker factors (from the adapter).
+        running: the running factors, ``None`` where this rank does not own one.
+        state: the curvature method's second-order tensors, keyed by the
+            method's own names (this rank holds them only as a gradient worker).
+        captured: statistics exist for the layer somewhere in the data-parallel
+            group (the same on every rank: decided from reduced counts).
+        decomposed: its second-order tensors were computed at least once.
     """
 
     def __init__(
@@ -52,120 +87,51 @@ class KFACLayer:
     ) -> None:
         self.adapter = adapter
         self.name = adapter.name
+        self.factors: tuple[FactorSpec, ...] = adapter.factor_specs()
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
-        self.stats = FactorStatistics(adapter.a_dim, adapter.g_dim)
+        self.batch = BatchStatistics(len(self.factors))
         self.pending = PendingCapture()
-        self.second_order: dict[str, Tensor] = {}
-        self.failed_decompositions = 0
-        self.decompositions = 0  #: factors this rank has decomposed (A and G count apart)
-        #: statistics were captured at some factor update (or loaded).  The same
-        #: on every rank; a layer never captured keeps its raw gradient.
+        self.running: list[Tensor | None] = [None] * len(self.factors)
+        self.state: dict[str, Tensor] = {}
         self.captured = False
+        self.decomposed = False
+        self.failed_decompositions = 0
+        self.decompositions = 0  #: factors this rank has decomposed
+        self._rejected: Tensor | int = 0  # non-finite batch factors, counted on device
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {self.adapter.describe()})"
 
-    # -- decomposition -----------------------------------------------------
-    def eigen_a(self) -> dict[str, Tensor]:
-        """Eigendecomposition of the running A: ``{'qa', 'eig_a'}``."""
-        assert self.stats.A is not None
-        q, lam = symmetric_eigh(self.stats.A, self.inv_dtype)
-        return {"qa": q, "eig_a": lam}
+    def index(self, name: str) -> int:
+        for i, spec in enumerate(self.factors):
+            if spec.name == name:
+                return i
+        raise KeyError(f"layer {self.name!r} has no factor {name!r}")
 
-    def eigen_g(self) -> dict[str, Tensor]:
-        """Eigendecomposition of the running G: ``{'qg', 'eig_g'}``."""
-        assert self.stats.G is not None
-        q, lam = symmetric_eigh(self.stats.G, self.inv_dtype)
-        return {"qg": q, "eig_g": lam}
+    def factor(self, name: str) -> Tensor | None:
+        """The running factor called ``name`` (``None`` where not kept here)."""
+        return self.running[self.index(name)]
 
-    def inverse_a(self, pi: Tensor, damping: float) -> dict[str, Tensor]:
-        assert self.stats.A is not None
-        return {"a_inv": damped_inverse(self.stats.A, pi * damping**0.5, self.inv_dtype)}
+    def fold(self, index: int, batch: Tensor, decay: float) -> None:
+        """Fold a reduced batch factor into the running average.
 
-    def inverse_g(self, pi: Tensor, damping: float) -> dict[str, Tensor]:
-        assert self.stats.G is not None
-        return {"g_inv": damped_inverse(self.stats.G, damping**0.5 / pi, self.inv_dtype)}
-
-    def traces(self) -> tuple[Tensor, Tensor]:
-        assert self.stats.A is not None and self.stats.G is not None
-        return torch.trace(self.stats.A), torch.trace(self.stats.G)
-
-    def decompose(
-        self,
-        method: ComputeMethod,
-        damping: float,
-        outer_product: bool,
-        *,
-        do_a: bool = True,
-        do_g: bool = True,
-        pi: Tensor | None = None,
-    ) -> bool:
-        """Recompute this rank's share of the second-order tensors.
-
-        On failure (non-finite factor, no convergence) the previous tensors
-        are kept and ``False`` is returned: a numerical failure never replaces
-        a valid decomposition with garbage.
+        A non-finite batch factor leaves the running factor unchanged (the
+        first one is rejected with a host check; later ones on device).
         """
-        self.decompositions += int(do_a) + int(do_g)
-        try:
-            new: dict[str, Tensor] = {}
-            if method is ComputeMethod.EIGEN:
-                if do_a:
-                    new.update(self.eigen_a())
-                if do_g:
-                    new.update(self.eigen_g())
-                if outer_product and do_a and do_g:
-                    new["inv_outer"] = eigen_outer_inverse(
-                        new.pop("eig_g"), new.pop("eig_a"), damping
-                    )
-            else:
-                if pi is None:
-                    trace_a, trace_g = self.traces()
-                    pi = pi_split(trace_a, self.adapter.a_dim, trace_g, self.adapter.g_dim)
-                if do_a:
-                    new.update(self.inverse_a(pi, damping))
-                if do_g:
-                    new.update(self.inverse_g(pi, damping))
-        except DecompositionError:
-            self.failed_decompositions += 1
-            return False
-        if "inv_outer" in new:
-            self.second_order.pop("eig_a", None)
-            self.second_order.pop("eig_g", None)
-        self.second_order.update(new)
-        return True
-
-    def finish_outer_product(self, damping: float) -> None:
-        """Fold received eigenvalues into ``inv_outer`` (non-colocated factors)."""
-        # The eigenvalues are kept (they are small) so that a later failed
-        # decomposition of one factor can fall back to its previous values.
-        so = self.second_order
-        if "eig_a" in so and "eig_g" in so:
-            so["inv_outer"] = eigen_outer_inverse(so["eig_g"], so["eig_a"], damping)
+        running = self.running[index]
+        if running is None:
+            if not bool(all_finite(batch)):
+                self._rejected = self._rejected + 1
+                return
+            self.running[index] = batch.clone()
+            return
+        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
 
     @property
-    def ready(self) -> bool:
-        """Whether this rank holds everything needed to precondition the layer."""
-        keys = self.second_order.keys()
-        if {"a_inv", "g_inv"} <= keys:
-            return True
-        return {"qa", "qg"} <= keys and ("inv_outer" in keys or {"eig_a", "eig_g"} <= keys)
-
-    # -- preconditioning ---------------------------------------------------
-    def precondition(self, grad: Tensor, damping: float) -> Tensor:
-        so = self.second_order
-        if "a_inv" in so:
-            return precondition_inverse(grad, so["a_inv"], so["g_inv"])
-        return precondition_eigen(
-            grad,
-            so["qa"],
-            so["qg"],
-            inv_outer=so.get("inv_outer"),
-            eig_a=so.get("eig_a"),
-            eig_g=so.get("eig_g"),
-            damping=damping,
-        )
+    def nonfinite_updates(self) -> int:
+        """How many batch factors were rejected as non-finite (syncs once)."""
+        return int(self._rejected)
 
     def memory(self) -> dict[str, int]:
         """Bytes held for this layer, by kind."""
@@ -173,11 +139,9 @@ class KFACLayer:
         def nbytes(t: Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        pending = sum(nbytes(t) for t in self.pending.inputs) + sum(
-            nbytes(g[0]) for g in self.pending.grads
-        )
+        pending = sum(nbytes(c[0]) + nbytes(c[1]) for c in self.pending.calls)
         return {
-            "factors": nbytes(self.stats.A) + nbytes(self.stats.G),
-            "batch_statistics": nbytes(self.stats.a_sum) + nbytes(self.stats.g_sum) + pending,
-            "second_order": sum(nbytes(t) for t in self.second_order.values()),
+            "factors": sum(nbytes(t) for t in self.running),
+            "batch_statistics": sum(nbytes(t) for t in self.batch.sums) + pending,
+            "second_order": sum(nbytes(t) for t in self.state.values()),
         }

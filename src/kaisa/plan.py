@@ -1,10 +1,11 @@
 """The KAISA work plan: a pure function from layer sizes to who does what.
 
-Given the factor sizes of every layer, the world size W and the gradient
-worker fraction f, :func:`make_plan` decides
+Given the factor specs of every layer, the size W of the data-parallel group
+and the gradient worker fraction f, :func:`make_plan` decides
 
 * which rank decomposes each factor (greedy longest-processing-time balance
-  by cost n³ for ``'compute'`` or n² for ``'memory'``);
+  by the factor's cost: n³ for ``'compute'`` or n² for ``'memory'``, n for a
+  diagonal factor);
 * which ranks are each layer's *gradient workers* — they hold its
   eigenbases (or inverses) and compute its preconditioned gradient;
 * which ranks receive the preconditioned gradient from which worker.
@@ -17,7 +18,10 @@ broadcasts the preconditioned gradient to the receiver group it belongs to,
 every step.  f = 1 (COMM-OPT) makes every rank a worker of every layer and
 removes the per-step broadcast; f = 1/W (MEM-OPT) makes one worker per layer.
 
-Nothing here touches ``torch.distributed``: the plan is immutable, printable
+Ranks here are positions in the data-parallel group (0 … W−1), not global
+ranks: ranks that hold other parts of the model (tensor or pipeline
+parallelism) each plan over their own data-parallel group.  Nothing here
+touches ``torch.distributed``: the plan is immutable, printable
 (:meth:`WorkPlan.describe`) and unit-testable without processes.
 """
 
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kaisa.config import AssignmentStrategy, DistributedStrategy
+from kaisa.factors import FactorKind, FactorSpec, kfac_factors
 
 __all__ = [
     "LayerPlan",
@@ -42,22 +47,24 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What the planner needs to know of a layer."""
+    """What the planner needs to know of a layer: its factors."""
 
     name: str
-    a_dim: int
-    g_dim: int
+    factors: tuple[FactorSpec, ...]
+
+    @classmethod
+    def kfac(cls, name: str, a_dim: int, g_dim: int) -> LayerSpec:
+        """A Linear/Conv2d-like layer: dense A (inputs) and dense G (output gradients)."""
+        return cls(name, kfac_factors(a_dim, g_dim))
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Who does what for one layer (all ranks are global ranks)."""
+    """Who does what for one layer (ranks are positions in the data-parallel group)."""
 
     name: str
-    a_dim: int
-    g_dim: int
-    a_decomposer: int
-    g_decomposer: int
+    factors: tuple[FactorSpec, ...]
+    owners: tuple[int, ...]  #: the rank that reduces, keeps and decomposes each factor
     grad_workers: tuple[int, ...]
     #: one group per gradient worker: the worker first, then the ranks it
     #: sends the preconditioned gradient to (itself included, as in a broadcast)
@@ -65,20 +72,24 @@ class LayerPlan:
 
     @property
     def colocated(self) -> bool:
-        return self.a_decomposer == self.g_decomposer
+        return len(set(self.owners)) == 1
+
+    def owner_of(self, factor: str) -> int:
+        """The owner of the factor called ``factor``."""
+        for spec, owner in zip(self.factors, self.owners):
+            if spec.name == factor:
+                return owner
+        raise KeyError(f"layer {self.name!r} has no factor {factor!r}")
 
     def is_decomposer(self, rank: int) -> bool:
-        return rank in (self.a_decomposer, self.g_decomposer)
+        return rank in self.owners
 
     def is_grad_worker(self, rank: int) -> bool:
         return rank in self.grad_workers
 
     def gradient_source(self, rank: int) -> int:
         """The gradient worker whose preconditioned gradient ``rank`` uses."""
-        for group in self.receiver_groups:
-            if rank in group:
-                return group[0]
-        raise ValueError(f"rank {rank} is in no receiver group of layer {self.name!r}")
+        return self.receiver_group_of(rank)[0]
 
     def receiver_group_of(self, rank: int) -> tuple[int, ...]:
         for group in self.receiver_groups:
@@ -128,10 +139,6 @@ def grad_workers_for(fraction: float | DistributedStrategy, world_size: int) -> 
     return m
 
 
-def _cost(dim: int, strategy: AssignmentStrategy) -> float:
-    return float(dim) ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
-
-
 @dataclass(frozen=True)
 class WorkPlan:
     """The immutable assignment of K-FAC work to ranks."""
@@ -171,15 +178,15 @@ class WorkPlan:
         second_order_elems = 0
         precondition_flops = 0.0
         for lp in self.layers:
-            if lp.a_decomposer == rank:
-                decomposition_cost += _cost(lp.a_dim, self.assignment_strategy)
-                factor_elems += lp.a_dim**2
-            if lp.g_decomposer == rank:
-                decomposition_cost += _cost(lp.g_dim, self.assignment_strategy)
-                factor_elems += lp.g_dim**2
+            for spec, owner in zip(lp.factors, lp.owners):
+                if owner == rank:
+                    decomposition_cost += spec.cost(self.assignment_strategy)
+                    factor_elems += spec.numel
             if lp.is_grad_worker(rank):
-                second_order_elems += lp.a_dim**2 + lp.g_dim**2 + lp.a_dim * lp.g_dim
-                precondition_flops += 4.0 * lp.a_dim * lp.g_dim * (lp.a_dim + lp.g_dim)
+                # eigenbases (or inverses) plus the eigenvalue outer product
+                numel = math.prod(spec.dim for spec in lp.factors)
+                second_order_elems += sum(spec.numel for spec in lp.factors) + numel
+                precondition_flops += 4.0 * numel * sum(spec.dim for spec in lp.factors)
         return {
             "decomposition_cost": decomposition_cost,
             "factor_elements": float(factor_elems),
@@ -206,12 +213,13 @@ class WorkPlan:
                 f"  {r:>4} {load['decomposition_cost']:>14.4g} {load['factor_elements']:>13.0f} "
                 f"{load['second_order_elements']:>16.0f} {owned:>7}"
             )
-        lines.append(f"  {'layer':<32} {'A':>6} {'G':>6} {'A on':>5} {'G on':>5}  workers")
+        lines.append(f"  {'layer':<32} {'factors (size on rank)':<30} workers")
         for lp in self.layers:
-            lines.append(
-                f"  {lp.name:<32} {lp.a_dim:>6} {lp.g_dim:>6} {lp.a_decomposer:>5} "
-                f"{lp.g_decomposer:>5}  {list(lp.grad_workers)}"
+            where = ", ".join(
+                f"{s.name}:{s.dim}{'d' if s.kind is FactorKind.DIAGONAL else ''} on {o}"
+                for s, o in zip(lp.factors, lp.owners)
             )
+            lines.append(f"  {lp.name:<32} {where:<30} {list(lp.grad_workers)}")
         return "\n".join(lines)
 
 
@@ -241,35 +249,32 @@ def make_plan(
     def least_loaded(ranks: Sequence[int]) -> int:
         return min(ranks, key=lambda r: (load[r], r))
 
-    order = sorted(
-        range(len(layers)),
-        key=lambda i: (-(_cost(layers[i].a_dim, strategy) + _cost(layers[i].g_dim, strategy)), i),
-    )
+    def total_cost(spec: LayerSpec) -> float:
+        return sum(f.cost(strategy) for f in spec.factors)
+
+    order = sorted(range(len(layers)), key=lambda i: (-total_cost(layers[i]), i))
     planned: dict[int, LayerPlan] = {}
     for i in order:
         spec = layers[i]
-        cost_a, cost_g = _cost(spec.a_dim, strategy), _cost(spec.g_dim, strategy)
         group = min(worker_groups, key=lambda g: (sum(load[r] for r in g), g[0]))
+        owners = [0] * len(spec.factors)
         if colocate_factors:
-            a_rank = g_rank = least_loaded(group)
-            load[a_rank] += cost_a + cost_g
+            rank = least_loaded(group)
+            owners = [rank] * len(spec.factors)
+            load[rank] += total_cost(spec)
         else:
-            big_first = [("a", cost_a), ("g", cost_g)]
-            big_first.sort(key=lambda t: -t[1])
-            chosen: dict[str, int] = {}
-            for which, cost in big_first:
+            costs = [f.cost(strategy) for f in spec.factors]
+            big_first = sorted(range(len(costs)), key=lambda k: -costs[k])
+            for k in big_first:
                 rank = least_loaded(group)
-                chosen[which] = rank
-                load[rank] += cost
-            a_rank, g_rank = chosen["a"], chosen["g"]
+                owners[k] = rank
+                load[rank] += spec.factors[k].cost(strategy)
         workers = tuple(group)
         groups = tuple((w, *[r for r in receiver_groups[w % m] if r != w]) for w in workers)
         planned[i] = LayerPlan(
             name=spec.name,
-            a_dim=spec.a_dim,
-            g_dim=spec.g_dim,
-            a_decomposer=a_rank,
-            g_decomposer=g_rank,
+            factors=spec.factors,
+            owners=tuple(owners),
             grad_workers=workers,
             receiver_groups=groups,
         )

@@ -1,13 +1,13 @@
-"""Applying the Kronecker-factored inverse to a gradient, and the KL clip.
+"""Applying Kronecker-factored operators to a gradient, and the KL clip.
 
-All functions take the canonical ``[d_out, d_in(+1)]`` gradient matrix.  With
-``vec`` stacking columns, ``(A⊗G) vec(X) = vec(G X A)`` for symmetric A, so:
+A layer's gradient is a tensor whose axis ``i`` is acted on by the factor with
+``spec.axis == i``; for Linear and Conv2d it is the ``[d_out, d_in(+1)]``
+matrix, with G on axis 0 and A on axis 1.  With ``vec`` stacking columns,
+``(A⊗G) vec(X) = vec(G X A)`` for symmetric A, so every Kronecker-factored
+operator is a sequence of per-axis matrix products (:func:`mul_axis`).
 
-* eigen:   ``V = Q_G [(Q_Gᵀ ∇ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ = (A⊗G + γI)⁻¹ ∇``
-* inverse: ``V = (G + √γ/π I)⁻¹ ∇ (A + π√γ I)⁻¹
-  = ((A + π√γ I) ⊗ (G + √γ/π I))⁻¹ ∇``
-
-The math runs in the decomposition dtype and is cast back to the gradient's.
+The KL clip is split in two so that its inner product can be summed over the
+ranks that hold other parts of the model before the square root.
 """
 
 from __future__ import annotations
@@ -17,54 +17,40 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["kl_clip_scale", "precondition_eigen", "precondition_inverse"]
+__all__ = ["kl_clip_scale", "kl_inner", "kl_scale", "mul_axis"]
 
 
-def precondition_eigen(
-    grad: Tensor,
-    qa: Tensor,
-    qg: Tensor,
-    *,
-    inv_outer: Tensor | None = None,
-    eig_a: Tensor | None = None,
-    eig_g: Tensor | None = None,
-    damping: float | None = None,
-) -> Tensor:
-    """``(A⊗G + γI)⁻¹ ∇`` from the eigendecompositions of A and G.
+def mul_axis(v: Tensor, m: Tensor, axis: int) -> Tensor:
+    """``out[..., j, ...] = Σ_i v[..., i, ...] m[i, j]`` along ``axis``.
 
-    Either ``inv_outer = 1/(λ_G λ_Aᵀ + γ)`` (precomputed at decomposition
-    time) or ``eig_a``, ``eig_g`` and ``damping`` must be given.
+    For a matrix: ``mᵀ v`` on axis 0 and ``v m`` on axis 1.
     """
-    g = grad.to(qa.dtype)
-    v = qg.t() @ g @ qa
-    if inv_outer is not None:
-        v = v * inv_outer
-    else:
-        if eig_a is None or eig_g is None or damping is None:
-            raise ValueError("precondition_eigen needs inv_outer or eig_a, eig_g and damping")
-        v = v / (torch.outer(eig_g, eig_a) + damping)
-    return (qg @ v @ qa.t()).to(grad.dtype)
+    if v.dim() == 2:
+        return m.t() @ v if axis == 0 else v @ m
+    return torch.movedim(torch.tensordot(v, m, dims=([axis], [0])), -1, axis)
 
 
-def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor) -> Tensor:
-    """``G⁻¹ ∇ A⁻¹`` with already-damped inverses."""
-    return (g_inv @ grad.to(a_inv.dtype) @ a_inv).to(grad.dtype)
+def kl_inner(preconditioned: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor | None:
+    """``Σ ⟨V, ∇⟩`` over the given layers as a 0-d tensor (None if there are none)."""
+    if not preconditioned:
+        return None
+    dots = [
+        torch.vdot(v.reshape(-1), g.reshape(-1).to(v.dtype)) for v, g in zip(preconditioned, grads)
+    ]
+    return torch.stack(dots).sum()
+
+
+def kl_scale(inner: Tensor, lr: float, kl_clip: float) -> Tensor:
+    """``ν = min(1, sqrt(kl_clip / |lr²·inner|))``; a zero inner product gives ν = 1."""
+    vg = inner.abs() * (lr * lr)
+    return torch.clamp(torch.sqrt(kl_clip / vg), max=1.0)
 
 
 def kl_clip_scale(
     preconditioned: Sequence[Tensor], grads: Sequence[Tensor], lr: float, kl_clip: float | None
 ) -> Tensor | None:
-    """``ν = min(1, sqrt(kl_clip / |Σ lr²⟨V, ∇⟩|))`` as a 0-d tensor; no host sync.
-
-    Returns ``None`` when clipping is off.  A zero inner product gives ν = 1.
-    """
-    if kl_clip is None or not preconditioned:
+    """``ν`` for layers all held by this process; no host sync.  None when off."""
+    inner = kl_inner(preconditioned, grads)
+    if kl_clip is None or inner is None:
         return None
-    dots = torch.stack(
-        [
-            torch.vdot(v.reshape(-1), g.reshape(-1).to(v.dtype))
-            for v, g in zip(preconditioned, grads)
-        ]
-    )
-    vg = dots.sum().abs() * (lr * lr)
-    return torch.clamp(torch.sqrt(kl_clip / vg), max=1.0)
+    return kl_scale(inner, lr, kl_clip)

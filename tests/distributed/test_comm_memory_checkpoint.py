@@ -177,11 +177,11 @@ def resume(
     for name, layer in precond.layers.items():
         lp = precond.plan.layer(name)
         held[name] = dict(
-            A=layer.stats.A is not None,
-            G=layer.stats.G is not None,
-            so=bool(layer.second_order),
-            a_owner=lp.a_decomposer == rank,
-            g_owner=lp.g_decomposer == rank,
+            A=layer.factor("A") is not None,
+            G=layer.factor("G") is not None,
+            so=bool(layer.state),
+            a_owner=lp.owner_of("A") == rank,
+            g_owner=lp.owner_of("G") == rank,
             worker=rank in lp.grad_workers,
         )
     record: list = []

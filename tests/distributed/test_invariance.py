@@ -86,7 +86,7 @@ def train(
     record["params"] = [p.detach().clone() for p in model.parameters()]
     record["factors"] = precond.state_dict()["layers"]
     record["owned"] = {
-        name: (layer.stats.A is not None, layer.stats.G is not None, bool(layer.second_order))
+        name: (layer.factor("A") is not None, layer.factor("G") is not None, bool(layer.state))
         for name, layer in precond.layers.items()
     }
     record["plan"] = precond.plan
@@ -174,8 +174,8 @@ def test_world_4_every_strategy_equals_single_process() -> None:
     for rank, per_rank in enumerate(results):
         for name, (has_a, has_g, has_so) in per_rank[mem_opt]["owned"].items():
             lp = plan.layer(name)
-            assert has_a == (lp.a_decomposer == rank)
-            assert has_g == (lp.g_decomposer == rank)
+            assert has_a == (lp.owner_of("A") == rank)
+            assert has_g == (lp.owner_of("G") == rank)
             assert has_so == (rank in lp.grad_workers)
 
 

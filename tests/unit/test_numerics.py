@@ -89,8 +89,8 @@ def test_linear_factors_and_preconditioned_gradient(bias: bool, method: str) -> 
     for name, layer in precond.layers.items():
         module = layer.adapter.module
         A, G = reference_factors(model, module, x, lambda out: ce_per_example(out, y), bias)
-        assert rel_err(layer.stats.A, A) <= TOL
-        assert rel_err(layer.stats.G, G) <= TOL
+        assert rel_err(layer.factor("A"), A) <= TOL
+        assert rel_err(layer.factor("G"), G) <= TOL
         dense = dense_precondition if method == "eigen" else dense_precondition_pi
         expected = dense(raw[name], A, G, DAMPING)
         assert rel_err(grad_matrix(module), expected) <= TOL
@@ -102,7 +102,7 @@ def test_eigen_path_is_exact_damped_kronecker_inverse_not_pi_split() -> None:
     x, y = data()
     precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x)
     layer = next(iter(precond.layers.values()))
-    A, G = layer.stats.A, layer.stats.G
+    A, G = layer.factor("A"), layer.factor("G")
     exact = dense_precondition(raw[layer.name], A, G, DAMPING)
     other = dense_precondition_pi(raw[layer.name], A, G, DAMPING)
     assert rel_err(grad_matrix(layer.adapter.module), exact) <= TOL
@@ -134,8 +134,8 @@ def test_sequence_linear_expand(loss_average: str) -> None:
         # Whatever the averaging, ĝ is the gradient of one summed term: G = (1/N) Σ ĝ ĝᵀ.
         rows = zg.reshape(-1, zg.shape[-1])
         G = rows.t() @ rows / 3
-        assert rel_err(layer.stats.A, A) <= TOL
-        assert rel_err(layer.stats.G, G) <= TOL
+        assert rel_err(layer.factor("A"), A) <= TOL
+        assert rel_err(layer.factor("G"), G) <= TOL
         assert rel_err(grad_matrix(module), dense_precondition(raw[name], A, G, DAMPING)) <= TOL
 
 
@@ -179,9 +179,9 @@ def test_conv2d_factors_against_unfold(case: dict) -> None:
     A, G = reference_factors(
         model, conv, x, lambda out: ce_per_example(out, y), conv.bias is not None
     )
-    assert layer.stats.A.shape == (layer.adapter.a_dim,) * 2
-    assert rel_err(layer.stats.A, A) <= TOL
-    assert rel_err(layer.stats.G, G) <= TOL
+    assert layer.factor("A").shape == (layer.adapter.a_dim,) * 2
+    assert rel_err(layer.factor("A"), A) <= TOL
+    assert rel_err(layer.factor("G"), G) <= TOL
     assert rel_err(grad_matrix(conv), dense_precondition(raw["0"], A, G, DAMPING)) <= TOL
 
 
@@ -195,7 +195,7 @@ def test_conv_inverse_path() -> None:
         model, lambda out: F.cross_entropy(out, y), x, compute_method="inverse"
     )
     for name, layer in precond.layers.items():
-        expected = dense_precondition_pi(raw[name], layer.stats.A, layer.stats.G, DAMPING)
+        expected = dense_precondition_pi(raw[name], layer.factor("A"), layer.factor("G"), DAMPING)
         assert rel_err(grad_matrix(layer.adapter.module), expected) <= TOL
 
 
@@ -206,7 +206,7 @@ def test_kl_clip(kl_clip: float) -> None:
     lr = 0.3
     precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, kl_clip=kl_clip, lr=lr)
     dense = {
-        n: dense_precondition(raw[n], la.stats.A, la.stats.G, DAMPING)
+        n: dense_precondition(raw[n], la.factor("A"), la.factor("G"), DAMPING)
         for n, la in precond.layers.items()
     }
     vg = sum((dense[n] * raw[n]).sum() for n in dense) * lr**2
@@ -239,8 +239,8 @@ def test_factors_do_not_depend_on_batch_size() -> None:
     small = _factors_after_one_step(copy.deepcopy(model), loss, [x])
     big = _factors_after_one_step(copy.deepcopy(model), loss, [big_x])
     for name in small.layers:
-        assert rel_err(big.layers[name].stats.A, small.layers[name].stats.A) <= TOL
-        assert rel_err(big.layers[name].stats.G, small.layers[name].stats.G) <= TOL
+        assert rel_err(big.layers[name].factor("A"), small.layers[name].factor("A")) <= TOL
+        assert rel_err(big.layers[name].factor("G"), small.layers[name].factor("G")) <= TOL
 
 
 @pytest.mark.parametrize("in_hook", [True, False])
@@ -265,8 +265,8 @@ def test_gradient_accumulation_equals_one_big_batch(in_hook: bool) -> None:
         copy.deepcopy(model), lambda out, xb: F.cross_entropy(out, part_targets[id(xb)]), [x]
     )
     for name in one.layers:
-        assert rel_err(acc.layers[name].stats.A, one.layers[name].stats.A) <= TOL
-        assert rel_err(acc.layers[name].stats.G, one.layers[name].stats.G) <= TOL
+        assert rel_err(acc.layers[name].factor("A"), one.layers[name].factor("A")) <= TOL
+        assert rel_err(acc.layers[name].factor("G"), one.layers[name].factor("G")) <= TOL
         assert (
             rel_err(
                 grad_matrix(acc.layers[name].adapter.module),
@@ -303,8 +303,8 @@ def test_module_called_twice_accumulates_both_calls() -> None:
     rows = torch.cat(zgrads)
     G = rows.t() @ rows / 6
     layer = precond.layers["shared"]
-    assert rel_err(layer.stats.A, A) <= TOL
-    assert rel_err(layer.stats.G, G) <= TOL
+    assert rel_err(layer.factor("A"), A) <= TOL
+    assert rel_err(layer.factor("G"), G) <= TOL
     assert rel_err(grad_matrix(shared), dense_precondition(raw["shared"], A, G, DAMPING)) <= TOL
 
 
@@ -324,8 +324,8 @@ def test_running_average_initialised_from_first_batch() -> None:
         precond.step()
     A = decay * refs[0][0] + (1 - decay) * refs[1][0]
     G = decay * refs[0][1] + (1 - decay) * refs[1][1]
-    assert rel_err(precond.layers["0"].stats.A, A) <= TOL
-    assert rel_err(precond.layers["0"].stats.G, G) <= TOL
+    assert rel_err(precond.layers["0"].factor("A"), A) <= TOL
+    assert rel_err(precond.layers["0"].factor("G"), G) <= TOL
 
 
 @pytest.mark.parametrize(
@@ -353,6 +353,6 @@ def test_float32_factors_with_float64_model_are_close_not_exact() -> None:
     loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
     kfac_step(m64, loss, x)
     p32, _ = kfac_step(m32, loss, x, factor_dtype=torch.float32, inv_dtype=torch.float32)
-    assert p32.layers["0"].stats.A.dtype == torch.float32
+    assert p32.layers["0"].factor("A").dtype == torch.float32
     for a, b in zip(m64.parameters(), m32.parameters()):
         assert 0 < rel_err(b.grad, a.grad) <= 1e-4

@@ -13,7 +13,9 @@ from kaisa.plan import LayerSpec, allowed_fractions, grad_workers_for, make_plan
 def resnet_like(n: int = 12, seed: int = 0) -> list[LayerSpec]:
     rng = random.Random(seed)
     return [
-        LayerSpec(f"layer{i}", rng.choice([28, 64, 147, 577, 1153]), rng.choice([10, 64, 128, 256]))
+        LayerSpec.kfac(
+            f"layer{i}", rng.choice([28, 64, 147, 577, 1153]), rng.choice([10, 64, 128, 256])
+        )
         for i in range(n)
     ]
 
@@ -68,7 +70,7 @@ def test_plan_invariants(world, fraction, colocate) -> None:
     for lp in plan.layers:
         # each factor has exactly one decomposer, inside the layer's worker group
         assert lp.grad_workers in plan.worker_groups
-        assert lp.a_decomposer in lp.grad_workers and lp.g_decomposer in lp.grad_workers
+        assert lp.owner_of("A") in lp.grad_workers and lp.owner_of("G") in lp.grad_workers
         if colocate:
             assert lp.colocated
         # every rank receives the layer's preconditioned gradient from exactly one worker
@@ -87,9 +89,9 @@ def test_comm_opt_and_mem_opt_extremes() -> None:
         assert lp.grad_workers == (0, 1, 2, 3)
         assert all(len(g) == 1 for g in lp.receiver_groups)  # nothing to broadcast per step
     for lp in mem.layers:
-        assert lp.grad_workers == (lp.a_decomposer,)
+        assert lp.grad_workers == (lp.owner_of("A"),)
         assert lp.receiver_groups == (
-            (lp.a_decomposer, *[r for r in range(4) if r != lp.a_decomposer]),
+            (lp.owner_of("A"), *[r for r in range(4) if r != lp.owner_of("A")]),
         )
 
 
@@ -102,24 +104,26 @@ def test_greedy_balance_bound(strategy, fraction) -> None:
     plan = make_plan(layers, 8, fraction, strategy, colocate_factors=True)
     power = 3 if strategy == "compute" else 2
     loads = [plan.rank_load(r)["decomposition_cost"] for r in range(8)]
-    biggest = max(s.a_dim**power + s.g_dim**power for s in layers)
-    assert max(loads) - min(loads) <= biggest
-    assert sum(loads) == pytest.approx(sum(s.a_dim**power + s.g_dim**power for s in layers))
+    sizes = [sum(f.dim**power for f in s.factors) for s in layers]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert sum(loads) == pytest.approx(sum(sizes))
 
 
 def test_assignment_strategy_changes_costs() -> None:
-    layers = [LayerSpec("big", 1000, 10)] + [LayerSpec(n, 600, 10) for n in "abcd"]
+    layers = [LayerSpec.kfac("big", 1000, 10)] + [LayerSpec.kfac(n, 600, 10) for n in "abcd"]
     compute = make_plan(layers, 2, 0.0, AssignmentStrategy.COMPUTE)
     memory = make_plan(layers, 2, 0.0, AssignmentStrategy.MEMORY)
     # n³: 1000³ > 4·600³, so "big" sits alone; n²: 1000² < 4·600², so it gets company
-    assert [lp.a_decomposer for lp in compute.layers].count(compute.layer("big").a_decomposer) == 1
-    assert [lp.a_decomposer for lp in memory.layers].count(memory.layer("big").a_decomposer) == 2
+    assert [lp.owner_of("A") for lp in compute.layers].count(
+        compute.layer("big").owner_of("A")
+    ) == 1
+    assert [lp.owner_of("A") for lp in memory.layers].count(memory.layer("big").owner_of("A")) == 2
 
 
 def test_split_factors_balance_better_than_colocated() -> None:
-    layers = [LayerSpec("only", 512, 512)]
+    layers = [LayerSpec.kfac("only", 512, 512)]
     split = make_plan(layers, 2, 1.0, colocate_factors=False)
-    assert split.layers[0].a_decomposer != split.layers[0].g_decomposer
+    assert split.layers[0].owner_of("A") != split.layers[0].owner_of("G")
     assert make_plan(layers, 2, 1.0, colocate_factors=True).layers[0].colocated
 
 
@@ -137,7 +141,7 @@ def test_plan_is_deterministic_and_describable() -> None:
 
 
 def test_memory_per_rank_shrinks_with_fraction() -> None:
-    layers = [LayerSpec(f"l{i}", 256, 256) for i in range(8)]
+    layers = [LayerSpec.kfac(f"l{i}", 256, 256) for i in range(8)]
     elems = {}
     for f in (1.0, 0.5, 0.0):
         plan = make_plan(layers, 8, f)
@@ -148,4 +152,4 @@ def test_memory_per_rank_shrinks_with_fraction() -> None:
 
 def test_duplicate_names_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
-        make_plan([LayerSpec("x", 2, 2), LayerSpec("x", 3, 3)], 2)
+        make_plan([LayerSpec.kfac("x", 2, 2), LayerSpec.kfac("x", 3, 3)], 2)

@@ -67,14 +67,15 @@ def test_registration_report_names_what_is_left_to_the_optimizer() -> None:
     assert "KFACPreconditioner(layers=2" in repr(precond)
 
 
-def test_skip_layers_by_name_and_class_and_frozen_params() -> None:
+def test_skip_layers_by_name_and_class_frozen_layers_registered() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Conv2d(1, 1, 1), nn.Linear(4, 2))
     model[3].weight.requires_grad_(False)
     precond = KFACPreconditioner(model, skip_layers=["^1$", "Conv2d"])
-    assert list(precond.layers) == ["0"]
+    # a frozen layer is registered: it is preconditioned once it is unfrozen
+    assert list(precond.layers) == ["0", "3"]
     reasons = {s.name: s.reason for s in precond.skipped}
     assert "skip_layers" in reasons["1"] and "skip_layers" in reasons["2"]
-    assert "require grad" in reasons["3"]
+    assert set(reasons) == {"1", "2"}
 
 
 def test_model_without_supported_layers_is_refused() -> None:
@@ -162,18 +163,18 @@ def test_eval_mode_and_no_grad_capture_nothing() -> None:
     model.train()
     with torch.no_grad():
         model(x)
-    assert all(la.stats.calls == 0 for la in precond.layers.values())
-    model(x)
-    assert all(la.stats.calls == 1 for la in precond.layers.values())
+    assert all(la.batch.pending_forwards == 0 for la in precond.layers.values())
+    model(x)  # a training-mode forward waits for its gradient
+    assert all(la.batch.pending_forwards == 1 for la in precond.layers.values())
 
 
 def test_remove_hooks_and_context_manager() -> None:
     model = mlp()
     with KFACPreconditioner(model) as precond:
         model(batch()[0])
-        assert precond.layers["0"].stats.calls == 1
+        assert precond.layers["0"].batch.pending_forwards == 1
     model(batch()[0])
-    assert precond.layers["0"].stats.calls == 1
+    assert precond.layers["0"].batch.pending_forwards == 1
     assert not model[0]._forward_hooks and not model._forward_pre_hooks
     with pytest.raises(RuntimeError, match="remove_hooks"):
         precond.step()
@@ -188,7 +189,7 @@ def test_capture_only_on_factor_update_steps() -> None:
         x, y = batch(seed=i)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        calls.append(precond.layers["0"].stats.calls)
+        calls.append(precond.layers["0"].batch.calls)
         precond.step()
         opt.step()
     assert calls == [1, 0, 0, 1, 0, 0]
@@ -317,15 +318,15 @@ def test_non_finite_backward_does_not_poison_factors() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precond = KFACPreconditioner(model, optimizer=opt)
     train(model, precond, opt, 2)
-    before = {n: la.stats.G.clone() for n, la in precond.layers.items()}
+    before = {n: la.factor("G").clone() for n, la in precond.layers.items()}
     x, y = batch(seed=9)
     opt.zero_grad()
     (F.cross_entropy(model(x), y) * float("inf")).backward()
     precond.step()  # must not raise
     for n, la in precond.layers.items():
-        assert torch.equal(la.stats.G, before[n])
-        assert torch.isfinite(la.second_order["qg"]).all()
-    assert precond.layers["2"].stats.nonfinite_updates >= 1
+        assert torch.equal(la.factor("G"), before[n])
+        assert torch.isfinite(la.state["qg"]).all()
+    assert precond.layers["2"].nonfinite_updates >= 1
     opt.zero_grad()  # the next healthy step trains normally
     losses = train(model, precond, opt, 3, seed0=10)
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -337,16 +338,16 @@ def test_failed_decomposition_keeps_previous(monkeypatch) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precond = KFACPreconditioner(model, optimizer=opt)
     train(model, precond, opt, 1)
-    kept = {k: v.clone() for k, v in precond.layers["0"].second_order.items()}
+    kept = {k: v.clone() for k, v in precond.layers["0"].state.items()}
 
     def broken(*args, **kwargs):
         raise DecompositionError("simulated")
 
-    monkeypatch.setattr("kaisa.layer.symmetric_eigh", broken)
+    monkeypatch.setattr("kaisa.methods.eigen.symmetric_eigh", broken)
     train(model, precond, opt, 1, seed0=1)
     assert precond.layers["0"].failed_decompositions == 1
     for k, v in kept.items():
-        assert torch.equal(precond.layers["0"].second_order[k], v)
+        assert torch.equal(precond.layers["0"].state[k], v)
 
 
 def test_eigh_that_does_not_converge_is_retried_in_float64(monkeypatch) -> None:
@@ -374,7 +375,7 @@ def test_first_decomposition_failure_falls_back_to_damping_only(monkeypatch) -> 
     def broken(*args, **kwargs):
         raise DecompositionError("simulated")
 
-    monkeypatch.setattr("kaisa.layer.symmetric_eigh", broken)
+    monkeypatch.setattr("kaisa.methods.eigen.symmetric_eigh", broken)
     x, y = batch()
     F.cross_entropy(model(x), y).backward()
     raw = model[0].weight.grad.clone()
@@ -408,7 +409,7 @@ def test_grad_scaler_scale_is_divided_out_of_g() -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     scaled = _one_step_factors(scaler=scaler)
     for name in plain.layers:
-        g_plain, g_scaled = plain.layers[name].stats.G, scaled.layers[name].stats.G
+        g_plain, g_scaled = plain.layers[name].factor("G"), scaled.layers[name].factor("G")
         assert rel_err(g_scaled, g_plain) < 1e-5  # without the division: 2**20 times larger
 
 
@@ -417,10 +418,10 @@ def test_autocast_bf16_capture_gives_float32_factors() -> None:
     half = _one_step_factors(autocast_dtype=torch.bfloat16)
     for name in plain.layers:
         for key in ("A", "G"):
-            got = getattr(half.layers[name].stats, key)
+            got = half.layers[name].factor(key)
             assert got.dtype == torch.float32
             assert torch.isfinite(got).all()
-            assert rel_err(got, getattr(plain.layers[name].stats, key)) < 5e-2
+            assert rel_err(got, plain.layers[name].factor(key)) < 5e-2
 
 
 def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> None:

@@ -1,13 +1,16 @@
 """The layer adapter interface: one canonical shape before any K-FAC math.
 
 An adapter knows how one module type maps its inputs and output gradients to
-the canonical ``[rows, features]`` matrices that :mod:`kaisa.factors` turns
-into Kronecker factors, and how its parameters' gradients map to the
-``[d_out, d_in(+1)]`` matrix that :mod:`kaisa.precondition` preconditions.
+the canonical ``[batch, shared, features]`` tensors that :mod:`kaisa.factors`
+turns into Kronecker factors, which factors its curvature block has
+(:meth:`LayerAdapter.factor_specs`), and how its parameters' gradients map to
+the ``[d_out, d_in(+1)]`` matrix that the curvature methods precondition.
 Everything else in kaisa is independent of the module type.
 
-Rows are *positions*: a Linear applied to ``[N, T, d]`` contributes ``N·T``
-rows (K-FAC-expand), a Conv2d contributes ``N·H_out·W_out`` unfolded patches.
+``shared`` holds the positions that share the weight: the ``T`` positions of
+a Linear applied to ``[N, T, d]``, the ``H_out·W_out`` patches of a Conv2d.
+Keeping them apart from the batch until the statistics are formed leaves room
+for K-FAC-reduce and padding masks; K-FAC-expand flattens them into rows.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import cast
 
 import torch
 from torch import Tensor, nn
+
+from kaisa.factors import FactorSource, FactorSpec, kfac_factors
 
 __all__ = ["LayerAdapter"]
 
@@ -56,14 +61,19 @@ class LayerAdapter(ABC):
         """Size of the G factor."""
         return self.out_features
 
+    def factor_specs(self) -> tuple[FactorSpec, ...]:
+        """The Kronecker factors of the layer's block: dense A (inputs, acting on
+        the gradient matrix's columns) and dense G (output gradients, rows)."""
+        return kfac_factors(self.a_dim, self.g_dim)
+
     # -- capture -----------------------------------------------------------
     @abstractmethod
     def input_rows(self, x: Tensor) -> Tensor:
-        """The layer input as ``[rows, in_features]`` (no bias column)."""
+        """The layer input as ``[batch, shared, in_features]`` (no bias column)."""
 
     @abstractmethod
     def grad_output_rows(self, g: Tensor) -> Tensor:
-        """The gradient w.r.t. the layer output as ``[rows, out_features]``."""
+        """The gradient w.r.t. the layer output as ``[batch, shared, out_features]``."""
 
     @staticmethod
     def batch_size(x: Tensor) -> int:
@@ -74,8 +84,14 @@ class LayerAdapter(ABC):
         """Input rows with the bias column of ones appended when there is a bias."""
         rows = self.input_rows(x)
         if self.has_bias:
-            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+            rows = torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
         return rows
+
+    def rows_for(self, source: FactorSource, tensor: Tensor) -> Tensor:
+        """``[batch, shared, features]`` of the input or output gradient."""
+        return (
+            self.a_rows(tensor) if source is FactorSource.INPUT else self.grad_output_rows(tensor)
+        )
 
     # -- parameters --------------------------------------------------------
     @property
@@ -89,6 +105,11 @@ class LayerAdapter(ABC):
     @property
     def device(self) -> torch.device:
         return self.weight.device
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the weight requires grad now (it may be frozen and unfrozen)."""
+        return bool(self.weight.requires_grad)
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients this adapter preconditions."""

@@ -52,9 +52,9 @@ class Conv2dAdapter(LayerAdapter):
             dilation=self.module.dilation,
             stride=self.module.stride,
         )  # [N, C·kh·kw, L]
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        return patches.transpose(1, 2)  # [N, L, C·kh·kw]
 
     def grad_output_rows(self, g: Tensor) -> Tensor:
         if g.dim() == 3:
             g = g.unsqueeze(0)
-        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+        return g.flatten(2).transpose(1, 2)  # [N, H_out·W_out, C_out]

@@ -12,8 +12,9 @@ __all__ = ["LinearAdapter"]
 class LinearAdapter(LayerAdapter):
     """A Linear layer; every leading index of the input is a row.
 
-    For a sequence input ``[N, T, d]`` the ``T`` positions share the weight and
-    count as extra rows, which is the K-FAC-expand approximation.
+    For a sequence input ``[N, T, d]`` the ``T`` positions share the weight
+    (``[batch, shared, features]`` = ``[N, T, d]``; more leading dimensions
+    fold into ``shared``); K-FAC-expand counts them as extra rows.
     """
 
     module: nn.Linear
@@ -26,8 +27,14 @@ class LinearAdapter(LayerAdapter):
     def out_features(self) -> int:
         return int(self.module.out_features)
 
+    @staticmethod
+    def _canonical(t: Tensor) -> Tensor:
+        if t.dim() == 1:  # unbatched
+            return t.reshape(1, 1, -1)
+        return t.reshape(t.shape[0], -1, t.shape[-1])
+
     def input_rows(self, x: Tensor) -> Tensor:
-        return x.reshape(-1, x.shape[-1])
+        return self._canonical(x)
 
     def grad_output_rows(self, g: Tensor) -> Tensor:
-        return g.reshape(-1, g.shape[-1])
+        return self._canonical(g)

@@ -85,14 +85,27 @@ def _direct_params(module: nn.Module, prefix: str) -> tuple[str, ...]:
     )
 
 
+def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """``id(param) -> qualified names`` for every parameter owned by two or more modules."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(f"{name}.{pname}" if name else pname)
+    return {pid: names for pid, names in owners.items() if len(names) > 1}
+
+
 def register_layers(
     model: nn.Module, skip_layers: Sequence[str] = ()
 ) -> tuple[list[LayerAdapter], list[SkippedModule]]:
     """Adapters for every supported module of ``model``, in forward-definition order.
 
     A module is skipped (and reported) when its name or class name matches one
-    of ``skip_layers`` (``re.search``), when not all of its parameters require
-    grad, or when its type or configuration is not supported.
+    of ``skip_layers`` (``re.search``), when one of its parameters is tied to
+    another module (an Embedding and a Linear head: the summed gradient is not
+    the gradient of one Kronecker-factored block), or when its type or
+    configuration is not supported.  Frozen layers *are* registered: they are
+    preconditioned on the steps where they have a gradient, so gradual
+    unfreezing works.
     """
     try:
         patterns = [re.compile(p) for p in skip_layers]
@@ -101,10 +114,11 @@ def register_layers(
     # nn.MultiheadAttention calls its out_proj functionally (its weight is
     # passed to F.multi_head_attention_forward), so hooks on it never fire.
     functional = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    shared = _shared_parameters(model)
     adapters: list[LayerAdapter] = []
     skipped: list[SkippedModule] = []
     for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
+        own = list(module.named_parameters(recurse=False))
         if not own:
             continue
         kind = type(module).__name__
@@ -113,8 +127,14 @@ def register_layers(
         if matched is not None:
             skipped.append(SkippedModule(name, kind, f"matches skip_layers {matched!r}", params))
             continue
-        if not all(p.requires_grad for p in own):
-            skipped.append(SkippedModule(name, kind, "not all parameters require grad", params))
+        ties = [
+            f"{pname} tied to {', '.join(n for n in shared[id(p)] if n != mine)}"
+            for (pname, p), mine in zip(own, params)
+            if id(p) in shared
+        ]
+        if ties and isinstance(module, tuple(_ADAPTERS)):
+            why = "tied parameter (" + "; ".join(ties) + "): left to the optimizer"
+            skipped.append(SkippedModule(name, kind, why, params))
             continue
         if id(module) in functional:
             why = "out_proj of nn.MultiheadAttention is applied functionally; no hook sees it"
@@ -124,6 +144,8 @@ def register_layers(
         if adapter is None:
             if isinstance(module, tuple(_ADAPTERS)):  # a supported type, unsupported here
                 warnings.warn(f"kaisa: not preconditioning {name!r}: {reason}", stacklevel=3)
+            if ties:
+                reason = f"{reason}; tied parameter (" + "; ".join(ties) + ")"
             skipped.append(SkippedModule(name, kind, reason or "unsupported", params))
             continue
         adapters.append(adapter)

@@ -1,0 +1,196 @@
+"""Checkpoints that load at any world size, fraction and wrapper.
+
+``state_dict()`` gathers every factor (and optionally every second-order
+tensor) from its owner to every rank of the data-parallel group, keyed by
+layer name and by the names the factor specs and the curvature method
+declare; ``load_state_dict()`` validates the whole checkpoint before it
+changes anything, then keeps on each rank only what the current plan gives
+it.  Layer names are those of the unwrapped model, so a checkpoint moves
+between plain, DDP, DataParallel and ``torch.compile`` models; older
+checkpoints whose names carry ``module.`` or ``_orig_mod.`` still load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kaisa.comm import Communicator
+from kaisa.config import KFACConfig
+from kaisa.layer import KFACLayer
+from kaisa.methods.base import CurvatureMethod, HeldTensor
+from kaisa.plan import WorkPlan
+from kaisa.second_order import SecondOrderUpdate
+
+__all__ = ["STATE_VERSION", "Checkpointer", "normalise_name"]
+
+STATE_VERSION = 2
+_WRAPPER_PARTS = ("module", "_orig_mod")
+
+
+def normalise_name(name: str) -> str:
+    """``name`` without the path components DDP/DataParallel/compile add."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+class Checkpointer:
+    """Gathers and restores the preconditioner's tensors."""
+
+    def __init__(
+        self,
+        layers: dict[str, KFACLayer],
+        plan: WorkPlan,
+        comm: Communicator,
+        method: CurvatureMethod,
+        second_order: SecondOrderUpdate,
+    ) -> None:
+        self.layers = layers
+        self.plan = plan
+        self.comm = comm
+        self.method = method
+        self.second_order = second_order
+        self.rank = comm.rank
+
+    # -- saving ---------------------------------------------------------------------
+    def gather(
+        self, include_factors: bool, include_second_order: bool, damping: float
+    ) -> dict[str, dict[str, Tensor]]:
+        """Every layer's tensors, on every rank (collective)."""
+        out: dict[str, dict[str, Tensor | None]] = {name: {} for name in self.layers}
+        for name, layer in self.layers.items():
+            lp = self.plan.layer(name)
+            dev = layer.adapter.device
+            if include_factors:
+                for spec, owner, running in zip(layer.factors, lp.owners, layer.running):
+                    mine = running if self.rank == owner else None
+                    # Whether a factor exists yet is known to its owner only:
+                    # send a presence flag after the entries.
+                    packed = torch.zeros(spec.numel + 1, dtype=layer.factor_dtype, device=dev)
+                    if mine is not None:
+                        packed[:-1] = mine.reshape(-1)
+                        packed[-1] = 1.0
+                    self._gather_into(out[name], spec.name, packed, owner, spec.shape)
+            if include_second_order and layer.captured:
+                src = lp.grad_workers[0]
+                held = self.method.held(layer.factors, lp.colocated)
+                if self.rank == src:
+                    self.second_order.fill_missing(layer, held, damping)
+                for t in held:
+                    packed = torch.ones(t.numel + 1, dtype=layer.inv_dtype, device=dev)
+                    if self.rank == src:
+                        packed[:-1] = layer.state[t.key].reshape(-1)
+                    self._gather_into(out[name], t.key, packed, src, t.shape)
+        self.comm.wait()
+        return {
+            name: {k: v for k, v in entries.items() if v is not None}
+            for name, entries in out.items()
+        }
+
+    def _gather_into(
+        self, out: dict[str, Any], key: str, packed: Tensor, src: int, shape: tuple[int, ...]
+    ) -> None:
+        """``out[key]`` = the tensor packed (with a trailing presence flag) on ``src``."""
+
+        def store(received: list[Tensor]) -> None:
+            flat = received[0]
+            out[key] = flat[:-1].reshape(shape).clone() if bool(flat[-1] != 0) else None
+
+        self.comm.broadcast(
+            [packed], src, range(self.comm.world_size), store, kind="state_broadcast"
+        )
+
+    # -- loading --------------------------------------------------------------------
+    def validate(
+        self, state_dict: Mapping[str, Any], config: KFACConfig, restore: dict[str, Any]
+    ) -> tuple[int, dict[str, Mapping[str, Tensor]] | None]:
+        """Check everything; return (steps, layers by this model's names)."""
+        if not isinstance(state_dict, Mapping) or "steps" not in state_dict:
+            raise ValueError(
+                "state_dict must be a mapping produced by KFACPreconditioner.state_dict()"
+            )
+        steps = state_dict["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"state_dict['steps'] must be a non-negative int; got {steps!r}")
+        try:
+            KFACConfig(**{**_plain(config), **restore})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"state_dict['hyperparameters'] is invalid: {exc}") from exc
+        layers = state_dict.get("layers")
+        if layers is None:
+            return steps, None
+        if not isinstance(layers, Mapping):
+            raise ValueError("state_dict['layers'] must be a mapping of layer name to tensors")
+        by_name = self._match_names(layers)
+        for name, entry in by_name.items():
+            self._validate_layer(name, entry)
+        return steps, by_name
+
+    def _match_names(self, layers: Mapping[str, Any]) -> dict[str, Mapping[str, Tensor]]:
+        ours = set(self.layers)
+        matched: dict[str, Mapping[str, Tensor]] = {}
+        unexpected = []
+        for key, entry in layers.items():
+            name = key if key in ours else normalise_name(key)
+            if name in ours and name not in matched:
+                matched[name] = entry
+            else:
+                unexpected.append(key)
+        missing = ours - set(matched)
+        if missing or unexpected:
+            raise ValueError(
+                f"state_dict layers do not match this model: missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}"
+            )
+        return matched
+
+    def _known_tensors(self, layer: KFACLayer) -> dict[str, tuple[int, ...]]:
+        known = {spec.name: spec.shape for spec in layer.factors}
+        for colocated in (True, False):
+            for t in self.method.held(layer.factors, colocated):
+                known[t.key] = t.shape
+        return known
+
+    def _validate_layer(self, name: str, entry: Any) -> None:
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"state_dict layer {name!r} must be a mapping of tensors")
+        known = self._known_tensors(self.layers[name])
+        for key, value in entry.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(f"state_dict entry {name}.{key} is not a tensor")
+            if key in known and tuple(value.shape) != known[key]:
+                raise ValueError(
+                    f"state_dict entry {name}.{key} has shape {tuple(value.shape)}, "
+                    f"expected {known[key]}"
+                )
+
+    def load(self, layers: dict[str, Mapping[str, Tensor]], compute_inverses: bool) -> bool:
+        """Keep what the plan gives this rank; return whether a recompute is due."""
+        complete = True
+        for name, entry in layers.items():
+            layer = self.layers[name]
+            lp = self.plan.layer(name)
+            dev = layer.adapter.device
+            layer.captured = any(spec.name in entry for spec in layer.factors)
+            for i, (spec, owner) in enumerate(zip(layer.factors, lp.owners)):
+                value = entry.get(spec.name)
+                keep = value is not None and self.rank == owner
+                layer.running[i] = None
+                if value is not None and keep:
+                    layer.running[i] = value.to(dev, layer.factor_dtype).clone()
+            held: tuple[HeldTensor, ...] = self.method.held(layer.factors, lp.colocated)
+            if layer.captured and not all(t.key in entry for t in held):
+                complete = False
+            layer.state.clear()
+            if self.rank in lp.grad_workers:
+                for t in held:
+                    if t.key in entry:
+                        layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()
+            layer.decomposed = layer.captured
+        return compute_inverses and not complete
+
+
+def _plain(config: KFACConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in KFACConfig.field_names()}

@@ -1,0 +1,88 @@
+"""The engine interface: how one training engine exposes gradients to kaisa.
+
+An engine is the only thing that knows where a layer's gradient lives
+(``param.grad`` after DDP's all-reduce; later DeepSpeed's partitions or an
+FSDP2 shard), how to write the preconditioned gradient back, how to find the
+user's model inside its wrapper, and whether this step's gradients are
+valid.  Everything else in kaisa sees the canonical ``[d_out, d_in(+1)]``
+gradient matrix of a layer.
+
+To add an engine: subclass :class:`Engine` (start from
+:mod:`kaisa.engines.pytorch`) and teach :func:`kaisa.engines.select_engine` to
+pick it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from kaisa.layers.base import LayerAdapter
+
+__all__ = ["Engine", "GradientMarks"]
+
+
+class Engine(ABC):
+    """Reads, writes and validates the gradients of registered layers."""
+
+    name: str = "engine"
+
+    @abstractmethod
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's model inside any wrapper, so layer names do not depend on it."""
+
+    @abstractmethod
+    def read(self, adapter: LayerAdapter) -> Tensor | None:
+        """The layer's full, averaged gradient matrix, or None if it has none this step."""
+
+    @abstractmethod
+    def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
+        """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
+
+    def step_is_valid(self) -> bool | Tensor:
+        """Whether this step's gradients may be used (a loss scaler's verdict)."""
+        return True
+
+    @abstractmethod
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+        """Something per layer that changes whenever a backward pass writes its
+        gradient (see :class:`GradientMarks`)."""
+
+
+class GradientMarks:
+    """Tells whether a backward pass has run since the last ``step()``.
+
+    A mark is a weak reference to a gradient tensor and its version counter:
+    backward either accumulates in place (the version moves) or creates a new
+    tensor.  If no registered layer's mark moved, ``step()`` would
+    precondition already preconditioned gradients.  Costs nothing on the hot
+    path: no hook, no synchronisation.
+    """
+
+    def __init__(self) -> None:
+        self._marks: list[Any] | None = None
+
+    @staticmethod
+    def of(grad: Tensor | None) -> Any:
+        if grad is None:
+            return None
+        return (weakref.ref(grad), grad._version)
+
+    @staticmethod
+    def _same(old: Any, new: Any) -> bool:
+        if old is None or new is None:
+            return old is None and new is None
+        return old[0]() is new[0]() and old[1] == new[1]
+
+    def unchanged(self, marks: list[Any]) -> bool:
+        """True when some gradient exists and none moved since the last step."""
+        if self._marks is None or all(m is None for m in marks):
+            return False
+        return all(self._same(a, b) for a, b in zip(self._marks, marks))
+
+    def record(self, marks: list[Any]) -> None:
+        self._marks = marks

@@ -1,0 +1,83 @@
+"""The plain-PyTorch engine: ``param.grad`` in one process, DDP, DataParallel,
+or gradients averaged by hand; models wrapped by DDP, DataParallel or
+``torch.compile``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from kaisa.engines.base import Engine, GradientMarks
+from kaisa.layers.base import LayerAdapter
+
+__all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
+
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP, DataParallel and ``torch.compile`` wrappers, in any nesting."""
+    while True:
+        if isinstance(model, _WRAPPERS):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
+class GradientAccess(Protocol):
+    """How to read and overwrite the (full, averaged) gradient of a parameter."""
+
+    def read(self, param: nn.Parameter) -> Tensor | None: ...
+
+    def write(self, param: nn.Parameter, value: Tensor) -> None: ...
+
+
+class ParamGradAccess:
+    """Plain ``param.grad``."""
+
+    def read(self, param: nn.Parameter) -> Tensor | None:
+        return param.grad
+
+    def write(self, param: nn.Parameter, value: Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            param.grad = value.detach().clone()
+        else:
+            grad.copy_(value)
+
+
+class TorchEngine(Engine):
+    """Gradients in ``param.grad`` (or behind a user-supplied :class:`GradientAccess`)."""
+
+    name = "torch"
+
+    def __init__(self, access: GradientAccess | None = None) -> None:
+        self.access: GradientAccess = access or ParamGradAccess()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap_model(model)
+
+    def read(self, adapter: LayerAdapter) -> Tensor | None:
+        params = adapter.parameters()
+        grads = [self.access.read(p) for p in params]
+        if grads[0] is None:
+            return None
+        bias = None
+        if adapter.has_bias:
+            bias = grads[1] if grads[1] is not None else torch.zeros_like(params[1])
+        return adapter.grads_to_matrix(grads[0], bias)
+
+    def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
+        weight, bias = adapter.matrix_to_grads(matrix)
+        params = adapter.parameters()
+        self.access.write(params[0], weight)
+        if bias is not None:
+            self.access.write(params[1], bias)
+
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+        return [GradientMarks.of(self.access.read(a.weight)) for a in adapters]

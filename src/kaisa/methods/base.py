@@ -1,0 +1,112 @@
+"""The curvature-method interface: what a method holds, computes and applies.
+
+A curvature method turns a layer's running Kronecker factors into
+second-order tensors (eigenbases, inverses, …) and applies them to the
+layer's gradient.  It *declares* those tensors (:class:`HeldTensor`: name,
+shape, symmetric) and which owner produces which of them
+(:class:`Transfer`), so communication, memory accounting, checkpoints and the
+damping-only fallback iterate over the declaration and never name a tensor.
+The tensor names are private to each method's module.
+
+Methods never call ``torch.distributed`` and know nothing of ranks: the step
+pipeline (:mod:`kaisa.pipeline`) decides who decomposes and who receives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kaisa.factors import FactorSpec
+
+__all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
+
+Factors = Sequence[FactorSpec]
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """One second-order tensor a gradient worker holds."""
+
+    key: str
+    shape: tuple[int, ...]
+    symmetric: bool = False  #: may travel as a triangle
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The factors one owner decomposes together and the tensors it sends."""
+
+    factors: tuple[int, ...]
+    tensors: tuple[HeldTensor, ...]
+
+
+class CurvatureMethod(ABC):
+    """Eigen, inverse, and later others (EKFAC, Shampoo-like) behind one interface.
+
+    Every method receives the layer's factor specs; ``running[i]`` is factor
+    ``i``'s running average where this rank owns it and ``None`` elsewhere.
+    """
+
+    name: str
+
+    @abstractmethod
+    def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
+        """Who produces what: one entry per owner (all factors when colocated)."""
+
+    @abstractmethod
+    def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
+        """Everything a gradient worker holds once an update is complete."""
+
+    def exchange(self, factors: Factors, running: Sequence[Tensor | None]) -> Tensor | None:
+        """A small float64 vector the owners contribute to and that is summed
+        over the data-parallel group before :meth:`decompose` (None: no need)."""
+        return None
+
+    @abstractmethod
+    def decompose(
+        self,
+        factors: Factors,
+        running: Sequence[Tensor | None],
+        which: tuple[int, ...],
+        damping: float,
+        dtype: torch.dtype,
+        exchanged: Tensor | None,
+    ) -> dict[str, Tensor]:
+        """The tensors of ``transfers`` for the factors ``which``.
+
+        Raises :class:`kaisa.decompose.DecompositionError` on a numerical
+        failure; the caller then keeps the previous tensors.
+        """
+
+    def complete(
+        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
+    ) -> None:
+        """Derive what a worker holds from what it received (default: nothing)."""
+        return None
+
+    @abstractmethod
+    def fallback(self, tensor: HeldTensor, n_factors: int, damping: float, like: Tensor) -> Tensor:
+        """A damping-only stand-in for ``tensor`` (dtype and device of ``like``).
+
+        Together the stand-ins make the method apply ``∇/γ``, which the KL
+        clip bounds.  Used when a factor could never be decomposed, so that
+        every rank still takes part in the same collectives.
+        """
+
+    @abstractmethod
+    def apply(
+        self, factors: Factors, state: dict[str, Tensor], grad: Tensor, damping: float
+    ) -> Tensor:
+        """The preconditioned gradient, in the gradient's dtype."""
+
+    def ready(self, factors: Factors, state: dict[str, Tensor], colocated: bool) -> bool:
+        return all(t.key in state for t in self.held(factors, colocated))

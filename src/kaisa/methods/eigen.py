@@ -1,0 +1,127 @@
+"""Eigen method: ``(F_0 ⊗ F_1 ⊗ … + γI)⁻¹ ∇`` exactly, from eigendecompositions.
+
+For A and G: ``V = Q_G [(Q_Gᵀ ∇ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``.  A dense
+factor contributes an eigenbasis ``q<name>`` and eigenvalues ``eig_<name>``;
+a diagonal factor is its own eigenvalues (identity basis).  With
+``outer_product`` the divisor ``inv_outer = 1/(λ_G λ_Aᵀ + γ)`` is formed once
+per decomposition — by the owner when the factors are colocated (and sent
+instead of the eigenvalues), by every worker once both halves have arrived
+otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kaisa.decompose import eigen_outer, symmetric_eigh
+from kaisa.factors import FactorKind, FactorSpec
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
+from kaisa.precondition import mul_axis
+
+__all__ = ["EigenMethod"]
+
+_OUTER = "inv_outer"
+
+
+def _basis(spec: FactorSpec) -> HeldTensor:
+    return HeldTensor(f"q{spec.name.lower()}", (spec.dim, spec.dim))
+
+
+def _values(spec: FactorSpec) -> HeldTensor:
+    return HeldTensor(f"eig_{spec.name.lower()}", (spec.dim,))
+
+
+def _grad_shape(factors: Factors) -> tuple[int, ...]:
+    return tuple(s.dim for s in sorted(factors, key=lambda s: s.axis))
+
+
+def _own(spec: FactorSpec) -> tuple[HeldTensor, ...]:
+    if spec.kind is FactorKind.DIAGONAL:
+        return (_values(spec),)
+    return (_basis(spec), _values(spec))
+
+
+class EigenMethod(CurvatureMethod):
+    """Eigendecompositions of every factor; exact damped Kronecker inverse."""
+
+    name = "eigen"
+
+    def __init__(self, outer_product: bool = True) -> None:
+        self.outer_product = outer_product
+
+    def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
+        if colocated:
+            return (Transfer(tuple(range(len(factors))), self.held(factors, True)),)
+        return tuple(Transfer((i,), _own(spec)) for i, spec in enumerate(factors))
+
+    def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
+        outer = HeldTensor(_OUTER, _grad_shape(factors))
+        if colocated and self.outer_product:
+            return (*(_basis(s) for s in factors if s.kind is FactorKind.DENSE), outer)
+        own = tuple(t for s in factors for t in _own(s))
+        return (*own, outer) if self.outer_product else own
+
+    def decompose(
+        self,
+        factors: Factors,
+        running: Sequence[Tensor | None],
+        which: tuple[int, ...],
+        damping: float,
+        dtype: torch.dtype,
+        exchanged: Tensor | None,
+    ) -> dict[str, Tensor]:
+        new: dict[str, Tensor] = {}
+        for i in which:
+            spec, factor = factors[i], running[i]
+            assert factor is not None, f"factor {spec.name} is not held by its owner"
+            if spec.kind is FactorKind.DIAGONAL:
+                new[_values(spec).key] = factor.to(dtype).clamp(min=0.0)
+            else:
+                q, lam = symmetric_eigh(factor, dtype)
+                new[_basis(spec).key], new[_values(spec).key] = q, lam
+        if self.outer_product and len(which) == len(factors):
+            new[_OUTER] = self._outer(factors, new, damping)
+            for spec in factors:
+                new.pop(_values(spec).key)
+        return new
+
+    @staticmethod
+    def _outer(factors: Factors, state: dict[str, Tensor], damping: float) -> Tensor:
+        ordered = sorted(factors, key=lambda s: s.axis)
+        return 1.0 / (eigen_outer([state[_values(s).key] for s in ordered]) + damping)
+
+    def complete(
+        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
+    ) -> None:
+        # The eigenvalues are kept (they are small) so that a later failed
+        # decomposition of one factor can fall back to its previous values.
+        received = all(_values(s).key in state for s in factors)
+        if self.outer_product and not colocated and received:
+            state[_OUTER] = self._outer(factors, state, damping)
+
+    def fallback(self, tensor: HeldTensor, n_factors: int, damping: float, like: Tensor) -> Tensor:
+        if tensor.key == _OUTER:
+            return torch.full(tensor.shape, 1.0 / damping, dtype=like.dtype, device=like.device)
+        if tensor.key.startswith("eig_"):
+            return torch.zeros(tensor.shape, dtype=like.dtype, device=like.device)
+        return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device)
+
+    def apply(
+        self, factors: Factors, state: dict[str, Tensor], grad: Tensor, damping: float
+    ) -> Tensor:
+        ordered = sorted(factors, key=lambda s: s.axis)
+        dense = [s for s in ordered if s.kind is FactorKind.DENSE]
+        some = state[_basis(dense[0]).key] if dense else state[_OUTER]
+        v = grad.to(some.dtype)
+        for spec in dense:
+            v = mul_axis(v, state[_basis(spec).key], spec.axis)
+        if _OUTER in state:
+            v = v * state[_OUTER]
+        else:
+            v = v / (eigen_outer([state[_values(s).key] for s in ordered]) + damping)
+        for spec in dense:
+            v = mul_axis(v, state[_basis(spec).key].t(), spec.axis)
+        return v.to(grad.dtype)

@@ -1,0 +1,98 @@
+"""Inverse method: factored Tikhonov damping with the π-split.
+
+Each factor is inverted with its share of the damping, ``(F_i + γ^{1/N} π_i
+I)⁻¹`` with ``∏ π_i = 1`` (Martens & Grosse 2015, §6.3; for A and G:
+``A + π√γ I`` and ``G + (√γ/π) I``), and ``V = G⁻¹ ∇ A⁻¹``.  This is
+cheaper than the eigen method (Cholesky instead of eigh) but only
+approximates ``(A⊗G + γI)⁻¹``.  π needs every factor's trace: when a layer's
+factors live on different ranks the traces are exchanged (:meth:`exchange`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kaisa.decompose import damped_inverse, pi_splits
+from kaisa.factors import FactorKind, FactorSpec
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
+from kaisa.precondition import mul_axis
+
+__all__ = ["InverseMethod"]
+
+
+def _inverse(spec: FactorSpec) -> HeldTensor:
+    return HeldTensor(f"{spec.name.lower()}_inv", spec.shape, symmetric=True)
+
+
+def _trace(spec: FactorSpec, factor: Tensor) -> Tensor:
+    diag = factor if spec.kind is FactorKind.DIAGONAL else torch.diagonal(factor)
+    return diag.to(torch.float64).sum()
+
+
+class InverseMethod(CurvatureMethod):
+    """Damped inverses of every factor."""
+
+    name = "inverse"
+
+    def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
+        if colocated:
+            return (Transfer(tuple(range(len(factors))), self.held(factors, True)),)
+        return tuple(Transfer((i,), (_inverse(s),)) for i, s in enumerate(factors))
+
+    def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
+        return tuple(_inverse(s) for s in factors)
+
+    def exchange(self, factors: Factors, running: Sequence[Tensor | None]) -> Tensor | None:
+        device = next((t.device for t in running if t is not None), None)
+        out = torch.zeros(len(factors), dtype=torch.float64, device=device)
+        for i, (spec, factor) in enumerate(zip(factors, running)):
+            if factor is not None:
+                out[i] = _trace(spec, factor)
+        return out
+
+    def decompose(
+        self,
+        factors: Factors,
+        running: Sequence[Tensor | None],
+        which: tuple[int, ...],
+        damping: float,
+        dtype: torch.dtype,
+        exchanged: Tensor | None,
+    ) -> dict[str, Tensor]:
+        assert exchanged is not None
+        pis = pi_splits(exchanged, [s.dim for s in factors])
+        share = damping ** (1.0 / len(factors))
+        new: dict[str, Tensor] = {}
+        for i in which:
+            spec, factor = factors[i], running[i]
+            assert factor is not None, f"factor {spec.name} is not held by its owner"
+            shift = pis[i] * share
+            if spec.kind is FactorKind.DIAGONAL:
+                new[_inverse(spec).key] = 1.0 / (factor.to(dtype) + shift.to(dtype))
+            else:
+                new[_inverse(spec).key] = damped_inverse(factor, shift, dtype)
+        return new
+
+    def fallback(self, tensor: HeldTensor, n_factors: int, damping: float, like: Tensor) -> Tensor:
+        value = damping ** (-1.0 / n_factors)
+        if len(tensor.shape) == 1:
+            return torch.full(tensor.shape, value, dtype=like.dtype, device=like.device)
+        return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device) * value
+
+    def apply(
+        self, factors: Factors, state: dict[str, Tensor], grad: Tensor, damping: float
+    ) -> Tensor:
+        first = state[_inverse(factors[0]).key]
+        v = grad.to(first.dtype)
+        for spec in sorted(factors, key=lambda s: s.axis):
+            inv = state[_inverse(spec).key]
+            if spec.kind is FactorKind.DIAGONAL:
+                shape = [1] * v.dim()
+                shape[spec.axis] = -1
+                v = v * inv.reshape(shape)
+            else:
+                v = mul_axis(v, inv, spec.axis)
+        return v.to(grad.dtype)

@@ -1,0 +1,134 @@
+"""The K-FAC step, one method per phase, in the order the data flows::
+
+    capture (hooks, during forward/backward)      kaisa.capture
+    → batch statistics, reduced to their owner    kaisa.reduction
+    → running average (owners only)               kaisa.layer
+    → decompose (owners only)                     kaisa.second_order, kaisa.methods
+    → broadcast to the layer's gradient workers   kaisa.second_order
+    → precondition (gradient workers)             kaisa.apply, kaisa.methods
+    → broadcast preconditioned gradients          kaisa.apply
+    → KL-clip scale, write back                   kaisa.apply, kaisa.engines
+
+Who does what is fixed once, at construction, by the work plan
+(:mod:`kaisa.plan`); :mod:`kaisa.wiring` builds the pieces this class runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from kaisa.apply import GradientApplication
+from kaisa.capture import Capture
+from kaisa.comm import Communicator
+from kaisa.engines.base import Engine, GradientMarks
+from kaisa.layer import KFACLayer
+from kaisa.plan import WorkPlan
+from kaisa.reduction import FactorReduction
+from kaisa.schedule import Schedule
+from kaisa.second_order import SecondOrderUpdate
+
+__all__ = ["StepPipeline"]
+
+
+@dataclass
+class StepPipeline:
+    """Runs ``step()``; holds the step counter and nothing the phases own."""
+
+    layers: list[KFACLayer]
+    plan: WorkPlan
+    comm: Communicator
+    engine: Engine
+    capture: Capture
+    schedule: Schedule
+    reduction: FactorReduction
+    second_order: SecondOrderUpdate
+    application: GradientApplication
+    in_hook: bool
+    steps: int = 0
+    #: the second-order tensors must be recomputed at the next step (after a load)
+    stale: bool = False
+
+    def __post_init__(self) -> None:
+        self.marks = GradientMarks()
+        self.capture.enabled = self.schedule.is_factor_step(self.steps)
+        if self.in_hook and self.comm.distributed:
+            self.capture.on_layer_complete = self.reduction.layer_complete
+
+    def step(self) -> None:
+        step = self.steps
+        self.check_new_backward()
+        if self.engine.step_is_valid() is False:
+            self.drop_statistics()
+            return
+        damping = self.schedule.damping(step)
+        factor_step = self.schedule.is_factor_step(step)
+        if factor_step:
+            self.reduce_factors(step)
+        self.update_second_order(step, damping)
+        self.apply(step, damping, factor_step)
+        self.comm.stats.end_step()
+        self.steps += 1
+        self.capture.enabled = self.schedule.is_factor_step(self.steps)
+        self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
+
+    # -- phases --------------------------------------------------------------------
+    def check_new_backward(self) -> None:
+        """Refuse to precondition the same gradients twice."""
+        marks = self.engine.gradient_marks([la.adapter for la in self.layers])
+        if self.marks.unchanged(marks):
+            raise RuntimeError(
+                "kaisa: step() was called again with no backward pass since the last step(): "
+                "the gradients are already preconditioned. Call loss.backward() between "
+                "step() calls (one step() per optimizer step)"
+            )
+        if self.steps == 0 and all(
+            la.batch.calls == 0 and not la.pending.calls and m is None
+            for la, m in zip(self.layers, marks)
+        ):
+            raise RuntimeError(
+                "step() was called before any forward/backward pass was captured: call "
+                "loss.backward() on a training-mode forward pass before precond.step()"
+            )
+
+    def drop_statistics(self) -> None:
+        """Forget what this step captured (its gradients are invalid)."""
+        for layer in self.layers:
+            layer.batch.reset()
+            layer.pending.calls.clear()
+
+    def reduce_factors(self, step: int) -> None:
+        """Statistics → owners → running averages."""
+        self._report_dropped_forwards()
+        if not self.in_hook:
+            for layer in self.layers:
+                self.capture.flush(layer)
+        self.reduction.run(self.schedule.factor_decay(step))
+
+    def update_second_order(self, step: int, damping: float) -> None:
+        """Decompose and broadcast on inverse steps; at once for a layer seen the first time."""
+        every = self.stale or self.schedule.is_inverse_step(step)
+        due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
+        self.second_order.run(due, damping)
+        self.stale = False
+
+    def apply(self, step: int, damping: float, factor_step: bool) -> None:
+        self.application.run(
+            self.layers,
+            damping,
+            self.schedule.lr(step),
+            self.schedule.kl_clip(step),
+            factor_step,
+        )
+
+    def _report_dropped_forwards(self) -> None:
+        dropped = {la.name: la.batch.pending_forwards for la in self.layers}
+        dropped = {n: c for n, c in dropped.items() if c > 0}
+        if dropped:
+            names = ", ".join(f"{n!r} ({c})" for n, c in dropped.items())
+            warnings.warn(
+                f"kaisa: training-mode forward calls with no backward before step() were "
+                f"ignored: {names}. Run forwards that are not followed by backward inside "
+                "`with precond.paused():` (or under torch.no_grad() / model.eval())",
+                stacklevel=4,
+            )

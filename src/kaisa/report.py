@@ -1,0 +1,40 @@
+"""What a preconditioner tells its user: the registration report and memory."""
+
+from __future__ import annotations
+
+from kaisa.layer import KFACLayer
+from kaisa.layers.registry import SkippedModule
+from kaisa.plan import WorkPlan
+
+__all__ = ["describe", "memory_usage"]
+
+
+def memory_usage(layers: list[KFACLayer]) -> dict[str, int]:
+    """Bytes held by this rank: factors, batch statistics, second-order tensors."""
+    total: dict[str, int] = {"factors": 0, "batch_statistics": 0, "second_order": 0}
+    for layer in layers:
+        for key, value in layer.memory().items():
+            total[key] += value
+    total["total"] = sum(total.values())
+    return total
+
+
+def describe(
+    header: str, layers: list[KFACLayer], skipped: list[SkippedModule], plan: WorkPlan
+) -> str:
+    """What is preconditioned (and where its factors live), what is not, and why."""
+    lines = [header, "Preconditioned layers:"]
+    for layer in layers:
+        lp = plan.layer(layer.name)
+        params = ", ".join(
+            f"{layer.name}.{p}" for p in ("weight", "bias")[: 1 + layer.adapter.has_bias]
+        )
+        owners = ", ".join(f"{s.name} on rank {o}" for s, o in zip(layer.factors, lp.owners))
+        lines.append(f"  {layer.name:<30} {layer.adapter.describe():<40} [{params}] {owners}")
+    if skipped:
+        lines.append("Left to the optimizer alone (not preconditioned):")
+        for s in skipped:
+            lines.append(
+                f"  {s.name or '<root>':<30} {s.kind:<16} {s.reason} [{', '.join(s.parameters)}]"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""Builds a preconditioner's parts from a model and its options.
+
+Wiring is kept apart from the step loop (as kfac-pytorch keeps
+``preconditioner.py`` apart from ``base_preconditioner.py``): this module
+checks the runtime arguments, unwraps the model through the engine, registers
+layers, fixes the dtype policy, makes the work plan over the topology's
+data-parallel group, creates the communicator, the hooks and the phases,
+and hands them to :class:`kaisa.pipeline.StepPipeline`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from kaisa.apply import GradientApplication
+from kaisa.capture import Capture
+from kaisa.checkpoint import Checkpointer
+from kaisa.comm import Communicator, group_ranks
+from kaisa.config import ComputeMethod, KFACConfig, LossAverage
+from kaisa.engines import Engine, GradientAccess, select_engine
+from kaisa.layer import KFACLayer
+from kaisa.layers.registry import SkippedModule, register_layers
+from kaisa.methods import CurvatureMethod, method_for
+from kaisa.pipeline import StepPipeline
+from kaisa.plan import LayerSpec, WorkPlan, make_plan
+from kaisa.reduction import FactorReduction
+from kaisa.schedule import Schedule
+from kaisa.second_order import SecondOrderUpdate
+from kaisa.topology import Topology
+
+__all__ = ["Parts", "build", "check_runtime_arguments", "loss_scale_getter"]
+
+
+@dataclass
+class Parts:
+    """Everything a :class:`~kaisa.KFACPreconditioner` delegates to."""
+
+    engine: Engine
+    layers: dict[str, KFACLayer]
+    skipped: list[SkippedModule]
+    plan: WorkPlan
+    comm: Communicator
+    method: CurvatureMethod
+    capture: Capture
+    pipeline: StepPipeline
+    checkpointer: Checkpointer
+
+
+def check_runtime_arguments(
+    model: Any,
+    optimizer: Any,
+    grad_scaler: Any,
+    gradient_access: Any,
+    pg_timeout_s: Any,
+    loglevel: Any,
+    topology: Any,
+    engine: Any,
+) -> None:
+    """A ``TypeError``/``ValueError`` naming the first argument of a wrong type or value."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
+        )
+    if grad_scaler is not None and not (
+        callable(getattr(grad_scaler, "get_scale", None)) or callable(grad_scaler)
+    ):
+        raise TypeError(
+            "grad_scaler must be None, a torch.amp.GradScaler (anything with get_scale()) or a "
+            f"callable returning the current loss scale; got {type(grad_scaler).__name__}"
+        )
+    if gradient_access is not None and not (
+        callable(getattr(gradient_access, "read", None))
+        and callable(getattr(gradient_access, "write", None))
+    ):
+        raise TypeError(
+            "gradient_access must be None or an object with read(param) and write(param, value); "
+            f"got {type(gradient_access).__name__}"
+        )
+    if pg_timeout_s is not None and (
+        isinstance(pg_timeout_s, bool)
+        or not isinstance(pg_timeout_s, (int, float))
+        or not pg_timeout_s > 0
+    ):
+        raise ValueError(f"pg_timeout_s must be a positive number of seconds; got {pg_timeout_s!r}")
+    if isinstance(loglevel, bool) or not isinstance(loglevel, int):
+        raise TypeError(f"loglevel must be a logging level (an int); got {loglevel!r}")
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a kaisa.Topology or None; got {type(topology).__name__}")
+    if engine is not None and not isinstance(engine, Engine):
+        raise TypeError(
+            f"engine must be a kaisa.engines.Engine or None; got {type(engine).__name__}"
+        )
+
+
+def loss_scale_getter(grad_scaler: Any) -> Callable[[], Tensor | float | None] | None:
+    """The current loss scale of a GradScaler (on device, no sync) or of a callable."""
+    if grad_scaler is None:
+        return None
+    if not callable(getattr(grad_scaler, "get_scale", None)):
+        return cast("Callable[[], Tensor | float | None]", grad_scaler)
+
+    def scale() -> Tensor | float | None:
+        if not getattr(grad_scaler, "is_enabled", lambda: True)():
+            return None
+        getter = getattr(grad_scaler, "_get_scale_async", None)
+        return getter() if getter is not None else grad_scaler.get_scale()
+
+    return scale
+
+
+def _dtypes(config: KFACConfig, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    # normalised to torch.dtype | None by KFACConfig.__post_init__
+    factor = cast("torch.dtype | None", config.factor_dtype) or torch.promote_types(
+        weight_dtype, torch.float32
+    )
+    inv = cast("torch.dtype | None", config.inv_dtype) or torch.promote_types(factor, torch.float32)
+    return factor, inv
+
+
+def build(
+    model: nn.Module,
+    config: KFACConfig,
+    schedule: Schedule,
+    *,
+    grad_scaler: Any,
+    gradient_access: GradientAccess | None,
+    engine: Engine | None,
+    topology: Topology | None,
+    pg_timeout_s: float | None,
+) -> Parts:
+    engine = engine or select_engine(model, gradient_access)
+    inner = engine.unwrap(model)
+    adapters, skipped = register_layers(inner, config.skip_layers)
+    if not adapters:
+        reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
+        raise ValueError(
+            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
+            f"with groups=1, parameters not tied to another module). Skipped: "
+            f"{reasons or 'nothing'}"
+        )
+    layers = {a.name: KFACLayer(a, *_dtypes(config, a.weight.dtype)) for a in adapters}
+    ordered = list(layers.values())
+    plan = make_plan(
+        [LayerSpec(la.name, la.factors) for la in ordered],
+        len(group_ranks(topology.dp if topology is not None else None)),
+        config.worker_fraction,
+        config.assignment_strategy,
+        config.colocate_factors,
+    )
+    comm = Communicator(
+        topology,
+        list(plan.worker_groups) + list(plan.receiver_groups),
+        bucket_cap_mb=config.allreduce_bucket_cap_mb,
+        symmetry_aware=config.symmetry_aware,
+        timeout_s=pg_timeout_s,
+    )
+    method = method_for(
+        ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product
+    )
+    capture = Capture(
+        model,
+        ordered,
+        loss_average=LossAverage(config.loss_average),
+        accumulation_steps=config.accumulation_steps,
+        in_hook=config.update_factors_in_hook,
+        loss_scale=loss_scale_getter(grad_scaler),
+    )
+    reduction = FactorReduction(
+        ordered,
+        plan,
+        comm,
+        bucket_cap_mb=config.allreduce_bucket_cap_mb,
+        symmetry_aware=config.symmetry_aware,
+    )
+    second_order = SecondOrderUpdate(plan, comm, method)
+    application = GradientApplication(plan, comm, method, engine, second_order)
+    pipeline = StepPipeline(
+        layers=ordered,
+        plan=plan,
+        comm=comm,
+        engine=engine,
+        capture=capture,
+        schedule=schedule,
+        reduction=reduction,
+        second_order=second_order,
+        application=application,
+        in_hook=config.update_factors_in_hook,
+    )
+    checkpointer = Checkpointer(layers, plan, comm, method, second_order)
+    logging.getLogger("kaisa").debug("%s", plan.describe())
+    return Parts(engine, layers, skipped, plan, comm, method, capture, pipeline, checkpointer)
