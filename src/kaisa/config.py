@@ -239,8 +239,12 @@ class KFACConfig:
             skip = ()
         elif isinstance(skip, str):
             skip = (skip,)
-        if not all(isinstance(s, str) for s in skip):
-            raise TypeError(f"skip_layers must be a list of regex strings; got {skip!r}")
+        if not isinstance(skip, (list, tuple, set, frozenset)) or not all(
+            isinstance(s, str) for s in skip
+        ):
+            raise TypeError(
+                f"skip_layers must be a regex string or a list of regex strings; got {skip!r}"
+            )
         set_(self, "skip_layers", tuple(skip))
 
     @property

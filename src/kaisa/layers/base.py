@@ -131,5 +131,5 @@ class LayerAdapter(ABC):
         return mat.reshape(weight.shape), None
 
     def describe(self) -> str:
-        a, g = self.a_dim, self.g_dim
-        return f"{type(self.module).__name__}(A: {a}×{a}, G: {g}×{g})"
+        shapes = ", ".join(f"{s.name}: {'×'.join(map(str, s.shape))}" for s in self.factor_specs())
+        return f"{type(self.module).__name__}({shapes})"
