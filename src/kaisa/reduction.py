@@ -78,7 +78,8 @@ class FactorReduction:
         self._slots: dict[str, list[tuple[_Bucket, _Slot]]] = {la.name: [] for la in layers}
         self._buckets = self._layout(int(bucket_cap_mb * 1024 * 1024), symmetry_aware)
         self._next = 0  # the next bucket to send
-        self._filled: set[str] = set()  # layers whose slots hold this step's sums
+        #: layers whose slots hold this step's sums, with the counts sent with them
+        self._filled: dict[str, list[float]] = {}
         self._reduced: dict[tuple[str, int], Tensor] = {}
 
     def _layout(self, cap: int, symmetry_aware: bool) -> list[_Bucket]:
@@ -114,7 +115,9 @@ class FactorReduction:
         self._send_ready()
 
     def _fill(self, layer: KFACLayer) -> None:
-        self._filled.add(layer.name)
+        # later calls (past accumulation_steps) would add to the sums but not to
+        # what was sent: the counts travel as they were when the sums left
+        self._filled[layer.name] = list(layer.batch.counts)
         for bucket, slot in self._slots[layer.name]:
             if bucket.buffer is None:
                 device = layer.adapter.device
@@ -152,14 +155,15 @@ class FactorReduction:
     # -- at step() ------------------------------------------------------------------
     def run(self, decay: float) -> None:
         """Reduce every layer's sums and counts and fold them in on the owners."""
-        counts = torch.tensor(
-            [c for layer in self.layers for c in layer.batch.counts], dtype=torch.float64
-        )
         if self.comm.distributed:
             for layer in self.layers:
                 if layer.name not in self._filled:
                     self._fill(layer)
             self._send_ready(force=True)
+            counts = torch.tensor(
+                [c for layer in self.layers for c in self._filled[layer.name]],
+                dtype=torch.float64,
+            )
             device = self.layers[0].adapter.device
             received: list[Tensor] = []
             self.comm.allreduce_sum(counts.to(device), received.extend, kind="factor_counts")
@@ -167,6 +171,9 @@ class FactorReduction:
             counts = received[0].cpu()  # one host sync per factor step, for all layers
             self._reset_buckets()
         else:
+            counts = torch.tensor(
+                [c for layer in self.layers for c in layer.batch.counts], dtype=torch.float64
+            )
             for layer in self.layers:
                 for i, value in enumerate(layer.batch.sums):
                     if value is not None:
