@@ -8,8 +8,9 @@ other layers of the same model) before ``ν`` is formed, and ``ν·V`` is
 written back through the engine.
 
 Which layers take part is agreed on by every rank of the data-parallel group
-(one small collective): a layer with no gradient on some rank this step is
-left alone on all of them, so no rank waits for a broadcast that never comes.
+(one small collective, skipped where the engine guarantees it, as DDP does):
+a layer with no gradient on some rank this step is left alone on all of
+them, so no rank waits for a broadcast that never comes.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class GradientApplication:
                     )
                 continue
             local[layer.name] = (layer, grad)
-        if not self.comm.distributed:
+        if not self.comm.distributed or self.engine.gradients_agree():
             return local
         candidates = [la for la in layers if la.captured]
         agreed = self.comm.agree_all(

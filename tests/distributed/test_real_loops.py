@@ -136,6 +136,7 @@ def unequal(rank: int, world: int, config: dict[str, Any], extra: bool) -> dict[
         out["warnings"] += [str(w.message) for w in caught]
         record(model, precond, out)
         opt.step()
+    out["agree_calls"] = precond.comm_stats()["total"]["agree"]["calls"]
     return finish(model, precond, out)
 
 
@@ -146,6 +147,7 @@ def test_unequal_local_batches_equal_single_process_on_all_rows(extra: bool) -> 
         ref = single(config)
         for rank, got in enumerate(results):
             assert_same(got, ref, f"rank {rank} {config}")
+            assert got["agree_calls"] == 3  # hand-averaged gradients: ranks agree each step
         if extra:
             assert any("paused()" in w for w in results[0]["warnings"])
             assert not any("paused()" in w for w in results[1]["warnings"])

@@ -51,6 +51,7 @@ def train_ddp(rank: int, world: int, with_teacher: bool) -> dict[str, Any]:
         "params": [p.detach().clone() for p in model.parameters()],
         "names": list(precond.layers),
         "state": precond.state_dict(),
+        "agree": precond.comm_stats()["total"].get("agree"),
     }
 
 
@@ -59,6 +60,7 @@ def test_deepcopy_of_ddp_model_captures_nothing_and_checkpoint_loads_unwrapped()
     copied = run_distributed(2, train_ddp, True)
     for a, b in zip(plain, copied):
         assert a["names"] == ["0", "2"]  # no "module." prefix
+        assert a["agree"] is None  # DDP guarantees every rank has the same gradients
         for p, q in zip(a["params"], b["params"]):
             assert torch.equal(p, q)  # the teacher changed nothing
     # a checkpoint taken under DDP loads into an unwrapped model's preconditioner

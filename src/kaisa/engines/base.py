@@ -43,6 +43,11 @@ class Engine(ABC):
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
 
+    def gradients_agree(self) -> bool:
+        """Whether every data-parallel rank is known to hold a gradient for the
+        same layers (DDP guarantees it); if not, ranks agree by a collective."""
+        return False
+
     def step_is_valid(self) -> bool | Tensor:
         """Whether this step's gradients may be used (a loss scaler's verdict)."""
         return True

@@ -58,9 +58,21 @@ class TorchEngine(Engine):
 
     def __init__(self, access: GradientAccess | None = None) -> None:
         self.access: GradientAccess = access or ParamGradAccess()
+        self._ddp = False
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        outer: nn.Module | None = model
+        while outer is not None:
+            if isinstance(outer, nn.parallel.DistributedDataParallel):
+                self._ddp = True
+                break
+            outer = getattr(outer, "_orig_mod", None)
         return unwrap_model(model)
+
+    def gradients_agree(self) -> bool:
+        # DDP averages every parameter's gradient on every rank (unused ones too,
+        # with find_unused_parameters), so presence is the same everywhere
+        return self._ddp and isinstance(self.access, ParamGradAccess)
 
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         params = adapter.parameters()

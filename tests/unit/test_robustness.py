@@ -1,0 +1,733 @@
+"""Robustness of the public API in real training loops.
+
+Each section is one promised behaviour (README, "Real training loops"):
+
+1. a deep copy / pickle of the model after attaching captures nothing;
+2. ``load_state_dict`` validates everything before changing anything;
+3. ``step()`` twice with no backward is an error, normal loops are not;
+4. a weight tied between an Embedding and a Linear head is left alone;
+5. frozen layers are registered and preconditioned once unfrozen;
+6. layer names do not depend on ``torch.compile`` / DataParallel wrappers;
+7. every argument of a wrong type is an error naming it;
+8. a training-mode forward with no backward is ignored, with a warning;
+9. activation checkpointing gives the factors of the plain model.
+
+Only the public API is used: ``step()``, ``describe()``, ``state_dict()`` /
+``load_state_dict()``, ``paused()``, ``steps`` and the names in ``layers``.
+Everything runs in float64 on tiny models, so "equal" means bit-for-bit
+unless a tolerance is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from kaisa import KFACPreconditioner
+
+LAYERS = ("stem", "hidden", "classifier")
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def mlp() -> nn.Sequential:
+    """Three Linear layers with distinctive names (so error messages can be checked)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(
+            stem=nn.Linear(6, 8),
+            act1=nn.Tanh(),
+            hidden=nn.Linear(8, 8),
+            act2=nn.Tanh(),
+            classifier=nn.Linear(8, 3),
+        )
+    ).double()
+
+
+def batch(n: int = 16, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 3, (n,), generator=g)
+
+
+def train_step(model: nn.Module, precond: KFACPreconditioner, opt, seed: int) -> None:
+    x, y = batch(seed=seed)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    precond.step()
+    opt.step()
+
+
+def factors(precond: KFACPreconditioner) -> dict[str, dict[str, Tensor]]:
+    """The running factors, copied (``state_dict()['layers']``)."""
+    return {
+        name: {key: value.detach().clone() for key, value in entry.items()}
+        for name, entry in precond.state_dict()["layers"].items()
+    }
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Recursive, exact equality of nested mappings/sequences of tensors and values."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        assert isinstance(a, Tensor) and isinstance(b, Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, Mapping):
+        assert isinstance(b, Mapping), where
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_same(u, v, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_factors_close(got: dict, want: dict, tol: float) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert set(got[name]) == set(want[name]) == {"A", "G"}, name
+        for key in ("A", "G"):
+            a, b = got[name][key], want[name][key]
+            err = float((a - b).norm() / b.norm().clamp_min(1e-300))
+            assert err <= tol, f"{name}.{key}: relative error {err:.3e}"
+
+
+def grads(model: nn.Module) -> list[Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def has_no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+# -- 1. deep copies and pickling -------------------------------------------------------------
+
+
+def _run_with_teacher(teacher_from_step: int | None) -> tuple[list[Tensor], dict]:
+    """3 K-FAC steps; from ``teacher_from_step`` on, a deep copy also trains alongside.
+
+    The teacher's forward and backward are interleaved with the student's
+    (teacher forward, student forward, teacher backward, student backward),
+    on other data.
+    """
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, factor_update_steps=1, inv_update_steps=1, damping=0.01
+    )
+    teacher = None
+    for i in range(3):
+        if teacher_from_step is not None and i == teacher_from_step:
+            teacher = copy.deepcopy(model)
+            teacher.train()
+        x, y = batch(seed=i)
+        opt.zero_grad()
+        teacher_loss = None
+        if teacher is not None:
+            tx, ty = batch(seed=100 + i)
+            teacher_loss = F.cross_entropy(teacher(tx), ty)
+        loss = F.cross_entropy(model(x), y)
+        if teacher_loss is not None:
+            teacher_loss.backward()
+        loss.backward()
+        if teacher is not None:  # and once more between backward and step()
+            tx, ty = batch(seed=200 + i)
+            F.cross_entropy(teacher(tx), ty).backward()
+        precond.step()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], factors(precond)
+
+
+@pytest.mark.parametrize("teacher_from_step", [0, 1], ids=["copied-at-attach", "copied-mid-run"])
+def test_deep_copied_teacher_captures_nothing(teacher_from_step: int) -> None:
+    plain_params, plain_factors = _run_with_teacher(None)
+    params, got_factors = _run_with_teacher(teacher_from_step)
+    assert_same(got_factors, plain_factors, "factors")
+    for a, b in zip(params, plain_params):
+        assert torch.equal(a, b)
+
+
+def test_model_pickles_and_saves_after_attaching() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt)
+    train_step(model, precond, opt, seed=0)
+
+    unpickled = pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+
+    before = factors(precond)
+    x, y = batch(seed=7)
+    with torch.no_grad():
+        expected = model(x)
+    for clone in (unpickled, loaded):
+        clone.train()
+        out = clone(x)
+        assert torch.equal(out, expected)
+        F.cross_entropy(out, y).backward()  # the copies train, and capture nothing
+    # the original still trains, and the copies' passes left nothing in its factors
+    train_step(model, precond, opt, seed=1)
+    reference_model = mlp()
+    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
+    reference = KFACPreconditioner(reference_model, optimizer=reference_opt)
+    train_step(reference_model, reference, reference_opt, seed=0)
+    assert_same(before, factors(reference), "factors after one step")
+    train_step(reference_model, reference, reference_opt, seed=1)
+    assert_same(factors(precond), factors(reference), "factors after two steps")
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(a, b)
+
+
+# -- 2. load_state_dict is all or nothing -------------------------------------------------------
+
+
+def _trained_pair() -> tuple[nn.Module, Any, KFACPreconditioner, dict]:
+    """A run of 4 steps and the state_dict it had after 2 (different factors)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, factor_update_steps=1, inv_update_steps=2, damping=0.01
+    )
+    for i in range(2):
+        train_step(model, precond, opt, seed=i)
+    saved = copy.deepcopy(precond.state_dict())
+    for i in range(2, 4):
+        train_step(model, precond, opt, seed=i)
+    return model, opt, precond, saved
+
+
+def _corrupt_shape(layer: str, key: str) -> Callable[[dict], None]:
+    def corrupt(state: dict) -> None:
+        n = state["layers"][layer][key].shape[0]
+        state["layers"][layer][key] = torch.zeros(n + 1, n + 1, dtype=torch.float64)
+
+    return corrupt
+
+
+def _add_unknown_layer(state: dict) -> None:
+    state["layers"]["bogus_layer"] = {k: v.clone() for k, v in state["layers"]["hidden"].items()}
+
+
+def _set_steps(value: Any) -> Callable[[dict], None]:
+    def corrupt(state: dict) -> None:
+        state["steps"] = value
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "match"),
+    [
+        (_corrupt_shape("hidden", "A"), "hidden"),
+        (_corrupt_shape("classifier", "A"), "classifier"),
+        (_corrupt_shape("classifier", "G"), "classifier"),
+        (_add_unknown_layer, "bogus_layer"),
+        (_set_steps(-1), "steps"),
+        (_set_steps("3"), "steps"),
+        (_set_steps(2.5), "steps"),
+        (_set_steps(None), "steps"),
+    ],
+    ids=[
+        "hidden.A-shape",
+        "classifier.A-shape",
+        "classifier.G-shape",
+        "unknown-layer",
+        "steps=-1",
+        "steps='3'",
+        "steps=2.5",
+        "steps=None",
+    ],
+)
+def test_load_state_dict_validates_everything_before_changing_anything(corrupt, match) -> None:
+    model, opt, precond, saved = _trained_pair()
+    before = copy.deepcopy(precond.state_dict())
+    steps_before = precond.steps
+    # the saved factors differ from the current ones, so a partial load would show
+    assert not torch.equal(saved["layers"]["stem"]["A"], before["layers"]["stem"]["A"])
+    assert saved["steps"] != steps_before
+
+    bad = copy.deepcopy(saved)
+    corrupt(bad)
+    with pytest.raises(ValueError, match=match):
+        precond.load_state_dict(bad)
+
+    assert precond.steps == steps_before
+    assert_same(precond.state_dict(), before)
+
+    # the next step is that of a twin that never saw the bad checkpoint
+    twin_model, twin_opt, twin, _ = _trained_pair()
+    train_step(model, precond, opt, seed=4)
+    train_step(twin_model, twin, twin_opt, seed=4)
+    assert_same(precond.state_dict(), twin.state_dict())
+    for a, b in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(a, b)
+
+    # and the uncorrupted checkpoint does load
+    precond.load_state_dict(saved)
+    assert precond.steps == saved["steps"]
+    assert_same(precond.state_dict()["layers"], saved["layers"])
+
+
+# -- 3. step() twice without backward --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 2])
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("factor_update_steps", [1, 3])
+def test_step_twice_without_backward_is_an_error(
+    warmup_steps: int, set_to_none: bool, factor_update_steps: int
+) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model,
+        optimizer=opt,
+        factor_update_steps=factor_update_steps,
+        inv_update_steps=factor_update_steps,
+    )
+    for i in range(warmup_steps):
+        x, y = batch(seed=i)
+        opt.zero_grad(set_to_none=set_to_none)
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+        opt.step()
+    x, y = batch(seed=9)
+    opt.zero_grad(set_to_none=set_to_none)
+    F.cross_entropy(model(x), y).backward()
+    precond.step()
+    once = grads(model)
+    steps = precond.steps
+    with pytest.raises(RuntimeError, match="backward"):
+        precond.step()
+    # the refused step changed nothing
+    assert precond.steps == steps
+    for a, b in zip(grads(model), once):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+def _loop(kind: str) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options: dict[str, Any] = {}
+    if kind == "factor_update_steps=3":
+        options = dict(factor_update_steps=3, inv_update_steps=3)
+    if kind == "accumulation=2":
+        options = dict(accumulation_steps=2)
+    precond = KFACPreconditioner(model, optimizer=opt, **options)
+    for i in range(6):
+        opt.zero_grad(set_to_none=kind != "set_to_none=False")
+        if kind == "accumulation=2":
+            for j in range(2):
+                x, y = batch(8, seed=10 * i + j)
+                (F.cross_entropy(model(x), y) / 2).backward()
+        else:
+            x, y = batch(seed=i)
+            F.cross_entropy(model(x), y).backward()
+        raw = grads(model)
+        precond.step()
+        if kind == "clip_grad_norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        assert any(not torch.equal(a, b) for a, b in zip(grads(model), raw))
+    assert precond.steps == 6
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "set_to_none=True",
+        "set_to_none=False",
+        "factor_update_steps=3",
+        "clip_grad_norm",
+        "accumulation=2",
+    ],
+)
+def test_normal_training_loops_never_trip_the_double_step_guard(kind: str) -> None:
+    _loop(kind)  # must not raise
+
+
+# -- 4. tied weights ----------------------------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """Embedding → Linear → tanh → Linear head whose weight is the embedding's."""
+
+    def __init__(self, head_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        if head_first:  # the head comes first in named_modules()
+            self.head = nn.Linear(8, 11, bias=False)
+            self.emb = nn.Embedding(11, 8)
+        else:
+            self.emb = nn.Embedding(11, 8)
+            self.head = nn.Linear(8, 11, bias=False)
+        self.hidden = nn.Linear(8, 8)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.hidden(self.emb(tokens))))
+
+
+@pytest.mark.parametrize("head_first", [False, True], ids=["emb-first", "head-first"])
+def test_tied_embedding_head_is_reported_and_left_alone(head_first: bool) -> None:
+    model = TiedLM(head_first).double()
+    assert model.head.weight is model.emb.weight
+    precond = KFACPreconditioner(model, damping=0.01)
+    assert "hidden" in precond.layers
+    assert "head" not in precond.layers
+
+    lines = precond.describe().splitlines()
+    header = next(
+        (i for i, line in enumerate(lines) if "left to the optimizer" in line.lower()), None
+    )
+    assert header is not None, precond.describe()
+    head_lines = [line for line in lines[header + 1 :] if line.split()[:1] == ["head"]]
+    assert head_lines, precond.describe()
+    assert "tied" in head_lines[0], precond.describe()
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (4, 5), generator=g)
+    targets = torch.randint(0, 11, (4, 5), generator=g)
+    for _ in range(2):
+        model.zero_grad()
+        F.cross_entropy(model(tokens).reshape(-1, 11), targets.reshape(-1)).backward()
+        shared = model.emb.weight.grad.clone()
+        hidden = model.hidden.weight.grad.clone()
+        precond.step()
+        assert torch.equal(model.emb.weight.grad, shared)
+        assert not torch.allclose(model.hidden.weight.grad, hidden)
+
+
+# -- 5. frozen layers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("frozen", LAYERS)
+def test_frozen_layer_is_registered_and_preconditioned_once_unfrozen(frozen: str) -> None:
+    model = mlp()
+    layer = getattr(model, frozen)
+    layer.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model,
+        optimizer=opt,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        damping=0.01,
+        kl_clip=None,
+    )
+    assert frozen in precond.layers
+    frozen_weight = layer.weight.detach().clone()
+    for i in range(2):
+        train_step(model, precond, opt, seed=i)
+        assert layer.weight.grad is None and layer.bias.grad is None
+    assert torch.equal(layer.weight, frozen_weight)
+
+    layer.requires_grad_(True)
+    x, y = batch(seed=5)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    raw_w, raw_b = layer.weight.grad.clone(), layer.bias.grad.clone()
+    precond.step()
+    new_w, new_b = layer.weight.grad, layer.bias.grad
+    raw = torch.cat([raw_w, raw_b[:, None]], 1).flatten()
+    new = torch.cat([new_w, new_b[:, None]], 1).flatten()
+    # preconditioned: not merely rescaled (as the damping-only fallback would)
+    cosine = float(torch.dot(raw, new) / (raw.norm() * new.norm()))
+    assert cosine < 1 - 1e-6, cosine
+    assert set(precond.state_dict()["layers"][frozen]) == {"A", "G"}
+
+
+# -- 6. names through wrappers ----------------------------------------------------------------------
+
+
+def _one_step_factors(wrapped: nn.Module, inner: nn.Module) -> dict[str, dict[str, Tensor]]:
+    precond = KFACPreconditioner(wrapped, damping=0.01)
+    x, y = batch(seed=3)
+    inner.zero_grad()
+    F.cross_entropy(wrapped(x), y).backward()
+    precond.step()
+    return factors(precond)
+
+
+def _prefixed(state: dict, prefix: str) -> dict:
+    out = copy.deepcopy(state)
+    out["layers"] = {prefix + name: entry for name, entry in out["layers"].items()}
+    return out
+
+
+def test_compiled_model_has_the_eager_layer_names() -> None:
+    eager = KFACPreconditioner(mlp())
+    compiled = KFACPreconditioner(torch.compile(mlp(), backend="eager"))
+    assert list(compiled.layers) == list(eager.layers) == list(LAYERS)
+    assert not any("_orig_mod" in name for name in compiled.layers)
+
+
+def test_checkpoints_move_between_compiled_and_eager_models() -> None:
+    # (no forward through the compiled model: dynamo's warm-up alone takes seconds)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager = KFACPreconditioner(model, optimizer=opt)
+    train_step(model, eager, opt, seed=0)
+    state = eager.state_dict()
+
+    compiled = KFACPreconditioner(torch.compile(mlp(), backend="eager"))
+    compiled.load_state_dict(state)  # eager → compiled
+    saved = compiled.state_dict()
+    assert list(saved["layers"]) == list(LAYERS)
+    assert_same(saved["layers"], state["layers"])
+
+    target = KFACPreconditioner(mlp())
+    target.load_state_dict(saved)  # compiled → eager
+    assert target.steps == 1
+    assert_same(target.state_dict()["layers"], state["layers"])
+
+
+@pytest.mark.parametrize("prefix", ["_orig_mod.", "module."])
+def test_state_dict_with_wrapper_prefixes_loads(prefix: str) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    source = KFACPreconditioner(model, optimizer=opt)
+    train_step(model, source, opt, seed=0)
+    state = source.state_dict()
+    old = _prefixed(state, prefix)
+    for target_model in (mlp(), torch.compile(mlp(), backend="eager"), nn.DataParallel(mlp())):
+        target = KFACPreconditioner(target_model)
+        target.load_state_dict(old)
+        assert target.steps == 1
+        assert_same(target.state_dict()["layers"], state["layers"])
+
+
+def test_data_parallel_on_cpu_has_the_plain_layer_names() -> None:
+    eager_model = mlp()
+    want = _one_step_factors(eager_model, eager_model)
+    inner = mlp()
+    wrapped = nn.DataParallel(inner)
+    precond = KFACPreconditioner(wrapped)
+    assert list(precond.layers) == list(LAYERS)
+    got = _one_step_factors(wrapped, inner)
+    assert_factors_close(got, want, 1e-12)
+    plain = KFACPreconditioner(mlp())
+    plain.load_state_dict({"steps": 1, "layers": got})
+    assert_same(factors(plain), got)
+
+
+# -- 7. argument types -----------------------------------------------------------------------------
+
+
+class Opaque:
+    """An object of no meaningful type (with a stable repr for test ids)."""
+
+    def __repr__(self) -> str:
+        return "Opaque()"
+
+
+BAD_ARGUMENTS: list[tuple[str, Any]] = [
+    ("factor_update_steps", "1"),
+    ("factor_update_steps", 1.5),
+    ("factor_update_steps", None),
+    ("inv_update_steps", "1"),
+    ("inv_update_steps", [1]),
+    ("damping", "0.1"),
+    ("damping", None),
+    ("damping", [0.1]),
+    ("factor_decay", "0.9"),
+    ("factor_decay", None),
+    ("kl_clip", "0.001"),
+    ("kl_clip", [0.001]),
+    ("lr", "0.1"),
+    ("lr", [0.1]),
+    ("accumulation_steps", "2"),
+    ("accumulation_steps", 1.5),
+    ("accumulation_steps", None),
+    ("compute_method", 3),
+    ("compute_method", None),
+    ("compute_eigenvalue_outer_product", "yes"),
+    ("compute_eigenvalue_outer_product", None),
+    ("symmetry_aware", "yes"),
+    ("symmetry_aware", None),
+    ("grad_worker_fraction", [0.5]),
+    ("grad_worker_fraction", Opaque()),
+    ("assignment_strategy", 3),
+    ("assignment_strategy", None),
+    ("colocate_factors", "no"),
+    ("colocate_factors", None),
+    ("allreduce_bucket_cap_mb", "25"),
+    ("allreduce_bucket_cap_mb", None),
+    ("factor_dtype", 5),
+    ("factor_dtype", "float128"),
+    ("inv_dtype", 5),
+    ("inv_dtype", "float128"),
+    ("skip_layers", 5),
+    ("skip_layers", [5]),
+    ("skip_layers", Opaque()),
+    ("update_factors_in_hook", "yes"),
+    ("update_factors_in_hook", None),
+    ("loss_average", 3),
+    ("loss_average", None),
+    ("optimizer", "sgd"),
+    ("optimizer", 5),
+    ("grad_scaler", "x"),
+    ("grad_scaler", 5),
+    ("pg_timeout_s", "10"),
+    ("pg_timeout_s", [10]),
+    ("loglevel", "loud"),
+    ("loglevel", 2.5),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v in BAD_ARGUMENTS]
+)
+def test_wrong_argument_type_names_the_argument(name: str, value: Any) -> None:
+    model = mlp()
+    with pytest.raises((TypeError, ValueError), match=rf"\b{name}\b"):
+        KFACPreconditioner(model, **{name: value})
+    assert has_no_hooks(model)  # refused before anything was attached
+
+
+@pytest.mark.parametrize("model", ["a string", None, 5, nn.Linear], ids=repr)
+def test_wrong_model_type_names_the_argument(model: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match=r"\bmodel\b"):
+        KFACPreconditioner(model)
+
+
+# -- 8. a forward with no backward ------------------------------------------------------------------
+
+
+def _extra_forward_run(extra: str | None, in_hook: bool) -> tuple[list[dict], list[list[str]]]:
+    """Two steps; on the first, an extra training-mode forward with no backward.
+
+    ``extra``: None, "before" (a metric before the real forward, output
+    dropped), "after" (after backward, output kept until after step()) or
+    "paused" (before the real forward, inside ``precond.paused()``).
+    Returns the factors after each step and the warnings of each step().
+    """
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=0.01, update_factors_in_hook=in_hook)
+    out_factors, out_warnings = [], []
+    for i in range(2):
+        x, y = batch(seed=i)
+        xe, ye = batch(8, seed=50 + i)
+        opt.zero_grad()
+        kept = None
+        if i == 0 and extra == "before":
+            accuracy = (model(xe).argmax(1) == ye).double().mean().item()
+            assert 0.0 <= accuracy <= 1.0
+        if i == 0 and extra == "paused":
+            with precond.paused():
+                kept = model(xe)
+        F.cross_entropy(model(x), y).backward()
+        if i == 0 and extra == "after":
+            kept = model(xe)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precond.step()
+        del kept
+        opt.step()
+        out_factors.append(factors(precond))
+        out_warnings.append([str(w.message) for w in caught])
+    return out_factors, out_warnings
+
+
+@pytest.mark.parametrize("in_hook", [True, False], ids=["in_hook", "deferred"])
+@pytest.mark.parametrize("extra", ["before", "after"])
+def test_forward_without_backward_warns_and_adds_nothing(extra: str, in_hook: bool) -> None:
+    want, quiet = _extra_forward_run(None, in_hook)
+    assert quiet == [[], []]
+    got, caught = _extra_forward_run(extra, in_hook)
+    assert any("paused()" in message for message in caught[0]), caught[0]
+    assert caught[1] == []  # the dropped forward is reported once, not carried over
+    assert_same(got[0], want[0], "factors after step 1")
+    assert_same(got[1], want[1], "factors after step 2")
+
+
+def test_forward_without_backward_warning_is_a_pytest_warning() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model)
+    x, y = batch()
+    model(batch(seed=1)[0])
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match=r"paused\(\)"):
+        precond.step()
+
+
+@pytest.mark.parametrize("in_hook", [True, False], ids=["in_hook", "deferred"])
+def test_forward_inside_paused_is_silent_and_adds_nothing(in_hook: bool) -> None:
+    want, _ = _extra_forward_run(None, in_hook)
+    got, caught = _extra_forward_run("paused", in_hook)
+    assert caught == [[], []]
+    assert_same(got, want, "factors")
+
+
+# -- 9. activation checkpointing ---------------------------------------------------------------------
+
+
+class CheckpointedNet(nn.Module):
+    """stem → [hidden1 → tanh → hidden2] (checkpointed or not) → head."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.stem = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.stem(x))
+        if self.mode == "plain":
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.mode == "reentrant")
+        return self.head(torch.tanh(h))
+
+
+def _checkpoint_run(mode: str, in_hook: bool) -> tuple[list[dict], list[list[Tensor | None]]]:
+    model = CheckpointedNet(mode).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=0.01, update_factors_in_hook=in_hook)
+    out_factors, out_grads = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(2):
+            x, y = batch(seed=i)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            precond.step()
+            out_grads.append(grads(model))
+            opt.step()
+            out_factors.append(factors(precond))
+    return out_factors, out_grads
+
+
+@pytest.mark.parametrize("in_hook", [True, False], ids=["in_hook", "deferred"])
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_activation_checkpointing_counts_each_forward_once(mode: str, in_hook: bool) -> None:
+    want_factors, want_grads = _checkpoint_run("plain", in_hook)
+    assert set(want_factors[0]) == {"stem", "block.0", "block.2", "head"}
+    got_factors, got_grads = _checkpoint_run(mode, in_hook)  # raises on any warning
+    for got, want in zip(got_factors, want_factors):
+        assert_factors_close(got, want, 1e-12)
+    for got_step, want_step in zip(got_grads, want_grads):
+        for a, b in zip(got_step, want_step):
+            assert a is not None and b is not None
+            assert float((a - b).norm() / b.norm()) <= 1e-10
