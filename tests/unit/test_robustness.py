@@ -529,6 +529,18 @@ def test_data_parallel_on_cpu_has_the_plain_layer_names() -> None:
     assert_same(factors(plain), got)
 
 
+@pytest.mark.parametrize("wrap", ["compile", "compile(DataParallel)"])
+def test_training_through_compiled_models_equals_eager(wrap: str) -> None:
+    # one forward/backward through dynamo (eager backend: hooks traced, ~1 s)
+    eager_model = mlp()
+    want = _one_step_factors(eager_model, eager_model)
+    inner = mlp()
+    wrapped = torch.compile(inner if wrap == "compile" else nn.DataParallel(inner), backend="eager")
+    got = _one_step_factors(wrapped, inner)
+    assert list(got) == list(LAYERS)
+    assert_factors_close(got, want, 1e-12)
+
+
 # -- 7. argument types -----------------------------------------------------------------------------
 
 
