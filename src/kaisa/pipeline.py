@@ -25,6 +25,7 @@ from kaisa.engines.base import Engine, GradientMarks
 from kaisa.layer import KFACLayer
 from kaisa.plan import WorkPlan
 from kaisa.reduction import FactorReduction
+from kaisa.scaling import LossScaling
 from kaisa.schedule import Schedule
 from kaisa.second_order import SecondOrderUpdate
 
@@ -45,6 +46,7 @@ class StepPipeline:
     second_order: SecondOrderUpdate
     application: GradientApplication
     in_hook: bool
+    scaling: LossScaling
     steps: int = 0
     #: the second-order tensors must be recomputed at the next step (after a load)
     stale: bool = False
@@ -58,11 +60,12 @@ class StepPipeline:
     def step(self) -> None:
         step = self.steps
         self.check_new_backward()
-        if self.engine.step_is_valid() is False:
-            self.drop_statistics()
+        self.scaling.check_unscaled()
+        factor_step = self.schedule.is_factor_step(step)
+        if not self.gradients_valid():
+            self.skip(factor_step)
             return
         damping = self.schedule.damping(step)
-        factor_step = self.schedule.is_factor_step(step)
         if factor_step:
             self.reduce_factors(step)
         self.update_second_order(step, damping)
@@ -91,11 +94,24 @@ class StepPipeline:
                 "loss.backward() on a training-mode forward pass before precond.step()"
             )
 
-    def drop_statistics(self) -> None:
-        """Forget what this step captured (its gradients are invalid)."""
+    def gradients_valid(self) -> bool:
+        """The engine's verdict (a loss scaler's), the same on every rank."""
+        valid = self.engine.step_is_valid()
+        if valid is True:
+            return True
+        agreed = self.comm.agree_all([bool(valid)], self.layers[0].adapter.device)
+        return agreed[0]
+
+    def skip(self, factor_step: bool) -> None:
+        """A step the optimizer will skip: leave every statistic, factor,
+        decomposition and the step count as they were."""
+        if factor_step:
+            self.reduction.run(self.schedule.factor_decay(self.steps), fold=False)
         for layer in self.layers:
             layer.batch.reset()
             layer.pending.calls.clear()
+        self.comm.stats.end_step()
+        self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
 
     def reduce_factors(self, step: int) -> None:
         """Statistics → owners → running averages."""

@@ -116,6 +116,7 @@ class KFACPreconditioner:
             model,
             config,
             self._schedule,
+            optimizer=optimizer,
             grad_scaler=grad_scaler,
             gradient_access=gradient_access,
             engine=engine,

@@ -153,8 +153,13 @@ class FactorReduction:
         return store
 
     # -- at step() ------------------------------------------------------------------
-    def run(self, decay: float) -> None:
-        """Reduce every layer's sums and counts and fold them in on the owners."""
+    def run(self, decay: float, *, fold: bool = True) -> None:
+        """Reduce every layer's sums and counts and fold them in on the owners.
+
+        ``fold=False`` (a skipped step) still completes every collective that
+        backward hooks may have started, so ranks stay in step, and then
+        forgets the result.
+        """
         if self.comm.distributed:
             for layer in self.layers:
                 if layer.name not in self._filled:
@@ -178,7 +183,12 @@ class FactorReduction:
                 for i, value in enumerate(layer.batch.sums):
                     if value is not None:
                         self._reduced[(layer.name, i)] = value
-        self._fold(counts.tolist(), decay)
+        if fold:
+            self._fold(counts.tolist(), decay)
+        else:
+            self._reduced.clear()
+            for layer in self.layers:
+                layer.batch.reset()
 
     def _fold(self, counts: list[float], decay: float) -> None:
         k = 0

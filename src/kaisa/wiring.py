@@ -11,12 +11,11 @@ and hands them to :class:`kaisa.pipeline.StepPipeline`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from kaisa.apply import GradientApplication
 from kaisa.capture import Capture
@@ -30,11 +29,12 @@ from kaisa.methods import CurvatureMethod, method_for
 from kaisa.pipeline import StepPipeline
 from kaisa.plan import LayerSpec, WorkPlan, make_plan
 from kaisa.reduction import FactorReduction
+from kaisa.scaling import LossScaling
 from kaisa.schedule import Schedule
 from kaisa.second_order import SecondOrderUpdate
 from kaisa.topology import Topology
 
-__all__ = ["Parts", "build", "check_runtime_arguments", "loss_scale_getter"]
+__all__ = ["Parts", "build", "check_runtime_arguments"]
 
 
 @dataclass
@@ -100,22 +100,6 @@ def check_runtime_arguments(
         )
 
 
-def loss_scale_getter(grad_scaler: Any) -> Callable[[], Tensor | float | None] | None:
-    """The current loss scale of a GradScaler (on device, no sync) or of a callable."""
-    if grad_scaler is None:
-        return None
-    if not callable(getattr(grad_scaler, "get_scale", None)):
-        return cast("Callable[[], Tensor | float | None]", grad_scaler)
-
-    def scale() -> Tensor | float | None:
-        if not getattr(grad_scaler, "is_enabled", lambda: True)():
-            return None
-        getter = getattr(grad_scaler, "_get_scale_async", None)
-        return getter() if getter is not None else grad_scaler.get_scale()
-
-    return scale
-
-
 def _dtypes(config: KFACConfig, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     # normalised to torch.dtype | None by KFACConfig.__post_init__
     factor = cast("torch.dtype | None", config.factor_dtype) or torch.promote_types(
@@ -130,13 +114,15 @@ def build(
     config: KFACConfig,
     schedule: Schedule,
     *,
+    optimizer: torch.optim.Optimizer | None,
     grad_scaler: Any,
     gradient_access: GradientAccess | None,
     engine: Engine | None,
     topology: Topology | None,
     pg_timeout_s: float | None,
 ) -> Parts:
-    engine = engine or select_engine(model, gradient_access)
+    scaling = LossScaling(grad_scaler, optimizer)
+    engine = engine or select_engine(model, gradient_access, scaling)
     inner = engine.unwrap(model)
     adapters, skipped = register_layers(inner, config.skip_layers)
     if not adapters:
@@ -171,7 +157,7 @@ def build(
         loss_average=LossAverage(config.loss_average),
         accumulation_steps=config.accumulation_steps,
         in_hook=config.update_factors_in_hook,
-        loss_scale=loss_scale_getter(grad_scaler),
+        loss_scale=scaling.getter(),
     )
     reduction = FactorReduction(
         ordered,
@@ -193,6 +179,7 @@ def build(
         second_order=second_order,
         application=application,
         in_hook=config.update_factors_in_hook,
+        scaling=scaling,
     )
     checkpointer = Checkpointer(layers, plan, comm, method, second_order)
     logging.getLogger("kaisa").debug("%s", plan.describe())

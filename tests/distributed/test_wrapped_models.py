@@ -69,3 +69,47 @@ def test_deepcopy_of_ddp_model_captures_nothing_and_checkpoint_loads_unwrapped()
     assert target.steps == 3
     for name in ("0", "2"):
         assert torch.equal(target.layers[name].factor("A"), plain[0]["state"]["layers"][name]["A"])
+
+
+def scaled_ddp(rank: int, world: int, poison: bool, fraction: float) -> dict[str, Any]:
+    """DDP + GradScaler; with ``poison`` rank 1's loss of the second batch is Inf."""
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    precond = KFACPreconditioner(
+        ddp, optimizer=opt, grad_scaler=scaler, grad_worker_fraction=fraction, damping=0.01
+    )
+    data = batches(rank)
+    if poison:
+        data.insert(1, data[0])
+    steps = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        if poison and i == 1 and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        precond.step()
+        steps.append(precond.steps)
+        scaler.step(opt)
+        scaler.update()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": precond.state_dict(include_second_order=True),
+        "steps": steps,
+    }
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_step_skipped_by_the_scaler_is_skipped_on_every_rank(fraction: float) -> None:
+    clean = run_distributed(2, scaled_ddp, False, fraction)
+    poisoned = run_distributed(2, scaled_ddp, True, fraction)
+    for a, b in zip(clean, poisoned):
+        assert b["steps"] == [1, 1, 2, 3]  # the Inf step did not count, on either rank
+        for p, q in zip(a["params"], b["params"]):
+            assert torch.equal(p, q)
+        for name, entry in a["state"]["layers"].items():
+            for key, value in entry.items():
+                assert torch.equal(b["state"]["layers"][name][key], value), f"{name}.{key}"

@@ -9,6 +9,7 @@ from torch import nn
 
 from kaisa.engines.base import Engine, GradientMarks
 from kaisa.engines.pytorch import GradientAccess, ParamGradAccess, TorchEngine, unwrap_model
+from kaisa.scaling import LossScaling
 
 __all__ = [
     "Engine",
@@ -21,7 +22,11 @@ __all__ = [
 ]
 
 
-def select_engine(model: nn.Module, gradient_access: GradientAccess | None = None) -> Engine:
+def select_engine(
+    model: nn.Module,
+    gradient_access: GradientAccess | None = None,
+    scaling: LossScaling | None = None,
+) -> Engine:
     """The engine for ``model``: today plain PyTorch (``.grad``, DDP, DataParallel,
     ``torch.compile``); DeepSpeed and FSDP2 plug in here."""
-    return TorchEngine(gradient_access)
+    return TorchEngine(gradient_access, scaling)

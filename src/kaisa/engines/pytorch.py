@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from kaisa.engines.base import Engine, GradientMarks
 from kaisa.layers.base import LayerAdapter
+from kaisa.scaling import LossScaling
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
 
@@ -56,8 +57,11 @@ class TorchEngine(Engine):
 
     name = "torch"
 
-    def __init__(self, access: GradientAccess | None = None) -> None:
+    def __init__(
+        self, access: GradientAccess | None = None, scaling: LossScaling | None = None
+    ) -> None:
         self.access: GradientAccess = access or ParamGradAccess()
+        self.scaling = scaling
         self._ddp = False
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -73,6 +77,10 @@ class TorchEngine(Engine):
         # DDP averages every parameter's gradient on every rank (unused ones too,
         # with find_unused_parameters), so presence is the same everywhere
         return self._ddp and isinstance(self.access, ParamGradAccess)
+
+    def step_is_valid(self) -> bool | Tensor:
+        found = self.scaling.found_inf() if self.scaling is not None else None
+        return True if found is None else found == 0
 
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         params = adapter.parameters()
