@@ -4,9 +4,12 @@
   *tensor* hook on its output, which fires with the gradient w.r.t. that
   output.  Unlike ``register_full_backward_hook`` this works on the first
   layer and when an in-place activation follows the layer.
-* A forward pre-hook on the root model numbers the forward passes, so that
-  gradient accumulation over micro-batches (and modules called several times
-  per pass) are normalised correctly.
+* A pass (one micro-batch) is identified by the forward pass of the root
+  model (a forward pre-hook numbers them) *and* the backward pass that
+  delivers the gradient, so gradient accumulation is normalised correctly
+  whether micro-batches are separate backward passes, separate forwards of
+  one summed loss, or forwards of a submodule the root never sees (Lightning
+  calls ``self.net(x)`` inside ``training_step``).
 
 A forward call commits nothing until its output gradient arrives: its input
 statistics wait in the tensor hook.  So a training-mode forward that is
@@ -46,9 +49,14 @@ def _first_tensor(inputs: Any) -> Tensor | None:
     return None
 
 
+def _graph_task() -> int:
+    """The id of the backward pass running on this thread, -1 outside backward."""
+    return int(torch._C._current_graph_task_id())
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (recomputation)."""
-    return bool(torch._C._current_graph_task_id() != -1)
+    return _graph_task() != -1
 
 
 class _InertHook:
@@ -89,13 +97,16 @@ def _input_terms(layer: KFACLayer, x: Tensor) -> list[tuple[int, Tensor, float]]
     return out
 
 
+PassKey = tuple[int, int]
+
+
 def commit_call(
     layer: KFACLayer,
     inputs: list[tuple[int, Tensor, float]],
     g: Tensor,
     batch: int,
     multiplier: float | Tensor,
-    pass_id: int,
+    pass_id: PassKey,
 ) -> None:
     """Add one call's input terms and output-gradient terms to the layer's sums."""
     stats = layer.batch
@@ -189,14 +200,15 @@ class Capture:
         keep = None if self.in_hook else x
 
         def hook(grad: Tensor) -> None:
+            key = (pass_id, _graph_task())
             g = grad.detach()
             multiplier = self._multiplier(layer, g, batch)
             if not recomputed:
                 layer.batch.pending_forwards -= 1
             if keep is not None:
-                layer.pending.calls.append((keep, g, batch, multiplier, pass_id))
+                layer.pending.calls.append((keep, g, batch, multiplier, key))
                 return
-            commit_call(layer, terms, g, batch, multiplier, pass_id)
+            commit_call(layer, terms, g, batch, multiplier, key)
             stats = layer.batch
             complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
             if complete and self.on_layer_complete is not None:

@@ -22,9 +22,11 @@ __all__ = ["BatchStatistics", "KFACLayer", "PendingCapture"]
 @dataclass
 class PendingCapture:
     """Raw (input, output-gradient) pairs kept until ``step()`` when
-    ``update_factors_in_hook=False``: ``(x, g, batch, multiplier, pass_id)``."""
+    ``update_factors_in_hook=False``: ``(x, g, batch, multiplier, pass)``."""
 
-    calls: list[tuple[Tensor, Tensor, int, float | Tensor, int]] = field(default_factory=list)
+    calls: list[tuple[Tensor, Tensor, int, float | Tensor, tuple[int, int]]] = field(
+        default_factory=list
+    )
 
 
 class BatchStatistics:
@@ -47,7 +49,7 @@ class BatchStatistics:
         self.calls = 0  #: forward calls whose statistics were committed
         self.pending_forwards = 0  #: forward calls still waiting for their gradient
         self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
-        self._last_pass: int | None = None
+        self._last_pass: tuple[int, int] | None = None
 
     def add(self, index: int, value: Tensor) -> None:
         current = self.sums[index]
@@ -56,7 +58,7 @@ class BatchStatistics:
         else:
             current.add_(value)
 
-    def new_pass(self, pass_id: int) -> bool:
+    def new_pass(self, pass_id: tuple[int, int]) -> bool:
         """Record that ``pass_id`` reached the layer; True the first time it does."""
         if pass_id == self._last_pass:
             return False

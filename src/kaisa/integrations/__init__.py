@@ -1,0 +1,5 @@
+"""Integrations with training frameworks (optional extras).
+
+Each submodule imports its framework; import the one you use, e.g.
+``from kaisa.integrations.lightning import KFACCallback``.
+"""

@@ -1,0 +1,77 @@
+"""PyTorch Lightning: a callback that preconditions before every optimizer step.
+
+``on_before_optimizer_step`` runs once per optimizer step, on the
+accumulation boundary, after backward, after DDP has averaged the gradients
+and after the AMP precision plugin has unscaled them — and before gradient
+clipping and the optimizer step.  That is exactly where ``precond.step()``
+belongs::
+
+    trainer = Trainer(callbacks=[KFACCallback(damping=0.01)], accumulate_grad_batches=2)
+
+``accumulation_steps`` is taken from ``accumulate_grad_batches``, the KL
+clip's learning rate from the (first) optimizer, and the grad scaler from
+the precision plugin, unless given.  The preconditioner's state is saved in
+and restored from Lightning checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+
+from kaisa.preconditioner import KFACPreconditioner
+
+__all__ = ["KFACCallback"]
+
+
+class KFACCallback(Callback):
+    """Runs a :class:`~kaisa.KFACPreconditioner` inside ``Trainer.fit``.
+
+    Args:
+        **kwargs: keyword arguments of :class:`~kaisa.KFACPreconditioner`.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+        self.preconditioner: KFACPreconditioner | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        kwargs = dict(self.kwargs)
+        kwargs.setdefault("accumulation_steps", trainer.accumulate_grad_batches)
+        if "lr" not in kwargs and trainer.optimizers:
+            kwargs.setdefault("optimizer", trainer.optimizers[0])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            kwargs.setdefault("grad_scaler", scaler)
+        if self.preconditioner is not None:  # a second fit() continues from the first
+            self._pending_state = self.preconditioner.state_dict()
+        self.preconditioner = KFACPreconditioner(pl_module, **kwargs)
+        if self._pending_state is not None:
+            self.preconditioner.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.preconditioner is not None:
+            self.preconditioner.step()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.preconditioner is not None:
+            self.preconditioner.remove_hooks()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.preconditioner is None else self.preconditioner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.preconditioner is None:  # restored before fit starts
+            self._pending_state = state_dict
+        else:
+            self.preconditioner.load_state_dict(state_dict)
