@@ -27,8 +27,8 @@ test: venv lint
 	$(PY) -m pytest -q --durations=15
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 ## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).

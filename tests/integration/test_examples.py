@@ -1,0 +1,30 @@
+"""The integration examples run end to end (a few steps each) and learn."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("script", "package"),
+    [("lightning_digits.py", "lightning"), ("accelerate_digits.py", "accelerate")],
+)
+def test_example_runs_and_learns(script: str, package: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--steps", "30", "--accumulate", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
+    assert accuracy > 0.8, out.stdout
