@@ -6,60 +6,20 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
 
-from kaisa import KFACPreconditioner  # noqa: E402
 from kaisa.integrations.lightning import KFACCallback  # noqa: E402
 
-KW = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
-ACCUMULATE = 2
-STEPS = 3
-
-
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-
-
-def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(4, 6, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (4,), generator=g),
-        )
-        for _ in range(STEPS * ACCUMULATE)
-    ]
-
-
-class Module(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = make_net()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-
-def plain_loop() -> list[torch.Tensor]:
-    net = make_net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    precond = KFACPreconditioner(net, optimizer=opt, accumulation_steps=ACCUMULATE, **KW)
-    data = micro_batches()
-    for step in range(STEPS):
-        opt.zero_grad()
-        for x, y in data[step * ACCUMULATE : (step + 1) * ACCUMULATE]:
-            (F.cross_entropy(net(x), y) / ACCUMULATE).backward()
-        precond.step()
-        opt.step()
-    return [p.detach() for p in net.parameters()]
+from framework_case import (  # noqa: E402
+    ACCUMULATE,
+    KW,
+    STEPS,
+    assert_close,
+    micro_batches,
+    plain_loop,
+)
+from lightning_case import Module  # noqa: E402
 
 
 def test_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
@@ -84,7 +44,6 @@ def test_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
     assert callback.preconditioner is not None
     assert callback.preconditioner.steps == STEPS
     assert callback.preconditioner.config.accumulation_steps == ACCUMULATE
-    for got, want in zip(module.net.parameters(), plain_loop()):
-        assert float((got.detach() - want).norm() / want.norm()) <= 1e-10
+    assert_close(list(module.net.parameters()), plain_loop())
     # the callback's state is the preconditioner's (saved in Lightning checkpoints)
     assert callback.state_dict()["steps"] == STEPS

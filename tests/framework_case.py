@@ -1,0 +1,58 @@
+"""The one training problem every framework integration is compared on.
+
+A small float64 MLP, SGD with momentum, ``STEPS`` optimizer steps of
+``ACCUMULATE`` micro-batches each; :func:`plain_loop` is the reference: the
+plain torch loop with kaisa that every integration must reproduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+
+KW = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
+ACCUMULATE = 2
+STEPS = 3
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def micro_batches(count: int = STEPS * ACCUMULATE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(4, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (4,), generator=g),
+        )
+        for _ in range(count)
+    ]
+
+
+def make_optimizer(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
+def plain_loop() -> list[torch.Tensor]:
+    net = make_net()
+    opt = make_optimizer(net)
+    precond = KFACPreconditioner(net, optimizer=opt, accumulation_steps=ACCUMULATE, **KW)
+    data = micro_batches()
+    for step in range(STEPS):
+        opt.zero_grad()
+        for x, y in data[step * ACCUMULATE : (step + 1) * ACCUMULATE]:
+            (F.cross_entropy(net(x), y) / ACCUMULATE).backward()
+        precond.step()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-10) -> None:
+    for a, b in zip(got, want):
+        err = float((a.detach() - b).norm() / b.norm())
+        assert err <= tol, f"relative error {err:.2e}"
