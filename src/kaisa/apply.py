@@ -120,8 +120,8 @@ class GradientApplication:
         for name, (layer, grad) in grads.items():
             lp = self.plan.layer(name)
             if self.rank in lp.grad_workers:
-                held = self.method.held(layer.factors, lp.colocated)
                 if not self.method.ready(layer.factors, layer.state, lp.colocated):
+                    held = self.method.held(layer.factors, lp.colocated)
                     self.second_order.fill_missing(layer, held, damping)
                 results[name] = self.method.apply(layer.factors, layer.state, grad, damping)
             if self.plan.grad_workers < self.plan.world_size:

@@ -44,7 +44,6 @@ __all__ = [
     "CommStats",
     "CommunicationError",
     "Communicator",
-    "dist_info",
     "group_ranks",
     "pack",
     "packed_numel",
@@ -52,13 +51,6 @@ __all__ = [
 ]
 
 Callback = Callable[[list[Tensor]], None]
-
-
-def dist_info() -> tuple[int, int]:
-    """(rank, world size) of the default process group, (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def group_ranks(group: Any) -> tuple[int, ...]:

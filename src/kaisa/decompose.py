@@ -16,8 +16,7 @@ from kaisa.factors import all_finite
 __all__ = [
     "DecompositionError",
     "damped_inverse",
-    "eigen_outer_inverse",
-    "pi_split",
+    "eigen_outer",
     "pi_splits",
     "symmetric_eigh",
 ]
@@ -65,31 +64,12 @@ def eigen_outer(eigenvalues: list[Tensor]) -> Tensor:
     return out
 
 
-def eigen_outer_inverse(eig_g: Tensor, eig_a: Tensor, damping: float) -> Tensor:
-    """``1 / (λ_G λ_Aᵀ + γ)``: the divisor of the eigen-basis update, precomputed."""
-    return 1.0 / (torch.outer(eig_g, eig_a) + damping)
-
-
-def pi_split(trace_a: Tensor, dim_a: int, trace_g: Tensor, dim_g: int) -> Tensor:
-    """π of factored Tikhonov damping (Martens & Grosse 2015, §6.3).
-
-    ``π = sqrt((tr A / d_A) / (tr G / d_G))`` balances the damping between the
-    factors: ``A + π√γ I`` and ``G + (√γ/π) I``.  Falls back to 1 when either
-    trace is not positive (e.g., a dead layer).
-    """
-    mean_a = trace_a / dim_a
-    mean_g = trace_g / dim_g
-    ok = (mean_a > 0) & (mean_g > 0) & torch.isfinite(mean_a) & torch.isfinite(mean_g)
-    ratio = torch.where(ok, mean_a / torch.where(ok, mean_g, torch.ones_like(mean_g)), 1.0)
-    return torch.sqrt(ratio)
-
-
 def pi_splits(traces: Tensor, dims: list[int]) -> Tensor:
     """Per-factor π_i of factored Tikhonov damping for N factors.
 
     With ``t_i = tr F_i / d_i``, ``π_i = t_i / (∏ t_j)^{1/N}`` (so ``∏ π_i =
     1``) and factor ``i`` is damped by ``γ^{1/N} π_i``; for two factors this is
-    :func:`pi_split`'s ``A + π√γ I``, ``G + (√γ/π) I``.  All ones when any
+    ``A + π√γ I``, ``G + (√γ/π) I`` with ``π = sqrt(t_A / t_G)``.  All ones when any
     trace is not positive or not finite (e.g., a dead layer).
     """
     means = traces.to(torch.float64) / torch.tensor(dims, dtype=torch.float64, device=traces.device)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["kl_clip_scale", "kl_inner", "kl_scale", "mul_axis"]
+__all__ = ["kl_inner", "kl_scale", "mul_axis"]
 
 
 def mul_axis(v: Tensor, m: Tensor, axis: int) -> Tensor:
@@ -44,13 +44,3 @@ def kl_scale(inner: Tensor, lr: float, kl_clip: float) -> Tensor:
     """``ν = min(1, sqrt(kl_clip / |lr²·inner|))``; a zero inner product gives ν = 1."""
     vg = inner.abs() * (lr * lr)
     return torch.clamp(torch.sqrt(kl_clip / vg), max=1.0)
-
-
-def kl_clip_scale(
-    preconditioned: Sequence[Tensor], grads: Sequence[Tensor], lr: float, kl_clip: float | None
-) -> Tensor | None:
-    """``ν`` for layers all held by this process; no host sync.  None when off."""
-    inner = kl_inner(preconditioned, grads)
-    if kl_clip is None or inner is None:
-        return None
-    return kl_scale(inner, lr, kl_clip)
