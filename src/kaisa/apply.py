@@ -7,6 +7,12 @@ summed over the model-parallel groups (tensor and pipeline parallelism hold
 other layers of the same model) before ``ν`` is formed, and ``ν·V`` is
 written back through the engine.
 
+Only a layer's gradient workers need its full gradient: the engine reads
+all layers in one agreed order and may gather each onto its workers only
+(DeepSpeed ZeRO keeps gradients partitioned).  So the KL clip's per-layer
+term ``⟨V, ∇⟩`` is formed where ``V`` is, and travels with ``V`` to the
+receivers, exactly as every rank would have computed it.
+
 Which layers take part is agreed on by every rank of the data-parallel group
 (one small collective, skipped where the engine guarantees it, as DDP does):
 a layer with no gradient on some rank this step is left alone on all of
@@ -25,7 +31,7 @@ from kaisa.engines.base import Engine
 from kaisa.layer import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.plan import WorkPlan
-from kaisa.precondition import kl_inner, kl_scale
+from kaisa.precondition import kl_scale, kl_term
 from kaisa.second_order import SecondOrderUpdate
 
 __all__ = ["GradientApplication"]
@@ -58,12 +64,12 @@ class GradientApplication:
         kl_clip: float | None,
         factor_step: bool,
     ) -> None:
-        grads = self._read(layers, factor_step)
-        results = self._precondition(grads, damping)
-        names = list(results)
+        taking_part = self._taking_part(layers, factor_step)
+        results = self._precondition(taking_part, damping)
         nu: Tensor | None = None
         if kl_clip is not None:
-            inner = kl_inner([results[n] for n in names], [grads[n][1] for n in names])
+            dots = [dot for _, dot in results.values()]
+            inner = torch.stack(dots).sum() if dots else None
             if self.comm.model_parallel:
                 # every rank of a model-parallel group joins, with 0 if it has no layer
                 device = layers[0].adapter.device
@@ -71,18 +77,15 @@ class GradientApplication:
                 inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
             if inner is not None:
                 nu = kl_scale(inner, lr, kl_clip)
-        for name in names:
-            value = results[name] if nu is None else results[name].mul_(nu)
-            self.engine.write(grads[name][0].adapter, value)
+        for layer in taking_part:
+            value = results[layer.name][0]
+            self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
 
-    def _read(
-        self, layers: list[KFACLayer], factor_step: bool
-    ) -> dict[str, tuple[KFACLayer, Tensor]]:
-        """Gradients of captured layers, kept where every rank has one."""
-        local: dict[str, tuple[KFACLayer, Tensor]] = {}
+    def _taking_part(self, layers: list[KFACLayer], factor_step: bool) -> list[KFACLayer]:
+        """Captured layers with a gradient, kept where every rank has one."""
+        local: list[KFACLayer] = []
         for layer in layers:
-            grad = self.engine.read(layer.adapter)
-            if grad is None:
+            if not self.engine.present(layer.adapter):
                 continue
             if not layer.captured:
                 if factor_step:
@@ -93,18 +96,19 @@ class GradientApplication:
                         "left unchanged",
                     )
                 continue
-            local[layer.name] = (layer, grad)
+            local.append(layer)
         if not self.comm.distributed or self.engine.gradients_agree():
             return local
         candidates = [la for la in layers if la.captured]
+        mine = {la.name for la in local}
         agreed = self.comm.agree_all(
-            [la.name in local for la in candidates], layers[0].adapter.device
+            [la.name in mine for la in candidates], layers[0].adapter.device
         )
-        kept = {}
+        kept = []
         for layer, ok in zip(candidates, agreed):
             if ok:
-                kept[layer.name] = local[layer.name]
-            elif layer.name in local:
+                kept.append(layer)
+            elif layer.name in mine:
                 self._warn_once(
                     layer.name,
                     f"kaisa: layer {layer.name!r} has a gradient on some ranks only this step; "
@@ -114,26 +118,42 @@ class GradientApplication:
         return kept
 
     def _precondition(
-        self, grads: dict[str, tuple[KFACLayer, Tensor]], damping: float
-    ) -> dict[str, Tensor]:
-        results: dict[str, Tensor] = {}
-        for name, (layer, grad) in grads.items():
-            lp = self.plan.layer(name)
+        self, layers: list[KFACLayer], damping: float
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``(V, ⟨V, ∇⟩)`` per layer, on every rank."""
+        plans = [self.plan.layer(la.name) for la in layers]
+        to_global = self.comm.global_ranks
+        grads = self.engine.read_many(
+            [la.adapter for la in layers],
+            [tuple(to_global[r] for r in lp.grad_workers) for lp in plans],
+        )
+        results: dict[str, tuple[Tensor, Tensor]] = {}
+        for layer, lp, grad in zip(layers, plans, grads):
+            name = layer.name
             if self.rank in lp.grad_workers:
+                assert grad is not None, f"engine gave no gradient to a worker of {name}"
                 if not self.method.ready(layer.factors, layer.state, lp.colocated):
                     held = self.method.held(layer.factors, lp.colocated)
                     self.second_order.fill_missing(layer, held, damping)
-                results[name] = self.method.apply(layer.factors, layer.state, grad, damping)
+                v = self.method.apply(layer.factors, layer.state, grad, damping)
+                results[name] = (v, kl_term(v, grad))
             if self.plan.grad_workers < self.plan.world_size:
                 group = lp.receiver_group_of(self.rank)
                 src = group[0]
-                buf = results[name] if self.rank == src else grad.new_empty(grad.shape)
+                if self.rank == src:
+                    v, dot = results[name]
+                    send = [v, dot.reshape(1)]
+                else:
+                    adapter = layer.adapter
+                    dtype = grad.dtype if grad is not None else self.engine.gradient_dtype(adapter)
+                    buf = torch.empty(adapter.matrix_shape, dtype=dtype, device=adapter.device)
+                    send = [buf, buf.new_empty(1)]
 
                 def store(received: list[Tensor], name: str = name) -> None:
-                    results[name] = received[0]
+                    results[name] = (received[0], received[1].reshape(()))
 
                 self.comm.broadcast(
-                    [buf], src, group, None if self.rank == src else store, kind="grad_broadcast"
+                    send, src, group, None if self.rank == src else store, kind="grad_broadcast"
                 )
         self.comm.wait()
         return results

@@ -12,12 +12,10 @@ ranks that hold other parts of the model before the square root.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-__all__ = ["kl_inner", "kl_scale", "mul_axis"]
+__all__ = ["kl_scale", "kl_term", "mul_axis"]
 
 
 def mul_axis(v: Tensor, m: Tensor, axis: int) -> Tensor:
@@ -30,14 +28,10 @@ def mul_axis(v: Tensor, m: Tensor, axis: int) -> Tensor:
     return torch.movedim(torch.tensordot(v, m, dims=([axis], [0])), -1, axis)
 
 
-def kl_inner(preconditioned: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor | None:
-    """``Σ ⟨V, ∇⟩`` over the given layers as a 0-d tensor (None if there are none)."""
-    if not preconditioned:
-        return None
-    dots = [
-        torch.vdot(v.reshape(-1), g.reshape(-1).to(v.dtype)) for v, g in zip(preconditioned, grads)
-    ]
-    return torch.stack(dots).sum()
+def kl_term(preconditioned: Tensor, grad: Tensor) -> Tensor:
+    """One layer's ``⟨V, ∇⟩`` as a 0-d tensor in ``V``'s dtype (summed over
+    layers, and model-parallel groups, before :func:`kl_scale`)."""
+    return torch.vdot(preconditioned.reshape(-1), grad.reshape(-1).to(preconditioned.dtype))
 
 
 def kl_scale(inner: Tensor, lr: float, kl_clip: float) -> Tensor:

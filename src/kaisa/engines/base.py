@@ -16,20 +16,45 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["Engine", "GradientMarks"]
+__all__ = ["Engine", "EngineDefaults", "GradientMarks"]
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """What an engine knows about the training run that the user need not repeat.
+
+    Attributes:
+        accumulation_steps: micro-batches per optimizer step, where the engine
+            divides the loss by it (DeepSpeed); ``None``: the user says.
+        lr: the learning rate now, for the KL clip; ``None``: from the
+            optimizer or the ``lr`` argument.
+        topology: the engine's own data- and model-parallel groups.
+        loss_scale: the current loss scale where the engine scales the loss.
+    """
+
+    accumulation_steps: int | None = None
+    lr: Callable[[int], float] | None = None
+    topology: Any = None
+    loss_scale: Callable[[], float] | None = None
 
 
 class Engine(ABC):
     """Reads, writes and validates the gradients of registered layers."""
 
     name: str = "engine"
+
+    def defaults(self) -> EngineDefaults:
+        """Settings the engine supplies where the user left them out."""
+        return EngineDefaults()
 
     @abstractmethod
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -38,6 +63,24 @@ class Engine(ABC):
     @abstractmethod
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         """The layer's full, averaged gradient matrix, or None if it has none this step."""
+
+    def present(self, adapter: LayerAdapter) -> bool:
+        """Whether the layer has a gradient this step, known without assembling it."""
+        return self.read(adapter) is not None
+
+    def read_many(
+        self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
+    ) -> list[Tensor | None]:
+        """The full gradients of ``adapters`` (all present on every rank), where
+        ``workers[i]`` (global ranks) are the ranks that must receive layer
+        ``i``'s.  Every rank calls this with the same layers in the same order,
+        so an engine whose gradients are partitioned may gather each one onto
+        its workers only; other ranks may get ``None``."""
+        return [self.read(a) for a in adapters]
+
+    def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
+        """The dtype :meth:`read` returns for the layer (for receive buffers)."""
+        return adapter.weight.dtype
 
     @abstractmethod
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:

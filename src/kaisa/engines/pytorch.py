@@ -82,6 +82,9 @@ class TorchEngine(Engine):
         found = self.scaling.found_inf() if self.scaling is not None else None
         return True if found is None else found == 0
 
+    def present(self, adapter: LayerAdapter) -> bool:
+        return self.access.read(adapter.weight) is not None
+
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         params = adapter.parameters()
         grads = [self.access.read(p) for p in params]

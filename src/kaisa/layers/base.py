@@ -23,7 +23,14 @@ from torch import Tensor, nn
 
 from kaisa.factors import FactorSource, FactorSpec, kfac_factors
 
-__all__ = ["LayerAdapter"]
+__all__ = ["LayerAdapter", "param_shape"]
+
+
+def param_shape(param: Tensor) -> torch.Size:
+    """A parameter's real shape, also where an engine partitions it away
+    (DeepSpeed ZeRO-3 leaves ``(0,)`` outside forward and keeps ``ds_shape``)."""
+    shape = getattr(param, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else param.shape
 
 
 class LayerAdapter(ABC):
@@ -127,8 +134,14 @@ class LayerAdapter(ABC):
         """Inverse of :meth:`grads_to_matrix`, shaped like the parameters."""
         weight, bias = self.weight, self.bias
         if bias is not None:
-            return mat[:, :-1].reshape(weight.shape), mat[:, -1].reshape(bias.shape)
-        return mat.reshape(weight.shape), None
+            return mat[:, :-1].reshape(param_shape(weight)), mat[:, -1].reshape(param_shape(bias))
+        return mat.reshape(param_shape(weight)), None
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        """Shape of the gradient tensor the factors act on (one axis per factor),
+        known without a gradient: what a rank that only receives it allocates."""
+        return tuple(s.dim for s in sorted(self.factor_specs(), key=lambda s: s.axis))
 
     def describe(self) -> str:
         shapes = ", ".join(f"{s.name}: {'×'.join(map(str, s.shape))}" for s in self.factor_specs())
