@@ -59,6 +59,7 @@ class StepPipeline:
 
     def step(self) -> None:
         step = self.steps
+        self.engine.check_step()
         self.check_new_backward()
         self.scaling.check_unscaled()
         factor_step = self.schedule.is_factor_step(step)

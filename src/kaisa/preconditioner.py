@@ -19,11 +19,12 @@ from torch import nn
 from kaisa.checkpoint import STATE_VERSION
 from kaisa.comm import Communicator
 from kaisa.config import ComputeMethod, KFACConfig
-from kaisa.engines import Engine, GradientAccess
+from kaisa.engines import Engine, GradientAccess, select_engine
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule
 from kaisa.plan import WorkPlan
 from kaisa.report import describe, memory_usage
+from kaisa.scaling import LossScaling
 from kaisa.schedule import Schedule
 from kaisa.topology import Topology
 from kaisa.wiring import build, check_runtime_arguments
@@ -96,6 +97,23 @@ class KFACPreconditioner:
                 f"unknown keyword argument(s) {sorted(unknown)}; allowed: "
                 f"{sorted(KFACConfig.field_names())}"
             )
+        scaling = LossScaling(grad_scaler, optimizer)
+        engine = engine or select_engine(model, gradient_access, scaling)
+        given = engine.defaults()
+        if given.accumulation_steps is not None:
+            asked = kwargs.setdefault("accumulation_steps", given.accumulation_steps)
+            if asked != given.accumulation_steps:
+                raise ValueError(
+                    f"accumulation_steps={asked!r} but the {engine.name} engine accumulates "
+                    f"{given.accumulation_steps} micro-batches per step (and divides the loss by "
+                    "that); leave accumulation_steps out"
+                )
+        if lr is None and optimizer is None:
+            lr = given.lr
+        topology = topology or given.topology
+        if grad_scaler is None and given.loss_scale is not None:
+            grad_scaler = given.loss_scale
+            scaling = LossScaling(grad_scaler, optimizer)
         config = KFACConfig(lr=0.1 if lr is None else lr, **kwargs)
         self._schedule = Schedule(config, optimizer, lr is None and optimizer is not None)
         self.model = model
@@ -117,8 +135,7 @@ class KFACPreconditioner:
             config,
             self._schedule,
             optimizer=optimizer,
-            grad_scaler=grad_scaler,
-            gradient_access=gradient_access,
+            scaling=scaling,
             engine=engine,
             topology=topology,
             pg_timeout_s=pg_timeout_s,

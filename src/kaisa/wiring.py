@@ -22,7 +22,7 @@ from kaisa.capture import Capture
 from kaisa.checkpoint import Checkpointer
 from kaisa.comm import Communicator, group_ranks
 from kaisa.config import ComputeMethod, KFACConfig, LossAverage
-from kaisa.engines import Engine, GradientAccess, select_engine
+from kaisa.engines import Engine
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule, register_layers
 from kaisa.methods import CurvatureMethod, method_for
@@ -115,14 +115,11 @@ def build(
     schedule: Schedule,
     *,
     optimizer: torch.optim.Optimizer | None,
-    grad_scaler: Any,
-    gradient_access: GradientAccess | None,
-    engine: Engine | None,
+    scaling: LossScaling,
+    engine: Engine,
     topology: Topology | None,
     pg_timeout_s: float | None,
 ) -> Parts:
-    scaling = LossScaling(grad_scaler, optimizer)
-    engine = engine or select_engine(model, gradient_access, scaling)
     inner = engine.unwrap(model)
     adapters, skipped = register_layers(inner, config.skip_layers)
     if not adapters:

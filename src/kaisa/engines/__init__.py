@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from kaisa.engines.base import Engine, GradientMarks
+from kaisa.engines.base import Engine, EngineDefaults, GradientMarks
 from kaisa.engines.pytorch import GradientAccess, ParamGradAccess, TorchEngine, unwrap_model
 from kaisa.scaling import LossScaling
 
 __all__ = [
     "Engine",
+    "EngineDefaults",
     "GradientAccess",
     "GradientMarks",
     "ParamGradAccess",
@@ -27,6 +28,16 @@ def select_engine(
     gradient_access: GradientAccess | None = None,
     scaling: LossScaling | None = None,
 ) -> Engine:
-    """The engine for ``model``: today plain PyTorch (``.grad``, DDP, DataParallel,
-    ``torch.compile``); DeepSpeed and FSDP2 plug in here."""
+    """The engine for ``model``: a ``deepspeed.DeepSpeedEngine`` gets
+    :class:`~kaisa.engines.deepspeed.DeepSpeedEngine`; anything else plain
+    PyTorch (``.grad``, DDP, DataParallel, ``torch.compile``).  FSDP2 plugs in here."""
+    from kaisa.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
+
+    if is_deepspeed_engine(model):
+        if gradient_access is not None:
+            raise ValueError(
+                "gradient_access cannot be combined with a DeepSpeed engine, which reads "
+                "its own (partitioned) gradients"
+            )
+        return DeepSpeedEngine(model)
     return TorchEngine(gradient_access, scaling)

@@ -86,6 +86,11 @@ class Engine(ABC):
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
 
+    def check_step(self) -> None:
+        """Raise if ``step()`` is called where the engine's gradients are not
+        ready (off an accumulation boundary, say)."""
+        return None
+
     def gradients_agree(self) -> bool:
         """Whether every data-parallel rank is known to hold a gradient for the
         same layers (DDP guarantees it); if not, ranks agree by a collective."""

@@ -1,0 +1,331 @@
+"""DeepSpeed: ``KFACPreconditioner(ds_engine, ...)`` for ZeRO stages 0–3.
+
+Call ``precond.step()`` after ``ds_engine.backward(loss)`` on the
+accumulation boundary and before ``ds_engine.step()``::
+
+    ds_engine.backward(loss)
+    if ds_engine.is_gradient_accumulation_boundary():
+        precond.step()
+    ds_engine.step()
+
+Where DeepSpeed keeps a gradient decides how it is read (measured with
+DeepSpeed 0.19.8):
+
+* stage 0: the averaged gradient is in ``param.grad`` on every rank;
+* stages 1 and 2 (and the bf16 optimizer): ``param.grad`` is None; each rank
+  holds a *fragment* of the averaged gradient, the part of its optimizer
+  partition that falls in the parameter;
+* stage 3: each rank holds a contiguous *partition* of the zero-padded,
+  flattened gradient; ``param.shape`` is ``(0,)`` outside forward and
+  ``param.ds_shape`` is the real shape.
+
+``deepspeed.utils.safe_get_full_grad`` assembles a full gradient on every
+rank, one collective per parameter.  Only a layer's gradient workers need it,
+so this engine assembles the gradients of all layers with the same workers
+in one collective and sends them to those workers only: a ``reduce`` of the
+fragments (stages 1/2) or a ``gather`` of the partitions (stage 3) where a
+layer has one worker (MEM-OPT), an all-reduce or all-gather where every rank
+is a worker (COMM-OPT).  Writing back is local: every rank holds the
+preconditioned gradient after kaisa's broadcast and keeps its own part.
+
+DeepSpeed divides the loss by ``gradient_accumulation_steps`` and owns the
+learning rate, so both come from the engine.  Its ``gradient_clipping``
+(default 1.0) clips *after* kaisa, on top of the KL clip: see the README.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from kaisa.engines.base import Engine, EngineDefaults
+from kaisa.engines.pytorch import unwrap_model
+from kaisa.layers.base import LayerAdapter, param_shape
+from kaisa.topology import Topology
+
+__all__ = ["DeepSpeedEngine", "is_deepspeed_engine"]
+
+
+def is_deepspeed_engine(model: Any) -> bool:
+    """True for a ``deepspeed.DeepSpeedEngine`` (without importing DeepSpeed)."""
+    return any(
+        c.__module__.startswith("deepspeed.") and c.__name__ == "DeepSpeedEngine"
+        for c in type(model).__mro__
+    )
+
+
+class Layout(enum.Enum):
+    """Where DeepSpeed keeps one parameter's averaged gradient."""
+
+    GRAD = "param.grad"  # stage 0
+    FRAGMENT = "fragment"  # stages 1/2, bf16 optimizer
+    PARTITION = "partition"  # stage 3
+
+
+def layout_of(param: nn.Parameter) -> Layout | None:
+    if getattr(param, "_hp_grad", None) is not None:
+        return Layout.FRAGMENT
+    if param.grad is not None:
+        return Layout.GRAD
+    if hasattr(param, "ds_id"):
+        return Layout.PARTITION
+    if hasattr(param, "_hp_mapping"):
+        return Layout.FRAGMENT
+    return None
+
+
+class DeepSpeedEngine(Engine):
+    """Gradients of a ``deepspeed.DeepSpeedEngine`` (ZeRO 0–3, fp32/bf16/fp16)."""
+
+    name = "deepspeed"
+
+    def __init__(self, ds_engine: Any) -> None:
+        if not is_deepspeed_engine(ds_engine):
+            raise TypeError(
+                f"DeepSpeedEngine needs a deepspeed.DeepSpeedEngine; got {type(ds_engine).__name__}"
+            )
+        self._ds = weakref.ref(ds_engine)
+        self.fp16 = bool(ds_engine.fp16_enabled())
+        self.stage = int(ds_engine.zero_optimization_stage())
+
+    @property
+    def ds(self) -> Any:
+        ds = self._ds()
+        if ds is None:
+            raise RuntimeError("kaisa: the DeepSpeed engine this preconditioner wraps is gone")
+        return ds
+
+    # -- what the engine knows ------------------------------------------------------
+    def defaults(self) -> EngineDefaults:
+        ds = self.ds
+
+        def lr(step: int) -> float:
+            return float(ds.get_lr()[0])
+
+        group = ds.data_parallel_group
+        return EngineDefaults(
+            accumulation_steps=int(ds.gradient_accumulation_steps()),
+            lr=lr,
+            topology=Topology(dp=group) if group is not None else None,
+            loss_scale=self._loss_scale if self.fp16 else None,
+        )
+
+    def _loss_scale(self) -> float:
+        return float(self.ds.optimizer.loss_scale)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap_model(self.ds.module)
+
+    def check_step(self) -> None:
+        ds = self.ds
+        if not ds.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                "kaisa: precond.step() called off the gradient-accumulation boundary: call it "
+                "only when ds_engine.is_gradient_accumulation_boundary() is True (after "
+                "ds_engine.backward(loss), before ds_engine.step())"
+            )
+
+    def step_is_valid(self) -> bool | Tensor:
+        """Under fp16 DeepSpeed skips a step whose scaled gradients overflowed
+        (and lowers the scale); kaisa must skip it too.  Each rank checks the
+        part it holds; the pipeline agrees over the ranks."""
+        if not self.fp16:
+            return True
+        held = [t for p in self.ds.module.parameters() if (t := _local_part(p)) is not None]
+        if not held:
+            return True
+        return torch.stack([torch.isfinite(t).all() for t in held]).all()
+
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+        # DeepSpeed counts micro-steps in ds_engine.step(); kaisa steps once
+        # between a backward and that call, so an unchanged count means no
+        # backward since the last step()
+        mark = (self._ds, self.ds.micro_steps)
+        return [mark for _ in adapters]
+
+    # -- reading ---------------------------------------------------------------------
+    def present(self, adapter: LayerAdapter) -> bool:
+        weight = adapter.weight
+        if not weight.requires_grad:
+            return False
+        return layout_of(weight) is not None
+
+    def gradients_agree(self) -> bool:
+        # ZeRO ≥ 1 keeps a (zero where unused) gradient for every trainable
+        # parameter; stage 0 all-reduces only the gradients that exist
+        return self.stage >= 1
+
+    def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
+        weight = adapter.weight
+        if layout_of(weight) is Layout.GRAD:
+            assert weight.grad is not None
+            return weight.grad.dtype
+        return torch.float32
+
+    def read(self, adapter: LayerAdapter) -> Tensor | None:
+        if not self.present(adapter):
+            return None
+        return self.read_many([adapter], [tuple(range(dist.get_world_size()))])[0]
+
+    def read_many(
+        self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
+    ) -> list[Tensor | None]:
+        out: list[Tensor | None] = [None] * len(adapters)
+        by_workers: dict[tuple[int, ...], list[int]] = {}
+        for i, (adapter, ranks) in enumerate(zip(adapters, workers)):
+            if layout_of(adapter.weight) is Layout.GRAD:
+                out[i] = self._matrix(adapter, [p.grad for p in adapter.parameters()])
+            else:
+                by_workers.setdefault(tuple(sorted(ranks)), []).append(i)
+        # dict order is the adapters' order, the same on every rank
+        for ranks, indices in by_workers.items():
+            params = [p for i in indices for p in adapters[i].parameters()]
+            full = _assemble(params, ranks)
+            if full is None:
+                continue
+            at = 0
+            for i in indices:
+                n = len(adapters[i].parameters())
+                out[i] = self._matrix(adapters[i], full[at : at + n])
+                at += n
+        return out
+
+    def _matrix(self, adapter: LayerAdapter, grads: Sequence[Tensor | None]) -> Tensor:
+        weight, bias = grads[0], grads[1] if adapter.has_bias else None
+        assert weight is not None
+        if adapter.has_bias and bias is None:
+            bias = torch.zeros(param_shape(adapter.parameters()[1]), dtype=weight.dtype)
+        matrix = adapter.grads_to_matrix(weight, bias)
+        if self.fp16:  # DeepSpeed unscales inside ds_engine.step(), after kaisa
+            matrix = matrix / self._loss_scale()
+        return matrix
+
+    # -- writing ---------------------------------------------------------------------
+    def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
+        if self.fp16:
+            matrix = matrix * self._loss_scale()
+        weight, bias = adapter.matrix_to_grads(matrix)
+        values = [weight] if bias is None else [weight, bias]
+        for param, value in zip(adapter.parameters(), values):
+            _write(param, value)
+
+
+def _group_of(param: nn.Parameter, layout: Layout) -> Any:
+    if layout is Layout.PARTITION:
+        return getattr(param, "ds_process_group", None)
+    return getattr(param, "_dp_group", None)
+
+
+def _fragment(param: nn.Parameter) -> tuple[Tensor, int] | None:
+    """This rank's part of a ZeRO-1/2 gradient and its offset in the flat parameter."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    frag = (
+        mapping.get_lp_grad_fragment(cast(Any, param)._index_in_param_group)
+        .to(torch.float32)
+        .flatten()
+    )
+    address = mapping.lp_fragment_address
+    if frag.numel() == param.numel() and frag.numel() != address.numel:
+        # the bf16 optimizer keeps the whole accumulation buffer on each rank
+        frag = frag.narrow(0, address.start, address.numel)
+    return frag, int(address.start)
+
+
+def _local_part(param: nn.Parameter) -> Tensor | None:
+    """The part of the averaged gradient this rank holds, if any."""
+    layout = layout_of(param) if param.requires_grad else None
+    if layout is Layout.GRAD:
+        return param.grad
+    if layout is Layout.PARTITION:
+        from deepspeed.utils import safe_get_local_grad
+
+        return cast("Tensor | None", safe_get_local_grad(param))
+    if layout is Layout.FRAGMENT:
+        found = _fragment(param)
+        return found[0] if found is not None else None
+    return None
+
+
+def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor] | None:
+    """Full fp32 gradients of ``params`` on ``ranks`` (None elsewhere): one collective."""
+    layout = layout_of(params[0])
+    group = _group_of(params[0], layout or Layout.FRAGMENT)
+    world = dist.get_world_size(group)
+    everyone = len(ranks) >= world
+    me = dist.get_rank()
+    if layout is Layout.PARTITION:
+        from deepspeed.utils import safe_get_local_grad
+
+        parts = [safe_get_local_grad(p).to(torch.float32).flatten() for p in params]
+        local = torch.cat(parts)
+        if everyone:
+            flat = local.new_empty(world * local.numel())
+            dist.all_gather_into_tensor(flat, local, group=group)
+        elif len(ranks) == 1:
+            gathered = [torch.empty_like(local) for _ in range(world)] if me == ranks[0] else None
+            dist.gather(local, gathered, dst=ranks[0], group=group)
+            if me != ranks[0]:
+                return None
+            assert gathered is not None
+            flat = torch.cat(gathered)
+        else:
+            flat = local.new_empty(world * local.numel())
+            dist.all_gather_into_tensor(flat, local, group=group)
+            if me not in ranks:
+                return None
+        rows = flat.view(world, local.numel())
+        out, at = [], 0
+        for p, part in zip(params, parts):
+            whole = rows[:, at : at + part.numel()].reshape(-1)[: param_shape(p).numel()]
+            out.append(whole.reshape(param_shape(p)))
+            at += part.numel()
+        return out
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
+    at = 0
+    for p, n in zip(params, sizes):
+        found = _fragment(p)
+        if found is not None:
+            frag, start = found
+            flat.narrow(0, at + start, frag.numel()).copy_(frag)
+        at += n
+    if everyone or len(ranks) > 1:
+        dist.all_reduce(flat, group=group)
+        if me not in ranks:
+            return None
+    else:
+        dist.reduce(flat, dst=ranks[0], group=group)
+        if me != ranks[0]:
+            return None
+    return [t.view(p.shape) for t, p in zip(flat.split(sizes), params)]
+
+
+def _write(param: nn.Parameter, value: Tensor) -> None:
+    layout = layout_of(param)
+    if layout is Layout.GRAD:
+        assert param.grad is not None
+        param.grad.copy_(value)
+    elif layout is Layout.PARTITION:
+        from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+        group = _group_of(param, layout)
+        n = safe_get_local_grad(param).numel()
+        flat = value.reshape(-1).to(torch.float32)
+        start = dist.get_rank(group) * n
+        mine = flat.new_zeros(n)
+        end = min(start + n, flat.numel())
+        if end > start:
+            mine[: end - start] = flat[start:end]
+        safe_set_local_grad(param, mine)
+    elif layout is Layout.FRAGMENT:
+        from deepspeed.utils import safe_set_full_grad
+
+        safe_set_full_grad(param, value.to(torch.float32))
