@@ -140,6 +140,7 @@ class KFACPreconditioner:
             topology=topology,
             pg_timeout_s=pg_timeout_s,
         )
+        self._attached = engine.attach(self.step)
         logger.log(loglevel, "%s", self.describe())
 
     # -- the step ------------------------------------------------------------------
@@ -203,8 +204,11 @@ class KFACPreconditioner:
 
     # -- hooks ------------------------------------------------------------------------
     def remove_hooks(self) -> None:
-        """Take every hook kaisa registered off the model."""
+        """Take every hook kaisa registered off the model (and the engine)."""
         self._parts.capture.remove()
+        if self._attached is not None:
+            self._attached.remove()
+            self._attached = None
 
     def __enter__(self) -> KFACPreconditioner:
         return self

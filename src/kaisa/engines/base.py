@@ -86,6 +86,13 @@ class Engine(ABC):
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
 
+    def attach(self, step: Callable[[], None]) -> Any:
+        """Arrange for ``step`` to run at the right point of the engine's own
+        training step, where the user cannot call it (DeepSpeed's pipeline
+        engine); returns a handle with ``remove()``, or None where the user
+        calls ``precond.step()`` as usual."""
+        return None
+
     def check_step(self) -> None:
         """Raise if ``step()`` is called where the engine's gradients are not
         ready (off an accumulation boundary, say)."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -52,12 +52,16 @@ from kaisa.topology import Topology
 __all__ = ["DeepSpeedEngine", "is_deepspeed_engine"]
 
 
+def _is_a(obj: Any, class_name: str) -> bool:
+    return any(
+        c.__module__.startswith("deepspeed.") and c.__name__ == class_name
+        for c in type(obj).__mro__
+    )
+
+
 def is_deepspeed_engine(model: Any) -> bool:
     """True for a ``deepspeed.DeepSpeedEngine`` (without importing DeepSpeed)."""
-    return any(
-        c.__module__.startswith("deepspeed.") and c.__name__ == "DeepSpeedEngine"
-        for c in type(model).__mro__
-    )
+    return _is_a(model, "DeepSpeedEngine")
 
 
 class Layout(enum.Enum):
@@ -93,6 +97,7 @@ class DeepSpeedEngine(Engine):
         self._ds = weakref.ref(ds_engine)
         self.fp16 = bool(ds_engine.fp16_enabled())
         self.stage = int(ds_engine.zero_optimization_stage())
+        self.pipeline = _is_a(ds_engine, "PipelineEngine")
 
     @property
     def ds(self) -> Any:
@@ -108,13 +113,43 @@ class DeepSpeedEngine(Engine):
         def lr(step: int) -> float:
             return float(ds.get_lr()[0])
 
-        group = ds.data_parallel_group
+        topology: Topology | None = None
+        if self.pipeline:
+            # a stage preconditions its own layers with its data-parallel
+            # peers; the KL clip sums over the stages
+            grid = ds.grid
+            topology = Topology(
+                dp=grid.get_data_parallel_group(), pp=grid.get_pipe_parallel_group()
+            )
+        else:
+            group = ds.data_parallel_group
+            if group is not None:
+                topology = Topology(dp=group)
         return EngineDefaults(
             accumulation_steps=int(ds.gradient_accumulation_steps()),
             lr=lr,
-            topology=Topology(dp=group) if group is not None else None,
+            topology=topology,
             loss_scale=self._loss_scale if self.fp16 else None,
         )
+
+    def attach(self, step: Callable[[], None]) -> Any:
+        """The pipeline engine runs forward, backward, the gradient all-reduce
+        and the optimizer step inside ``train_batch()``; the one point between
+        the all-reduce and the update is the client optimizer's step pre-hook."""
+        if not self.pipeline:
+            return None
+        optimizer = self.ds.optimizer
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None:
+            raise ValueError(
+                "kaisa needs a torch.optim.Optimizer inside DeepSpeed's pipeline engine (ZeRO "
+                f"stage 0, no DeepSpeed optimizer wrapper); got {type(optimizer).__name__}"
+            )
+
+        def before_update(*_: Any) -> None:
+            step()
+
+        return register(before_update)
 
     def _loss_scale(self) -> float:
         return float(self.ds.optimizer.loss_scale)
@@ -143,10 +178,10 @@ class DeepSpeedEngine(Engine):
         return torch.stack([torch.isfinite(t).all() for t in held]).all()
 
     def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
-        # DeepSpeed counts micro-steps in ds_engine.step(); kaisa steps once
-        # between a backward and that call, so an unchanged count means no
-        # backward since the last step()
-        mark = (self._ds, self.ds.micro_steps)
+        # DeepSpeed counts micro-steps in ds_engine.step() and optimizer steps
+        # (train_batch); kaisa steps once before each, so unchanged counts
+        # mean no backward since the last step()
+        mark = (self._ds, (self.ds.global_steps, self.ds.micro_steps))
         return [mark for _ in adapters]
 
     # -- reading ---------------------------------------------------------------------
