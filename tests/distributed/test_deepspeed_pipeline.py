@@ -29,7 +29,6 @@ def layers() -> list[nn.Module]:
     return [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)]
 
 
-
 def data(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(40 + replica)
     return [

@@ -28,3 +28,27 @@ def test_example_runs_and_learns(script: str, package: str) -> None:
     )
     accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
     assert accuracy > 0.8, out.stdout
+
+
+def test_deepspeed_example_two_ranks(tmp_path: Path) -> None:
+    """ZeRO-2 on 2 gloo ranks under torchrun (the example's documented launch)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (kaisa[deepspeed])")
+    import os
+
+    from deepspeed_case import prepare_environment
+
+    prepare_environment()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = EXAMPLES / "deepspeed_digits.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
+    )
+    accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
+    assert accuracy > 0.8, out.stdout

@@ -303,7 +303,7 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
         local = torch.cat(parts)
         if everyone:
             flat = local.new_empty(world * local.numel())
-            dist.all_gather_into_tensor(flat, local, group=group)
+            dist.all_gather_single(flat, local, group=group)
         elif len(ranks) == 1:
             gathered = [torch.empty_like(local) for _ in range(world)] if me == ranks[0] else None
             dist.gather(local, gathered, dst=ranks[0], group=group)
@@ -313,7 +313,7 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
             flat = torch.cat(gathered)
         else:
             flat = local.new_empty(world * local.numel())
-            dist.all_gather_into_tensor(flat, local, group=group)
+            dist.all_gather_single(flat, local, group=group)
             if me not in ranks:
                 return None
         rows = flat.view(world, local.numel())
