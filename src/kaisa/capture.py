@@ -149,6 +149,8 @@ class Capture:
     ) -> None:
         self.loss_average = loss_average
         self.accumulation_steps = accumulation_steps
+        #: ``N`` of ``loss = Σ ℓ / N`` (``LossAverage.ITEMS``)
+        self.loss_items: float | None = None
         self.in_hook = in_hook
         self.loss_scale = loss_scale
         self.enabled = True
@@ -219,7 +221,7 @@ class Capture:
     def _multiplier(self, layer: KFACLayer, g: Tensor, batch: int) -> float | Tensor:
         positions = layer.adapter.grad_output_rows(g).shape[1]
         m: float | Tensor = grad_multiplier(
-            self.loss_average, batch, positions, self.accumulation_steps
+            self.loss_average, batch, positions, self.accumulation_steps, self.loss_items
         )
         if self.loss_scale is not None:
             scale = self.loss_scale()

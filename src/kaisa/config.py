@@ -74,11 +74,16 @@ class LossAverage(str, enum.Enum):
     * ``BATCH_AND_SEQUENCE``: ``loss = mean_{n,s} ℓ_{n,s}`` (language models
       with ``reduction='mean'`` over all tokens).
     * ``SUM``: ``loss = Σ ℓ``; gradients are used unscaled.
+    * ``ITEMS``: ``loss = Σ ℓ / N`` over the whole optimizer step (all its
+      micro-batches), with ``N`` — e.g. the number of non-ignored tokens —
+      set as ``precond.loss_items`` before the step's backward passes (the
+      Hugging Face callback sets it from the Trainer's ``num_items_in_batch``).
     """
 
     BATCH = "batch"
     BATCH_AND_SEQUENCE = "batch_and_sequence"
     SUM = "sum"
+    ITEMS = "items"
 
 
 _DTYPES = {

@@ -111,9 +111,20 @@ def kfac_factors(a_dim: int, g_dim: int) -> tuple[FactorSpec, ...]:
 
 
 def grad_multiplier(
-    loss_average: LossAverage, batch: int, positions: int, accumulation_steps: int
+    loss_average: LossAverage,
+    batch: int,
+    positions: int,
+    accumulation_steps: int,
+    items: float | None = None,
 ) -> float:
     """The factor ``m`` with ``ĝ = m·g`` that undoes the loss averaging."""
+    if loss_average is LossAverage.ITEMS:
+        if items is None or not items > 0:
+            raise RuntimeError(
+                "kaisa: loss_average='items' but precond.loss_items is not set to the positive "
+                f"number the loss is divided by (got {items!r}); set it before backward"
+            )
+        return float(items)
     if loss_average is LossAverage.BATCH:
         return float(batch * accumulation_steps)
     if loss_average is LossAverage.BATCH_AND_SEQUENCE:

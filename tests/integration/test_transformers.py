@@ -91,3 +91,100 @@ def test_trainer_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
 def test_trainer_clipping_before_kfac_warns(tmp_path) -> None:
     with pytest.warns(UserWarning, match="max_grad_norm=1.0"):
         trainer_run(tmp_path, max_grad_norm=1.0)
+
+
+# -- a Hugging Face language model: loss Σℓ / num_items_in_batch -----------------
+VOCAB, LENGTH = 32, 8
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def token_rows() -> list[dict[str, torch.Tensor]]:
+    """Sequences with padded (ignored) tails of different lengths, so the token
+    count differs between micro-batches and steps."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for i in range(STEPS * ACCUMULATE * BATCH):
+        ids = torch.randint(0, VOCAB, (LENGTH,), generator=g)
+        labels = ids.clone()
+        labels[LENGTH - (i % 5) :] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def lm_plain_loop() -> tuple[list[torch.Tensor], list[float]]:
+    """The loop the Trainer runs: each micro-batch's loss is Σℓ / N with N the
+    step's target tokens (labels shifted by one, -100 ignored)."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, accumulation_steps=ACCUMULATE, loss_average="items", **KW
+    )
+    data = token_rows()
+    seen = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        window = data[step * ACCUMULATE * BATCH : (step + 1) * ACCUMULATE * BATCH]
+        items = sum(int((r["labels"][1:] != -100).sum()) for r in window)
+        precond.loss_items = items
+        seen.append(float(items))
+        for k in range(ACCUMULATE):
+            chunk = window[k * BATCH : (k + 1) * BATCH]
+            ids = torch.stack([r["input_ids"] for r in chunk])
+            labels = torch.stack([r["labels"] for r in chunk])
+            model(
+                input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(items)
+            ).loss.backward()
+        precond.step()
+        opt.step()
+    return [p.detach() for p in model.parameters()], seen
+
+
+def test_trainer_language_model_uses_num_items_in_batch(tmp_path) -> None:
+    model = tiny_llama()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        max_steps=STEPS,
+        learning_rate=0.1,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    callback = KFACCallback(**KW)
+    seen: list[float] = []
+    original = callback._read_items
+
+    def spy(module, args, kwargs):
+        original(module, args, kwargs)
+        seen.append(callback.preconditioner.loss_items)
+
+    callback._read_items = spy  # type: ignore[method-assign]
+    InOrder(model=model, args=args, train_dataset=token_rows(), callbacks=[callback]).train()
+    precond = callback.preconditioner
+    assert precond is not None and precond.config.loss_average.value == "items"
+    assert any("q_proj" in n for n in precond.layers) and "lm_head" in precond.layers
+    want, items = lm_plain_loop()
+    assert seen == [n for n in items for _ in range(ACCUMULATE)]
+    assert len(set(items)) > 1  # the token count really varies
+    for a, b in zip([p.detach() for p in model.parameters()], want):
+        assert float((a - b).norm() / b.norm()) <= 1e-5

@@ -70,7 +70,9 @@ def kfac_step(model, loss_fn, x, **kwargs):
     """One K-FAC step; returns the preconditioner and the raw gradients."""
     kwargs.setdefault("damping", DAMPING)
     kwargs.setdefault("kl_clip", None)
+    items = kwargs.pop("loss_items", None)
     precond = KFACPreconditioner(model, **kwargs)
+    precond.loss_items = items
     model.zero_grad()
     loss_fn(model(x)).backward()
     raw = {
@@ -109,7 +111,7 @@ def test_eigen_path_is_exact_damped_kronecker_inverse_not_pi_split() -> None:
     assert rel_err(exact, other) > 1e-4
 
 
-@pytest.mark.parametrize("loss_average", ["batch", "batch_and_sequence", "sum"])
+@pytest.mark.parametrize("loss_average", ["batch", "batch_and_sequence", "sum", "items"])
 def test_sequence_linear_expand(loss_average: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 5))
@@ -124,8 +126,10 @@ def test_sequence_linear_expand(loss_average: str) -> None:
         "batch": lambda out: per_token(out).sum(1).mean(),
         "batch_and_sequence": lambda out: per_token(out).mean(),
         "sum": lambda out: per_token(out).sum(),
+        "items": lambda out: per_token(out).sum() / 21,  # Σ ℓ / N, N given as loss_items
     }
-    precond, raw = kfac_step(model, losses[loss_average], x, loss_average=loss_average)
+    items = {"loss_items": 21} if loss_average == "items" else {}
+    precond, raw = kfac_step(model, losses[loss_average], x, loss_average=loss_average, **items)
     for name, layer in precond.layers.items():
         module = layer.adapter.module
         # per-"term" gradients: d(sum of the averaged terms)/dz, scaled as the convention says
@@ -356,3 +360,16 @@ def test_float32_factors_with_float64_model_are_close_not_exact() -> None:
     assert p32.layers["0"].factor("A").dtype == torch.float32
     for a, b in zip(m64.parameters(), m32.parameters()):
         assert 0 < rel_err(b.grad, a.grad) <= 1e-4
+
+
+def test_items_loss_needs_loss_items() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    precond = KFACPreconditioner(model, loss_average="items")
+    with pytest.raises(RuntimeError, match=r"precond\.loss_items is not set"):
+        model(torch.randn(5, 4)).sum().backward()
+    for bad in (0, -2.0, True):
+        with pytest.raises(ValueError, match="loss_items must be a positive number"):
+            precond.loss_items = bad
+    precond.loss_items = torch.tensor(7)
+    assert precond.loss_items == 7.0

@@ -10,18 +10,28 @@ rescales the raw gradient and so changes the KL clip's verdict; use
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[KFACCallback(damping=0.01)])
 
 ``accumulation_steps`` is taken from ``gradient_accumulation_steps`` and the
-KL clip's learning rate from the Trainer's optimizer, unless given.  A model
-whose forward takes ``num_items_in_batch`` has its loss normalised by the
-Trainer over all micro-batches' tokens: pass ``loss_average`` to match.
+KL clip's learning rate from the Trainer's optimizer, unless given.
+
+A model that accepts loss keyword arguments (Hugging Face language models)
+gets ``num_items_in_batch`` from the Trainer: its loss is ``Σ ℓ / N`` with
+``N`` the number of target tokens of the whole optimizer step (all
+micro-batches, and all ranks with ``average_tokens_across_devices``, where
+the Trainer multiplies the loss by the world size).  The callback then uses
+``loss_average='items'`` and reads ``N`` from every forward call, so the G
+factor sees per-token gradients whatever the padding.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
+from torch import nn
 from transformers import TrainerCallback
 
+from kaisa.config import LossAverage
+from kaisa.engines import unwrap_model
 from kaisa.preconditioner import KFACPreconditioner
 
 __all__ = ["KFACCallback"]
@@ -37,6 +47,8 @@ class KFACCallback(TrainerCallback):
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None
+        self._items_hook: Any = None
+        self._items_divisor = 1
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.preconditioner is not None:
@@ -54,7 +66,19 @@ class KFACCallback(TrainerCallback):
                 "clip (kl_clip) bound the update",
                 stacklevel=2,
             )
-        self.preconditioner = KFACPreconditioner(kwargs["model"], **options)
+        model = kwargs["model"]
+        if "loss_average" not in options and _accepts_loss_kwargs(model):
+            options["loss_average"] = LossAverage.ITEMS
+        self.preconditioner = KFACPreconditioner(model, **options)
+        if self.preconditioner.config.loss_average is LossAverage.ITEMS:
+            spread = args.average_tokens_across_devices and args.world_size > 1
+            self._items_divisor = args.world_size if spread else 1
+            self._items_hook = model.register_forward_pre_hook(self._read_items, with_kwargs=True)
+
+    def _read_items(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        items = kwargs.get("num_items_in_batch")
+        if items is not None and self.preconditioner is not None:
+            self.preconditioner.loss_items = float(items) / self._items_divisor
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.preconditioner is not None:
@@ -63,3 +87,16 @@ class KFACCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.preconditioner is not None:
             self.preconditioner.remove_hooks()
+        if self._items_hook is not None:
+            self._items_hook.remove()
+            self._items_hook = None
+
+
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """The Trainer's own rule for passing ``num_items_in_batch`` to forward."""
+    inner = unwrap_model(model)
+    declared = getattr(inner, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    parameters = inspect.signature(inner.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
