@@ -52,6 +52,30 @@ def plain_loop() -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
+def ddp_loop(rank: int, world: int) -> list[torch.Tensor]:
+    """The plain DDP loop with kaisa; rank ``r`` takes micro-batches ``r::world``
+    of ``world · STEPS · ACCUMULATE`` (its own shard, as every framework test)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = make_net()
+    ddp = DistributedDataParallel(net)
+    opt = make_optimizer(net)
+    precond = KFACPreconditioner(ddp, optimizer=opt, accumulation_steps=ACCUMULATE, **KW)
+    mine = micro_batches(world * STEPS * ACCUMULATE)[rank::world]
+    for step in range(STEPS):
+        opt.zero_grad()
+        chunk = mine[step * ACCUMULATE : (step + 1) * ACCUMULATE]
+        for i, (x, y) in enumerate(chunk):
+            if i < len(chunk) - 1:
+                with ddp.no_sync():
+                    (F.cross_entropy(ddp(x), y) / ACCUMULATE).backward()
+            else:
+                (F.cross_entropy(ddp(x), y) / ACCUMULATE).backward()
+        precond.step()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
 def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-10) -> None:
     for a, b in zip(got, want):
         err = float((a.detach() - b).norm() / b.norm())

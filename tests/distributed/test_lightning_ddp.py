@@ -8,12 +8,9 @@ import tempfile
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
 
-from kaisa import KFACPreconditioner  # noqa: E402
 from kaisa.integrations.lightning import KFACCallback  # noqa: E402
 
 from framework_case import (  # noqa: E402
@@ -21,8 +18,7 @@ from framework_case import (  # noqa: E402
     KW,
     STEPS,
     assert_close,
-    make_net,
-    make_optimizer,
+    ddp_loop,
     micro_batches,
 )
 from harness import run_distributed  # noqa: E402
@@ -59,28 +55,8 @@ def lightning_run(rank: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.net.parameters()]
 
 
-def plain_run(rank: int, world: int) -> list[torch.Tensor]:
-    net = make_net()
-    ddp = DistributedDataParallel(net)
-    opt = make_optimizer(net)
-    precond = KFACPreconditioner(ddp, optimizer=opt, accumulation_steps=ACCUMULATE, **KW)
-    mine = micro_batches(2 * STEPS * ACCUMULATE)[rank::world]
-    for step in range(STEPS):
-        opt.zero_grad()
-        chunk = mine[step * ACCUMULATE : (step + 1) * ACCUMULATE]
-        for i, (x, y) in enumerate(chunk):
-            if i < len(chunk) - 1:
-                with ddp.no_sync():
-                    (F.cross_entropy(ddp(x), y) / ACCUMULATE).backward()
-            else:
-                (F.cross_entropy(ddp(x), y) / ACCUMULATE).backward()
-        precond.step()
-        opt.step()
-    return [p.detach().clone() for p in net.parameters()]
-
-
 def both(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    return lightning_run(rank), plain_run(rank, world)
+    return lightning_run(rank), ddp_loop(rank, world)
 
 
 def test_lightning_ddp_with_accumulation_equals_plain_ddp_loop() -> None:

@@ -52,3 +52,20 @@ def test_deepspeed_example_two_ranks(tmp_path: Path) -> None:
     )
     accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
     assert accuracy > 0.8, out.stdout
+
+
+def test_hf_trainer_example_learns() -> None:
+    """A tiny Llama from a config under the Trainer with the callback."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (kaisa[transformers])")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hf_trainer_text.py"), "--steps", "20"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert int(lines[-2].rsplit(" ", 1)[-1]) == 15  # 2 blocks × 7 projections + lm_head
+    before, after = (float(v) for v in lines[-1].rsplit(":", 1)[-1].split("->"))
+    assert after < before - 1.0, out.stdout
