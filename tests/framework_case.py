@@ -7,6 +7,8 @@ plain torch loop with kaisa that every integration must reproduce.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,6 +75,28 @@ def ddp_loop(rank: int, world: int) -> list[torch.Tensor]:
                 (F.cross_entropy(ddp(x), y) / ACCUMULATE).backward()
         precond.step()
         opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def accelerate_recipe(
+    accelerate: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """The documented accelerate recipe over this rank's ``batches``."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    net = make_net()
+    model, opt = accelerator.prepare(net, make_optimizer(net))
+    # the recipe: attach to the prepared model, tell it the accumulation
+    precond = KFACPreconditioner(
+        model, optimizer=opt.optimizer, accumulation_steps=ACCUMULATE, **KW
+    )
+    for x, y in batches:
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x), y))
+            if accelerator.sync_gradients:
+                precond.step()
+            opt.step()
+            opt.zero_grad()
+    assert precond.steps == STEPS
     return [p.detach().clone() for p in net.parameters()]
 
 

@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kaisa import KFACPreconditioner
-
 from framework_case import (
     ACCUMULATE,
     KW,
     STEPS,
+    accelerate_recipe,
     assert_close,
     ddp_loop,
     make_net,
@@ -34,28 +33,18 @@ def join(rank: int, world: int) -> None:
         LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1"
     )
     os.environ.setdefault("MASTER_PORT", "29561")
+    # a one-process accelerate state forked from the test process would stick
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def accelerate_run(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     join(rank, world)
     import accelerate
 
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
-    assert accelerator.num_processes == world
-    net = make_net()
-    model, opt = accelerator.prepare(net, make_optimizer(net))
-    precond = KFACPreconditioner(
-        model, optimizer=opt.optimizer, accumulation_steps=ACCUMULATE, **KW
-    )
-    for x, y in micro_batches(world * STEPS * ACCUMULATE)[rank::world]:
-        with accelerator.accumulate(model):
-            accelerator.backward(F.cross_entropy(model(x), y))
-            if accelerator.sync_gradients:
-                precond.step()
-            opt.step()
-            opt.zero_grad()
-    assert precond.steps == STEPS
-    return [p.detach().clone() for p in net.parameters()], ddp_loop(rank, world)
+    mine = micro_batches(world * STEPS * ACCUMULATE)[rank::world]
+    return accelerate_recipe(accelerate, mine), ddp_loop(rank, world)
 
 
 def test_accelerate_two_ranks_equal_ddp_loop() -> None:
@@ -118,5 +107,6 @@ def trainer_run(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.T
 
 def test_hf_trainer_two_ranks_equal_ddp_loop() -> None:
     pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (the Trainer needs it)")
     for got, want in run_distributed(2, trainer_run):
         assert_close(got, want)

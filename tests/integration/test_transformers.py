@@ -58,9 +58,9 @@ def plain_loop() -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def trainer_run(tmp_path, max_grad_norm: float) -> tuple[list[torch.Tensor], KFACCallback]:
-    model = Classifier()
-    args = transformers.TrainingArguments(
+def training_arguments(tmp_path, max_grad_norm: float) -> transformers.TrainingArguments:
+    """Plain SGD at a constant rate, in order, nothing saved or logged."""
+    return transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATE,
@@ -76,6 +76,11 @@ def trainer_run(tmp_path, max_grad_norm: float) -> tuple[list[torch.Tensor], KFA
         logging_strategy="no",
         disable_tqdm=True,
     )
+
+
+def trainer_run(tmp_path, max_grad_norm: float) -> tuple[list[torch.Tensor], KFACCallback]:
+    model = Classifier()
+    args = training_arguments(tmp_path, max_grad_norm)
     callback = KFACCallback(**KW)
     InOrder(model=model, args=args, train_dataset=rows(), callbacks=[callback]).train()
     return [p.detach() for p in model.parameters()], callback
@@ -154,22 +159,7 @@ def lm_plain_loop() -> tuple[list[torch.Tensor], list[float]]:
 
 def test_trainer_language_model_uses_num_items_in_batch(tmp_path) -> None:
     model = tiny_llama()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUMULATE,
-        max_steps=STEPS,
-        learning_rate=0.1,
-        lr_scheduler_type="constant",
-        optim="sgd",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-    )
+    args = training_arguments(tmp_path, 0.0)
     callback = KFACCallback(**KW)
     seen: list[float] = []
     original = callback._read_items
