@@ -17,6 +17,7 @@ from deepspeed_case import (
     ddp_run,
     deepspeed_or_skip,
     deepspeed_run,
+    full_parameters,
     join,
     make_net,
     make_optimizer,
@@ -238,3 +239,46 @@ def test_misuse_is_named() -> None:
     assert len(messages) == 2, messages
     assert "accumulation_steps=3" in messages[0] and "leave accumulation_steps out" in messages[0]
     assert "is_gradient_accumulation_boundary()" in messages[1]
+
+
+def resume_run(rank: int, world: int, stage: int, directory: str) -> dict[str, Any]:
+    """4 optimizer steps straight, and 2 + save + a new engine and
+    preconditioner + load + 2; kaisa's state travels in DeepSpeed's checkpoint."""
+    deepspeed = join(rank, world)
+    from kaisa import KFACPreconditioner
+
+    def fresh() -> tuple[Any, Any]:
+        net = make_net()
+        engine, *_ = deepspeed.initialize(
+            model=net, optimizer=make_optimizer(net), config=config(stage), dist_init_required=False
+        )
+        return engine, KFACPreconditioner(engine, **KW)
+
+    def train(engine: Any, precond: Any, batches: list) -> None:
+        for x, y in batches:
+            engine.backward(F.cross_entropy(engine(x), y))
+            if engine.is_gradient_accumulation_boundary():
+                precond.step()
+            engine.step()
+
+    data = micro_batches(rank)
+    half = len(data) // 2
+    engine, precond = fresh()
+    train(engine, precond, data)
+    straight = full_parameters(engine)
+
+    engine, precond = fresh()
+    train(engine, precond, data[:half])
+    engine.save_checkpoint(directory, tag="half", client_state={"kaisa": precond.state_dict()})
+    engine, precond = fresh()
+    _, client = engine.load_checkpoint(directory, tag="half")
+    precond.load_state_dict(client["kaisa"])
+    train(engine, precond, data[half:])
+    return {"straight": straight, "resumed": full_parameters(engine), "steps": precond.steps}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_from_deepspeed_checkpoint(stage: int, tmp_path) -> None:
+    for res in run_distributed(2, resume_run, stage, str(tmp_path), **TIMEOUT):
+        assert res["steps"] == len(micro_batches(0)) // ACCUMULATE
+        assert max(relative_errors(res["resumed"], res["straight"])) <= 1e-6
