@@ -125,7 +125,7 @@ def build(
     if not adapters:
         reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
         raise ValueError(
-            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
+            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d, nn.Conv2d, HF Conv1D "
             f"with groups=1, parameters not tied to another module). Skipped: "
             f"{reasons or 'nothing'}"
         )

@@ -1,6 +1,7 @@
 """Layer adapters: one per module type, mapping it to canonical K-FAC shapes."""
 
 from kaisa.layers.base import LayerAdapter
+from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
 from kaisa.layers.linear import LinearAdapter
 from kaisa.layers.registry import (
@@ -11,10 +12,12 @@ from kaisa.layers.registry import (
 )
 
 __all__ = [
+    "Conv1dAdapter",
     "Conv2dAdapter",
     "LayerAdapter",
     "LinearAdapter",
     "SkippedModule",
+    "TransposedLinearAdapter",
     "adapter_for",
     "register_layer_type",
     "register_layers",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from kaisa.layers.base import LayerAdapter
+from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
 from kaisa.layers.linear import LinearAdapter
 
@@ -31,7 +32,14 @@ AdapterFactory = Callable[[str, nn.Module], LayerAdapter]
 # Exact types first; subclasses of these are matched by isinstance afterwards.
 _ADAPTERS: dict[type[nn.Module], AdapterFactory] = {
     nn.Linear: LinearAdapter,
+    nn.Conv1d: Conv1dAdapter,
     nn.Conv2d: Conv2dAdapter,
+}
+
+# Types of optional packages, matched by (module, class name) so that kaisa
+# never imports them: Hugging Face GPT-2's Conv1D is a Linear stored [in, out].
+_ADAPTERS_BY_NAME: dict[tuple[str, str], AdapterFactory] = {
+    ("transformers.pytorch_utils", "Conv1D"): TransposedLinearAdapter,
 }
 
 
@@ -53,19 +61,26 @@ class SkippedModule:
 
 
 def _unsupported_reason(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Conv2d) and module.groups != 1:
+    if isinstance(module, nn.Conv1d | nn.Conv2d) and module.groups != 1:
         return (
             f"grouped convolution (groups={module.groups}) is not supported: its Fisher "
             "block is one Kronecker product per group"
         )
-    if isinstance(module, nn.Linear | nn.Conv2d) and module.weight is None:
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d) and module.weight is None:
         return "no weight"
     return None
 
 
+def _known_type(module: nn.Module) -> bool:
+    by_name = (type(module).__module__, type(module).__name__) in _ADAPTERS_BY_NAME
+    return by_name or isinstance(module, tuple(_ADAPTERS))
+
+
 def adapter_for(name: str, module: nn.Module) -> tuple[LayerAdapter | None, str | None]:
     """The adapter for ``module``, or ``(None, reason)`` when it cannot be preconditioned."""
-    factory = _ADAPTERS.get(type(module))
+    factory = _ADAPTERS.get(type(module)) or _ADAPTERS_BY_NAME.get(
+        (type(module).__module__, type(module).__name__)
+    )
     if factory is None:
         for module_type, candidate in _ADAPTERS.items():
             if isinstance(module, module_type):
@@ -132,7 +147,7 @@ def register_layers(
             for (pname, p), mine in zip(own, params)
             if id(p) in shared
         ]
-        if ties and isinstance(module, tuple(_ADAPTERS)):
+        if ties and _known_type(module):
             why = "tied parameter (" + "; ".join(ties) + "): left to the optimizer"
             skipped.append(SkippedModule(name, kind, why, params))
             continue
@@ -142,7 +157,7 @@ def register_layers(
             continue
         adapter, reason = adapter_for(name, module)
         if adapter is None:
-            if isinstance(module, tuple(_ADAPTERS)):  # a supported type, unsupported here
+            if _known_type(module):  # a supported type, unsupported here
                 warnings.warn(f"kaisa: not preconditioning {name!r}: {reason}", stacklevel=3)
             if ties:
                 reason = f"{reason}; tied parameter (" + "; ".join(ties) + ")"
