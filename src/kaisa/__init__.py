@@ -4,6 +4,7 @@ from kaisa.config import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    KFACApprox,
     KFACConfig,
     LossAverage,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "KFACApprox",
     "KFACConfig",
     "KFACPreconditioner",
     "LossAverage",

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
-from kaisa.factors import FactorSource, contribution, grad_multiplier
+from kaisa.factors import FactorSource, grad_multiplier
 from kaisa.layer import KFACLayer
 
 __all__ = ["Capture"]
@@ -91,9 +91,8 @@ def _input_terms(layer: KFACLayer, x: Tensor) -> list[tuple[int, Tensor, float]]
     out = []
     for i, spec in enumerate(layer.factors):
         if spec.source is FactorSource.INPUT:
-            rows = layer.adapter.rows_for(spec.source, x)
-            rows_count = float(rows.shape[0] * rows.shape[1])
-            out.append((i, contribution(rows, spec.kind, layer.factor_dtype), rows_count))
+            term, rows_count = layer.adapter.factor_term(spec, x, layer.factor_dtype)
+            out.append((i, term, rows_count))
     return out
 
 
@@ -117,8 +116,7 @@ def commit_call(
     scale = multiplier * multiplier
     for i, spec in enumerate(layer.factors):
         if spec.source is FactorSource.OUTPUT_GRAD:
-            grad_rows = layer.adapter.rows_for(spec.source, g)
-            stats.add(i, contribution(grad_rows, spec.kind, layer.factor_dtype, scale))
+            stats.add(i, layer.adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
             if new_pass:
                 stats.counts[i] += batch
     stats.calls += 1

@@ -25,6 +25,7 @@ __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "KFACApprox",
     "KFACConfig",
     "LossAverage",
     "resolve",
@@ -61,6 +62,22 @@ class DistributedStrategy(enum.Enum):
     COMM_OPT = "comm-opt"  #: f = 1
     HYBRID_OPT = "hybrid-opt"  #: f = 1/2
     MEM_OPT = "mem-opt"  #: f = 1/world_size
+
+
+class KFACApprox(str, enum.Enum):
+    """How a layer whose weight is shared over positions (tokens, patches) is
+    approximated (Eschenhagen et al., NeurIPS 2023).
+
+    * ``EXPAND``: every (data point, position) pair is a row:
+      ``A = 1/(N·S) Σ a aᵀ``, ``G = 1/N Σ ĝ ĝᵀ`` over all pairs.
+    * ``REDUCE``: positions are reduced per data point first — inputs
+      averaged, output gradients summed: ``A = 1/N Σ ā ā ᵀ``,
+      ``G = 1/N Σ (Σ_s ĝ)(Σ_s ĝ)ᵀ``; cheaper when S is large.  An Embedding
+      keeps EXPAND (a reduced one-hot is not one-hot: A would be dense).
+    """
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
 
 
 class LossAverage(str, enum.Enum):
@@ -175,7 +192,7 @@ class KFACConfig:
     """All plain-value options of :class:`kaisa.KFACPreconditioner`.
 
     The names and meanings match kfac-pytorch's ``KFACPreconditioner``;
-    ``loss_average`` and ``pg_timeout_s`` are kaisa additions.
+    ``loss_average``, ``kfac_approx`` and ``pg_timeout_s`` are kaisa additions.
     """
 
     factor_update_steps: IntOrSchedule = 1
@@ -197,6 +214,7 @@ class KFACConfig:
     skip_layers: Sequence[str] = field(default_factory=tuple)
     update_factors_in_hook: bool = True
     loss_average: LossAverage | str = LossAverage.BATCH
+    kfac_approx: KFACApprox | str = KFACApprox.EXPAND
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise in place once
@@ -223,6 +241,7 @@ class KFACConfig:
             _as_enum("assignment_strategy", self.assignment_strategy, AssignmentStrategy),
         )
         set_(self, "loss_average", _as_enum("loss_average", self.loss_average, LossAverage))
+        set_(self, "kfac_approx", _as_enum("kfac_approx", self.kfac_approx, KFACApprox))
         set_(self, "factor_dtype", _as_dtype("factor_dtype", self.factor_dtype))
         set_(self, "inv_dtype", _as_dtype("inv_dtype", self.inv_dtype))
         for name in ("factor_dtype", "inv_dtype"):

@@ -21,7 +21,7 @@ from kaisa.apply import GradientApplication
 from kaisa.capture import Capture
 from kaisa.checkpoint import Checkpointer
 from kaisa.comm import Communicator, group_ranks
-from kaisa.config import ComputeMethod, KFACConfig, LossAverage
+from kaisa.config import ComputeMethod, KFACApprox, KFACConfig, LossAverage
 from kaisa.engines import Engine
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule, register_layers
@@ -125,10 +125,13 @@ def build(
     if not adapters:
         reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
         raise ValueError(
-            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d, nn.Conv2d, HF Conv1D "
-            f"with groups=1, parameters not tied to another module). Skipped: "
+            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Embedding, "
+            "nn.Conv1d and nn.Conv2d with groups=1, Hugging Face Conv1D; parameters not tied "
+            f"to another module). Skipped: "
             f"{reasons or 'nothing'}"
         )
+    for adapter in adapters:
+        adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
     layers = {a.name: KFACLayer(a, *_dtypes(config, a.weight.dtype)) for a in adapters}
     ordered = list(layers.values())
     plan = make_plan(

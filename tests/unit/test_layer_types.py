@@ -11,6 +11,7 @@ from kaisa import KFACPreconditioner
 
 from kfac_reference import (
     dense_precondition,
+    dense_precondition_pi,
     grad_matrix,
     outer_mean,
     per_example_output_grads,
@@ -117,3 +118,71 @@ def test_hf_conv1d_transposed_linear() -> None:
     assert rel_err(k.factor("A"), A) <= TOL and rel_err(k.factor("G"), G) <= TOL
     got = torch.cat([layer.weight.grad.t(), layer.bias.grad[:, None]], dim=1)
     assert rel_err(got, dense_precondition(raw, A, G, DAMPING)) <= TOL
+
+
+# -- nn.Embedding: diagonal A (token frequencies), dense G -------------------------------
+class Bag(nn.Module):
+    def __init__(self, vocab: int, dim: int, padding_idx: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(idx)).mean(1))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_embedding_diagonal_factor_against_dense_definition(padding_idx, method: str) -> None:
+    vocab, dim = 9, 4
+    model = Bag(vocab, dim, padding_idx)
+    g = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, vocab - 2, (6, 5), generator=g)  # the last two tokens never occur
+    y = torch.randint(0, 3, (6,), generator=g)
+    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None, compute_method=method)
+    F.cross_entropy(model(idx), y).backward()
+    raw = model.emb.weight.grad.t().clone()  # canonical [dim, vocab]
+    precond.step()
+    layer = precond.layers["emb"]
+    onehot = F.one_hot(idx.reshape(-1), vocab).double()
+    if padding_idx is not None:
+        onehot[:, padding_idx] = 0
+    A_dense = outer_mean(onehot)  # the one-hot Gram is diagonal
+    assert torch.count_nonzero(A_dense - torch.diag(A_dense.diagonal())) == 0
+    assert layer.factor("A").shape == (vocab,)
+    assert rel_err(layer.factor("A"), A_dense.diagonal()) <= TOL
+    _, zg = per_example_output_grads(
+        model, model.emb, idx, lambda out: F.cross_entropy(out, y, reduction="none")
+    )
+    rows = zg.reshape(-1, dim)
+    G = rows.t() @ rows / 6
+    assert rel_err(layer.factor("G"), G) <= TOL
+    if method == "eigen":
+        want = dense_precondition(raw, A_dense, G, DAMPING)
+    else:
+        want = dense_precondition_pi(raw, A_dense, G, DAMPING)
+    assert rel_err(model.emb.weight.grad.t(), want) <= TOL
+    if padding_idx is not None:
+        assert torch.count_nonzero(model.emb.weight.grad[padding_idx]) == 0
+
+
+def test_embedding_factor_memory_is_linear_in_vocabulary() -> None:
+    vocab, dim = 50_000, 8
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, 2))
+    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
+    model(torch.randint(0, vocab, (4, 3))).sum().backward()
+    precond.step()
+    factors = precond.memory_usage()["factors"]
+    itemsize = torch.empty((), dtype=precond.layers["0"].factor_dtype).element_size()
+    # A: vocab entries, G: dim², the Linear: (dim+1)² + 2²; nothing vocab²-sized
+    assert factors == itemsize * (vocab + dim * dim + (dim + 1) ** 2 + 4)
+    assert precond.memory_usage()["total"] < 10 * itemsize * vocab * (dim + 2)
+
+
+def test_sparse_embedding_is_refused_with_a_reason() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="sparse=True"):
+        precond = KFACPreconditioner(model)
+    (skipped,) = [s for s in precond.skipped if s.name == "0"]
+    assert "sparse=True" in skipped.reason and "skip_layers" in skipped.reason

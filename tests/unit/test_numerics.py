@@ -373,3 +373,58 @@ def test_items_loss_needs_loss_items() -> None:
             precond.loss_items = bad
     precond.loss_items = torch.tensor(7)
     assert precond.loss_items == 7.0
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_sequence_linear_reduce(method: str) -> None:
+    """K-FAC-reduce: A = 1/N Σ_n ā_n ā_nᵀ (ā the mean input over positions, ones
+    column included), G = 1/N Σ_n (Σ_t ĝ)(Σ_t ĝ)ᵀ (Eschenhagen et al. 2023)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 5))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 4, generator=g)
+    y = torch.randint(0, 5, (3, 7), generator=g)
+
+    def per_example(out):
+        return (
+            F.cross_entropy(out.reshape(-1, 5), y.reshape(-1), reduction="none").view(3, 7).sum(1)
+        )
+
+    precond, raw = kfac_step(
+        model,
+        lambda out: per_example(out).mean(),
+        x,
+        kfac_approx="reduce",
+        compute_method=method,
+    )
+    solve = dense_precondition if method == "eigen" else dense_precondition_pi
+    for name, layer in precond.layers.items():
+        module = layer.adapter.module
+        inp, zg = per_example_output_grads(model, module, x, per_example)
+        A = outer_mean(with_ones(inp.mean(1)))
+        summed = zg.sum(1)
+        G = summed.t() @ summed / 3
+        assert rel_err(layer.factor("A"), A) <= TOL
+        assert rel_err(layer.factor("G"), G) <= TOL
+        assert rel_err(grad_matrix(module), solve(raw[name], A, G, DAMPING)) <= TOL
+    # and it is not expand in disguise
+    expand, _ = kfac_step(model, lambda out: per_example(out).mean(), x)
+    assert rel_err(expand.layers["0"].factor("G"), precond.layers["0"].factor("G")) > 1e-2
+
+
+def test_conv_reduce_averages_patches() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(3 * 25, 4))
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(4, 2, 5, 5, generator=g), torch.randint(0, 4, (4,), generator=g)
+    precond, raw = kfac_step(model, lambda out: F.cross_entropy(out, y), x, kfac_approx="reduce")
+    patches = conv_patches(x, conv).view(4, 25, -1)
+    A = outer_mean(with_ones(patches.mean(1)))
+    _, zg = per_example_output_grads(model, conv, x, lambda out: ce_per_example(out, y))
+    summed = zg.flatten(2).sum(2)
+    G = summed.t() @ summed / 4
+    layer = precond.layers["0"]
+    assert rel_err(layer.factor("A"), A) <= TOL
+    assert rel_err(layer.factor("G"), G) <= TOL
+    assert rel_err(grad_matrix(conv), dense_precondition(raw["0"], A, G, DAMPING)) <= TOL

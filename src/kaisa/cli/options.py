@@ -52,6 +52,7 @@ _HELP: dict[str, str] = {
     "skip_layers": "regexes of module names or types that K-FAC leaves alone",
     "update_factors_in_hook": "accumulate factors inside the hooks rather than in step()",
     "loss_average": "what the training loss is averaged over (unset: the task's)",
+    "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
 }
 
 _TRUE = ("true", "yes", "on", "1")

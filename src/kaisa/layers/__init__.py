@@ -3,6 +3,7 @@
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
+from kaisa.layers.embedding import EmbeddingAdapter
 from kaisa.layers.linear import LinearAdapter
 from kaisa.layers.registry import (
     SkippedModule,
@@ -14,6 +15,7 @@ from kaisa.layers.registry import (
 __all__ = [
     "Conv1dAdapter",
     "Conv2dAdapter",
+    "EmbeddingAdapter",
     "LayerAdapter",
     "LinearAdapter",
     "SkippedModule",

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from kaisa.factors import FactorSource, FactorSpec, kfac_factors
+from kaisa.factors import FactorSource, FactorSpec, contribution, kfac_factors
 
 __all__ = ["LayerAdapter", "param_shape"]
 
@@ -42,10 +42,15 @@ class LayerAdapter(ABC):
         has_bias: whether a bias column of ones is appended to the inputs.
     """
 
+    #: whether positions may be reduced before the statistics (K-FAC-reduce)
+    supports_reduce = True
+
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module = module
         self.has_bias = getattr(module, "bias", None) is not None
+        #: K-FAC-reduce instead of K-FAC-expand (set from ``kfac_approx``)
+        self.reduce = False
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -99,6 +104,23 @@ class LayerAdapter(ABC):
         return (
             self.a_rows(tensor) if source is FactorSource.INPUT else self.grad_output_rows(tensor)
         )
+
+    def factor_term(
+        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor = 1.0
+    ) -> tuple[Tensor, float]:
+        """One call's contribution ``scale·Σ r rᵀ`` (or its diagonal) to factor
+        ``spec`` and the number of rows it holds.  An adapter whose rows would
+        be wasteful to build (an Embedding's one-hot inputs) overrides this.
+
+        Under K-FAC-reduce a data point's positions become one row first: the
+        inputs' mean, the output gradients' sum."""
+        rows = self.rows_for(spec.source, tensor)
+        if self.reduce and self.supports_reduce and rows.shape[1] > 1:
+            if spec.source is FactorSource.INPUT:
+                rows = rows.mean(1, keepdim=True)
+            else:
+                rows = rows.sum(1, keepdim=True)
+        return contribution(rows, spec.kind, dtype, scale), float(rows.shape[0] * rows.shape[1])
 
     # -- parameters --------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ from torch import nn
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
+from kaisa.layers.embedding import EmbeddingAdapter
 from kaisa.layers.linear import LinearAdapter
 
 __all__ = [
@@ -34,6 +35,7 @@ _ADAPTERS: dict[type[nn.Module], AdapterFactory] = {
     nn.Linear: LinearAdapter,
     nn.Conv1d: Conv1dAdapter,
     nn.Conv2d: Conv2dAdapter,
+    nn.Embedding: EmbeddingAdapter,
 }
 
 # Types of optional packages, matched by (module, class name) so that kaisa
@@ -65,6 +67,11 @@ def _unsupported_reason(module: nn.Module) -> str | None:
         return (
             f"grouped convolution (groups={module.groups}) is not supported: its Fisher "
             "block is one Kronecker product per group"
+        )
+    if isinstance(module, nn.Embedding) and module.sparse:
+        return (
+            "nn.Embedding(sparse=True) gives sparse gradients, which K-FAC cannot "
+            "precondition: use sparse=False, or skip_layers to leave it to the optimizer"
         )
     if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d) and module.weight is None:
         return "no weight"

@@ -87,6 +87,8 @@ class CharTransformer(nn.Module):
         t = idx.shape[1]
         if t > self.context:
             raise ValueError(f"sequence length {t} exceeds the context length {self.context}")
-        positions = torch.arange(t, device=idx.device)
+        # per-example position ids (not one broadcast row), so the position
+        # embedding's K-FAC block sees each sequence's gradient
+        positions = torch.arange(t, device=idx.device).expand(idx.shape[0], t)
         x = self.tok(idx) + self.pos(positions)
         return self.head(self.ln_f(self.blocks(x)))
