@@ -26,9 +26,7 @@ def describe(
     lines = [header, "Preconditioned layers:"]
     for layer in layers:
         lp = plan.layer(layer.name)
-        params = ", ".join(
-            f"{layer.name}.{p}" for p in ("weight", "bias")[: 1 + layer.adapter.has_bias]
-        )
+        params = ", ".join(layer.adapter.param_names())
         owners = ", ".join(f"{s.name} on rank {o}" for s, o in zip(layer.factors, lp.owners))
         lines.append(f"  {layer.name:<30} {layer.adapter.describe():<40} [{params}] {owners}")
     if skipped:

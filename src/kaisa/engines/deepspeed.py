@@ -231,11 +231,12 @@ class DeepSpeedEngine(Engine):
                 at += n
         return out
 
-    def _matrix(self, adapter: LayerAdapter, grads: Sequence[Tensor | None]) -> Tensor:
+    def _matrix(self, adapter: LayerAdapter, full: Sequence[Tensor | None]) -> Tensor:
+        grads = adapter.grads_of(list(full))
         weight, bias = grads[0], grads[1] if adapter.has_bias else None
         assert weight is not None
         if adapter.has_bias and bias is None:
-            bias = torch.zeros(param_shape(adapter.parameters()[1]), dtype=weight.dtype)
+            bias = weight.new_zeros(adapter.out_features)
         matrix = adapter.grads_to_matrix(weight, bias)
         if self.fp16:  # DeepSpeed unscales inside ds_engine.step(), after kaisa
             matrix = matrix / self._loss_scale()
@@ -247,8 +248,11 @@ class DeepSpeedEngine(Engine):
             matrix = matrix * self._loss_scale()
         weight, bias = adapter.matrix_to_grads(matrix)
         values = [weight] if bias is None else [weight, bias]
-        for param, value in zip(adapter.parameters(), values):
-            _write(param, value)
+        for param, rows, value in zip(adapter.parameters(), adapter.param_rows(), values):
+            start = 0
+            if rows is not None:  # rows of a tensor shared by several layers
+                start = (rows.start or 0) * (param_shape(param).numel() // param_shape(param)[0])
+            _write(param, value.reshape(-1), start)
 
 
 def _group_of(param: nn.Parameter, layout: Layout) -> Any:
@@ -343,24 +347,41 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
     return [t.view(p.shape) for t, p in zip(flat.split(sizes), params)]
 
 
-def _write(param: nn.Parameter, value: Tensor) -> None:
+def _write(param: nn.Parameter, flat: Tensor, start: int) -> None:
+    """Write ``flat`` at ``[start, start + len)`` of the flattened gradient,
+    into whatever part of it this rank holds (no communication)."""
     layout = layout_of(param)
     if layout is Layout.GRAD:
         assert param.grad is not None
-        param.grad.copy_(value)
-    elif layout is Layout.PARTITION:
+        param.grad.view(-1).narrow(0, start, flat.numel()).copy_(flat)
+        return
+    if layout is Layout.PARTITION:
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
-        group = _group_of(param, layout)
-        n = safe_get_local_grad(param).numel()
-        flat = value.reshape(-1).to(torch.float32)
-        start = dist.get_rank(group) * n
-        mine = flat.new_zeros(n)
-        end = min(start + n, flat.numel())
-        if end > start:
-            mine[: end - start] = flat[start:end]
-        safe_set_local_grad(param, mine)
+        mine = safe_get_local_grad(param).to(torch.float32).flatten().clone()
+        offset = dist.get_rank(_group_of(param, layout)) * mine.numel()
     elif layout is Layout.FRAGMENT:
-        from deepspeed.utils import safe_set_full_grad
+        found = _fragment(param)
+        if found is None:
+            return
+        part, offset = found
+        mine = part.clone()
+    else:
+        return
+    lo, hi = max(start, offset), min(start + flat.numel(), offset + mine.numel())
+    if hi > lo:
+        mine[lo - offset : hi - offset] = flat[lo - start : hi - start].to(mine.dtype)
+    if layout is Layout.PARTITION:
+        safe_set_local_grad(param, mine)
+    else:
+        _set_fragment(param, mine)
 
-        safe_set_full_grad(param, value.to(torch.float32))
+
+def _set_fragment(param: nn.Parameter, value: Tensor) -> None:
+    mapping = cast(Any, param)._hp_mapping
+    index = cast(Any, param)._index_in_param_group
+    target = mapping.get_lp_grad_fragment(index)
+    address = mapping.lp_fragment_address
+    if target.numel() == param.numel() and target.numel() != address.numel:
+        target = target.view(-1).narrow(0, address.start, address.numel)
+    target.copy_(value.reshape(target.shape).to(target.dtype))

@@ -86,21 +86,28 @@ class TorchEngine(Engine):
         return self.access.read(adapter.weight) is not None
 
     def read(self, adapter: LayerAdapter) -> Tensor | None:
-        params = adapter.parameters()
-        grads = [self.access.read(p) for p in params]
+        grads = adapter.grads_of([self.access.read(p) for p in adapter.parameters()])
         if grads[0] is None:
             return None
         bias = None
         if adapter.has_bias:
-            bias = grads[1] if grads[1] is not None else torch.zeros_like(params[1])
+            bias = grads[1] if grads[1] is not None else grads[0].new_zeros(adapter.out_features)
         return adapter.grads_to_matrix(grads[0], bias)
 
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         weight, bias = adapter.matrix_to_grads(matrix)
-        params = adapter.parameters()
-        self.access.write(params[0], weight)
-        if bias is not None:
-            self.access.write(params[1], bias)
+        values = [weight] if bias is None else [weight, bias]
+        for param, rows, value in zip(adapter.parameters(), adapter.param_rows(), values):
+            if rows is None:
+                self.access.write(param, value)
+                continue
+            current = self.access.read(param)
+            if isinstance(self.access, ParamGradAccess) and current is not None:
+                current[rows].copy_(value)  # the other rows belong to other layers
+                continue
+            full = torch.zeros_like(param) if current is None else current.clone()
+            full[rows] = value
+            self.access.write(param, full)
 
     def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
         return [GradientMarks.of(self.access.read(a.weight)) for a in adapters]

@@ -145,6 +145,20 @@ class LayerAdapter(ABC):
         bias = self.bias
         return [self.weight] if bias is None else [self.weight, bias]
 
+    def param_rows(self) -> list[slice | None]:
+        """The rows (first dimension) of each of :meth:`parameters` that this
+        layer owns: ``None`` for all of it; a slice where several layers share
+        one tensor (the packed q/k/v projection of ``nn.MultiheadAttention``)."""
+        return [None] * len(self.parameters())
+
+    def param_names(self) -> list[str]:
+        """How :meth:`describe` and reports name the preconditioned parameters."""
+        return [f"{self.name}.weight"] + ([f"{self.name}.bias"] if self.has_bias else [])
+
+    def grads_of(self, grads: list[Tensor | None]) -> list[Tensor | None]:
+        """This layer's rows of the full parameter gradients ``grads``."""
+        return [g if g is None or r is None else g[r] for g, r in zip(grads, self.param_rows())]
+
     def grads_to_matrix(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
         """``[d_out, d_in(+1)]`` gradient matrix; bias as the last column."""
         mat = weight_grad.reshape(weight_grad.shape[0], -1)
