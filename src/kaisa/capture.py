@@ -158,11 +158,19 @@ class Capture:
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(_Hook(self._count_pass, model))
         ]
+        functional: list[KFACLayer] = []
         for layer in layers:
+            if not layer.adapter.captured_by_module_hooks:
+                functional.append(layer)
+                continue
             module = layer.adapter.module
             self._handles.append(
                 module.register_forward_hook(_Hook(self._forward_hook(layer), module))
             )
+        if functional:
+            from kaisa.functional import capture_functional
+
+            self._handles.extend(capture_functional(self, functional))
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:
@@ -171,22 +179,36 @@ class Capture:
 
     def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if not (self.enabled and module.training and torch.is_grad_enabled()):
-                return
             x = _first_tensor(inputs)
-            if x is None or not isinstance(output, Tensor) or not output.requires_grad:
-                return
-            if not layer.adapter.trainable:
-                return
-            batch = layer.adapter.batch_size(x)
-            recomputed = _in_backward()
-            if not recomputed:
-                layer.batch.pending_forwards += 1
-            x = x.detach()
-            terms = _input_terms(layer, x) if self.in_hook else []
-            output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed))
+            if x is not None and isinstance(output, Tensor):
+                self.observe(layer, module, x, output)
 
         return hook
+
+    def wants(self, module: nn.Module) -> bool:
+        """Whether a forward of ``module`` now is captured at all."""
+        return self.enabled and module.training and torch.is_grad_enabled()
+
+    def observe(
+        self,
+        layer: KFACLayer,
+        module: nn.Module,
+        x: Tensor,
+        output: Tensor,
+        grad_view: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        """One call of ``layer``: its input ``x`` (in the adapter's input shape)
+        and the ``output`` whose gradient completes it; ``grad_view`` maps that
+        gradient to the adapter's shape (a functional capture's slice)."""
+        if not self.wants(module) or not output.requires_grad or not layer.adapter.trainable:
+            return
+        batch = layer.adapter.batch_size(x)
+        recomputed = _in_backward()
+        if not recomputed:
+            layer.batch.pending_forwards += 1
+        x = x.detach()
+        terms = _input_terms(layer, x) if self.in_hook else []
+        output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed, grad_view))
 
     def _grad_hook(
         self,
@@ -195,13 +217,14 @@ class Capture:
         terms: list[tuple[int, Tensor, float]],
         batch: int,
         recomputed: bool,
+        grad_view: Callable[[Tensor], Tensor] | None,
     ) -> Callable[[Tensor], None]:
         pass_id = self.pass_id
         keep = None if self.in_hook else x
 
         def hook(grad: Tensor) -> None:
             key = (pass_id, _graph_task())
-            g = grad.detach()
+            g = grad.detach() if grad_view is None else grad_view(grad.detach())
             multiplier = self._multiplier(layer, g, batch)
             if not recomputed:
                 layer.batch.pending_forwards -= 1

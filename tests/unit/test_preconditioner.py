@@ -448,7 +448,7 @@ def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> No
     assert follower.lr == 0.07
 
 
-def test_multihead_attention_out_proj_is_not_registered() -> None:
+def test_multihead_attention_is_preconditioned_and_steps() -> None:
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -461,11 +461,16 @@ def test_multihead_attention_out_proj_is_not_registered() -> None:
     torch.manual_seed(0)
     model = Block()
     precond = KFACPreconditioner(model)
-    assert list(precond.layers) == ["head"]
-    assert "applied functionally" in {s.name: s.reason for s in precond.skipped}["attn.out_proj"]
+    assert list(precond.layers) == ["attn.q", "attn.k", "attn.v", "attn.out_proj", "head"]
     x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
     F.cross_entropy(model(x), y).backward()
     precond.step()  # kfac-pytorch crashes here
+    assert all(la.decomposed for la in precond.layers.values())
+    # skipped, the attention's out_proj is reported with its parent
+    skipping = KFACPreconditioner(model, skip_layers=["MultiheadAttention"])
+    assert list(skipping.layers) == ["head"]
+    reasons = {s.name: s.reason for s in skipping.skipped}
+    assert "skip_layers" in reasons["attn"] and "out_proj" in reasons["attn.out_proj"]
 
 
 def test_layer_whose_hooks_never_fire_keeps_its_raw_gradient() -> None:

@@ -79,6 +79,12 @@ class LayerAdapter(ABC):
         return kfac_factors(self.a_dim, self.g_dim)
 
     # -- capture -----------------------------------------------------------
+    @property
+    def captured_by_module_hooks(self) -> bool:
+        """Whether hooks on :attr:`module` see this layer's calls (False for
+        layers a module applies functionally; see :mod:`kaisa.functional`)."""
+        return True
+
     @abstractmethod
     def input_rows(self, x: Tensor) -> Tensor:
         """The layer input as ``[batch, shared, in_features]`` (no bias column)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from kaisa.layers.attention import attention_adapters
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
@@ -79,6 +80,8 @@ def _unsupported_reason(module: nn.Module) -> str | None:
 
 
 def _known_type(module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return True
     by_name = (type(module).__module__, type(module).__name__) in _ADAPTERS_BY_NAME
     return by_name or isinstance(module, tuple(_ADAPTERS))
 
@@ -133,9 +136,12 @@ def register_layers(
         patterns = [re.compile(p) for p in skip_layers]
     except re.error as exc:
         raise ValueError(f"skip_layers contains an invalid regex: {exc}") from exc
-    # nn.MultiheadAttention calls its out_proj functionally (its weight is
-    # passed to F.multi_head_attention_forward), so hooks on it never fire.
-    functional = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    # nn.MultiheadAttention applies its projections, out_proj included,
+    # functionally: its adapters capture them (kaisa.functional), not hooks on out_proj
+    attention_of = {
+        id(m.out_proj): n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
+    }
+    registered_attention: set[str] = set()
     shared = _shared_parameters(model)
     adapters: list[LayerAdapter] = []
     skipped: list[SkippedModule] = []
@@ -149,6 +155,15 @@ def register_layers(
         if matched is not None:
             skipped.append(SkippedModule(name, kind, f"matches skip_layers {matched!r}", params))
             continue
+        if isinstance(module, nn.MultiheadAttention):
+            adapters.extend(_attention(name, module, patterns, skipped))
+            registered_attention.add(name)
+            continue
+        if id(module) in attention_of:
+            if attention_of[id(module)] not in registered_attention:
+                why = "out_proj of a skipped nn.MultiheadAttention (applied functionally)"
+                skipped.append(SkippedModule(name, kind, why, params))
+            continue
         ties = [
             f"{pname} tied to {', '.join(n for n in shared[id(p)] if n != mine)}"
             for (pname, p), mine in zip(own, params)
@@ -156,10 +171,6 @@ def register_layers(
         ]
         if ties and _known_type(module):
             why = "tied parameter (" + "; ".join(ties) + "): left to the optimizer"
-            skipped.append(SkippedModule(name, kind, why, params))
-            continue
-        if id(module) in functional:
-            why = "out_proj of nn.MultiheadAttention is applied functionally; no hook sees it"
             skipped.append(SkippedModule(name, kind, why, params))
             continue
         adapter, reason = adapter_for(name, module)
@@ -172,3 +183,29 @@ def register_layers(
             continue
         adapters.append(adapter)
     return adapters, skipped
+
+
+def _attention(
+    name: str, module: nn.MultiheadAttention, patterns: list[re.Pattern[str]], skipped: list
+) -> list[LayerAdapter]:
+    """The q/k/v/out blocks of an attention module; bias_k/bias_v are reported."""
+    blocks: list[LayerAdapter] = []
+    for adapter in attention_adapters(name, module):
+        if adapter.role == "out" and any(p.search(adapter.name) for p in patterns):
+            out = module.out_proj
+            skipped.append(
+                SkippedModule(
+                    adapter.name,
+                    type(out).__name__,
+                    "matches skip_layers",
+                    tuple(adapter.param_names()),
+                )
+            )
+            continue
+        blocks.append(adapter)
+    extra = [n for n in ("bias_k", "bias_v") if getattr(module, n, None) is not None]
+    if extra:
+        names = tuple(f"{name}.{n}" if name else n for n in extra)
+        why = "bias_k/bias_v (add_bias_kv) are appended to the keys/values, not a projection"
+        skipped.append(SkippedModule(name, "MultiheadAttention", why, names))
+    return blocks
