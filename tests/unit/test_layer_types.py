@@ -186,3 +186,53 @@ def test_sparse_embedding_is_refused_with_a_reason() -> None:
         precond = KFACPreconditioner(model)
     (skipped,) = [s for s in precond.skipped if s.name == "0"]
     assert "sparse=True" in skipped.reason and "skip_layers" in skipped.reason
+
+
+# -- tied input/output embeddings ---------------------------------------------------------
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+def test_tied_head_uses_head_factors_with_diagonal_g() -> None:
+    """The definition: the summed (embedding + head) gradient of the tied weight,
+    preconditioned by (diag(G_head) ⊗ A_head + γI)⁻¹ with A_head = E[h hᵀ] over the
+    head's inputs and G_head,v = 1/N Σ ĝ_v² over its output gradients."""
+    vocab, dim = 11, 4
+    model = TiedLM(vocab, dim)
+    g = torch.Generator().manual_seed(6)
+    idx, y = (
+        torch.randint(0, vocab, (5, 3), generator=g),
+        torch.randint(0, vocab, (5, 3), generator=g),
+    )
+
+    def per_example(out: torch.Tensor) -> torch.Tensor:
+        return (
+            F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1), reduction="none")
+            .view(5, 3)
+            .sum(1)
+        )
+
+    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
+    assert "emb" not in precond.layers and precond.layers["head"].factor("G") is None
+    per_example(model(idx)).mean().backward()
+    raw = model.head.weight.grad.clone()  # embedding's and head's contributions summed
+    precond.step()
+    layer = precond.layers["head"]
+    inp, zg = per_example_output_grads(model, model.head, idx, per_example)
+    A = outer_mean(inp.reshape(-1, dim))
+    rows = zg.reshape(-1, vocab)
+    G_diag = (rows * rows).sum(0) / 5
+    assert layer.factor("G").shape == (vocab,)
+    assert rel_err(layer.factor("A"), A) <= TOL and rel_err(layer.factor("G"), G_diag) <= TOL
+    want = dense_precondition(raw, A, torch.diag(G_diag), DAMPING)
+    assert rel_err(model.head.weight.grad, want) <= TOL
+    assert "tied to emb.weight" in precond.describe()

@@ -5,7 +5,8 @@ Each section is one promised behaviour (README, "Real training loops"):
 1. a deep copy / pickle of the model after attaching captures nothing;
 2. ``load_state_dict`` validates everything before changing anything;
 3. ``step()`` twice with no backward is an error, normal loops are not;
-4. a weight tied between an Embedding and a Linear head is left alone;
+4. a weight tied between an Embedding and a Linear head is preconditioned once, as the
+   head, and reported (or left alone when skipped);
 5. frozen layers are registered and preconditioned once unfrozen;
 6. layer names do not depend on ``torch.compile`` / DataParallel wrappers;
 7. every argument of a wrong type is an error naming it;
@@ -387,21 +388,27 @@ class TiedLM(nn.Module):
 
 
 @pytest.mark.parametrize("head_first", [False, True], ids=["emb-first", "head-first"])
-def test_tied_embedding_head_is_reported_and_left_alone(head_first: bool) -> None:
+def test_tied_embedding_head_is_reported(head_first: bool) -> None:
+    """By default the tied weight is preconditioned once, as the head (see
+    test_layer_types for its definition), and describe() says so; skipped by
+    skip_layers it is left alone, reported, and its gradient untouched."""
     model = TiedLM(head_first).double()
     assert model.head.weight is model.emb.weight
     precond = KFACPreconditioner(model, damping=0.01)
-    assert "hidden" in precond.layers
-    assert "head" not in precond.layers
+    assert {"hidden", "head"} <= set(precond.layers) and "emb" not in precond.layers
+    text = precond.describe()
+    assert "tied to emb.weight" in text and "emb" in {s.name for s in precond.skipped}, text
 
-    lines = precond.describe().splitlines()
+    left_alone = KFACPreconditioner(TiedLM(head_first).double(), skip_layers=["^head$"])
+    model = left_alone.model
+    assert "head" not in left_alone.layers and "emb" not in left_alone.layers
+    lines = left_alone.describe().splitlines()
     header = next(
         (i for i, line in enumerate(lines) if "left to the optimizer" in line.lower()), None
     )
-    assert header is not None, precond.describe()
-    head_lines = [line for line in lines[header + 1 :] if line.split()[:1] == ["head"]]
-    assert head_lines, precond.describe()
-    assert "tied" in head_lines[0], precond.describe()
+    assert header is not None, left_alone.describe()
+    emb_lines = [line for line in lines[header + 1 :] if line.split()[:1] == ["emb"]]
+    assert emb_lines and "tied" in emb_lines[0], left_alone.describe()
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 11, (4, 5), generator=g)
@@ -411,7 +418,7 @@ def test_tied_embedding_head_is_reported_and_left_alone(head_first: bool) -> Non
         F.cross_entropy(model(tokens).reshape(-1, 11), targets.reshape(-1)).backward()
         shared = model.emb.weight.grad.clone()
         hidden = model.hidden.weight.grad.clone()
-        precond.step()
+        left_alone.step()
         assert torch.equal(model.emb.weight.grad, shared)
         assert not torch.allclose(model.hidden.weight.grad, hidden)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from kaisa.factors import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["LinearAdapter"]
+__all__ = ["LinearAdapter", "TiedHeadAdapter"]
 
 
 class LinearAdapter(LayerAdapter):
@@ -38,3 +39,35 @@ class LinearAdapter(LayerAdapter):
 
     def grad_output_rows(self, g: Tensor) -> Tensor:
         return self._canonical(g)
+
+
+class TiedHeadAdapter(LinearAdapter):
+    """An output head whose weight is an Embedding's (GPT-2's ``lm_head``).
+
+    The tied weight's gradient is the sum of the head's and the embedding's;
+    its Fisher block is the sum of two Kronecker products, which no single
+    Kronecker product equals.  kaisa preconditions the summed gradient with
+    the *head's* factors and leaves out the embedding's curvature term (it
+    touches only the rows of the tokens in the batch, while the head's spans
+    the whole vocabulary): ``A`` over the hidden features (dense), and ``G``
+    over the vocabulary kept **diagonal** — ``E[ĝ_v²]``, O(vocabulary) where a
+    dense ``G`` would be vocabulary².
+    """
+
+    def __init__(self, name: str, module: nn.Module, embedding: str) -> None:
+        super().__init__(name, module)
+        self.embedding = embedding
+
+    def factor_specs(self) -> tuple[FactorSpec, ...]:
+        return (
+            FactorSpec("A", FactorKind.DENSE, self.a_dim, axis=1, source=FactorSource.INPUT),
+            FactorSpec(
+                "G", FactorKind.DIAGONAL, self.g_dim, axis=0, source=FactorSource.OUTPUT_GRAD
+            ),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"Linear(A: {self.a_dim}×{self.a_dim}, G: {self.g_dim} diagonal) tied to "
+            f"{self.embedding}.weight: the head's factors, the embedding's curvature term left out"
+        )

@@ -20,7 +20,7 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
 from kaisa.layers.embedding import EmbeddingAdapter
-from kaisa.layers.linear import LinearAdapter
+from kaisa.layers.linear import LinearAdapter, TiedHeadAdapter
 
 __all__ = [
     "SkippedModule",
@@ -143,6 +143,7 @@ def register_layers(
     }
     registered_attention: set[str] = set()
     shared = _shared_parameters(model)
+    heads = _tied_heads(model, patterns)  # embedding name -> head name, and back
     adapters: list[LayerAdapter] = []
     skipped: list[SkippedModule] = []
     for name, module in model.named_modules():
@@ -169,6 +170,16 @@ def register_layers(
             for (pname, p), mine in zip(own, params)
             if id(p) in shared
         ]
+        if name in heads and isinstance(module, nn.Linear):
+            adapters.append(TiedHeadAdapter(name, module, heads[name]))
+            continue
+        if name in heads:
+            why = (
+                f"weight tied to {heads[name]}.weight: preconditioned there, as the output "
+                "head (the embedding's own curvature term is left out)"
+            )
+            skipped.append(SkippedModule(name, kind, why, params))
+            continue
         if ties and _known_type(module):
             why = "tied parameter (" + "; ".join(ties) + "): left to the optimizer"
             skipped.append(SkippedModule(name, kind, why, params))
@@ -209,3 +220,25 @@ def _attention(
         why = "bias_k/bias_v (add_bias_kv) are appended to the keys/values, not a projection"
         skipped.append(SkippedModule(name, "MultiheadAttention", why, names))
     return blocks
+
+
+def _tied_heads(model: nn.Module, patterns: list[re.Pattern[str]]) -> dict[str, str]:
+    """Linear heads whose weight is an Embedding's (the usual LM head), both ways."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear | nn.Embedding) and isinstance(weight, nn.Parameter):
+            owners.setdefault(id(weight), []).append((name, module))
+    pairs: dict[str, str] = {}
+    for group in owners.values():
+        if len(group) != 2:
+            continue
+        (a, ma), (b, mb) = group
+        if isinstance(ma, nn.Linear):
+            (a, ma), (b, mb) = (b, mb), (a, ma)
+        if not (isinstance(ma, nn.Embedding) and isinstance(mb, nn.Linear)) or ma.sparse:
+            continue
+        if any(p.search(n) or p.search(type(m).__name__) for p in patterns for n, m in group):
+            continue
+        pairs[a], pairs[b] = b, a
+    return pairs
