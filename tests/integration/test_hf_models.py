@@ -9,6 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
+import itertools
+
 from kaisa import KFACPreconditioner  # noqa: E402
 
 VOCAB, LENGTH, BATCH = 64, 12, 8
@@ -71,7 +73,9 @@ def test_gpt2_from_config() -> None:
     for name in skipped:  # all that is left out is explained
         assert name in precond.describe()
     losses = train(model, precond, batch)
-    assert losses[-1] < 0.95 * losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.95 * losses[0] and all(b < a for a, b in itertools.pairwise(losses)), (
+        losses
+    )
 
 
 def test_bert_masked_lm_from_config() -> None:
@@ -105,4 +109,6 @@ def test_bert_masked_lm_from_config() -> None:
         precond.layers
     )
     losses = train(model, precond, batch)
-    assert losses[-1] < 0.95 * losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.95 * losses[0] and all(b < a for a, b in itertools.pairwise(losses)), (
+        losses
+    )
