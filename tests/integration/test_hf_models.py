@@ -4,12 +4,12 @@ LM head is handled, and a few training steps lower the loss."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-
-import itertools
 
 from kaisa import KFACPreconditioner  # noqa: E402
 
