@@ -14,9 +14,11 @@
 A forward call commits nothing until its output gradient arrives: its input
 statistics wait in the tensor hook.  So a training-mode forward that is
 never followed by a backward adds nothing (it is counted, and reported at
-``step()`` with a pointer to ``paused()``), and the forward that activation
-checkpointing recomputes during backward — whose output gradient never
-arrives — is counted once.
+``step()`` with a pointer to ``paused()``), and a forward that activation
+checkpointing recomputes is counted once: reentrant checkpointing runs the
+original forward without grad and backpropagates through the recomputation;
+the non-reentrant kind backpropagates through the original forward, and its
+recomputation is not captured at all (no hook work is done twice).
 
 Hooks are small picklable objects: a deep copy (or pickle) of the model
 carries inert hooks, so a copied model (an EMA or teacher) never captures
@@ -52,6 +54,21 @@ def _first_tensor(inputs: Any) -> Tensor | None:
 def _graph_task() -> int:
     """The id of the backward pass running on this thread, -1 outside backward."""
     return int(torch._C._current_graph_task_id())
+
+
+def _discarded_recomputation() -> bool:
+    """Whether this forward is non-reentrant activation checkpointing's
+    recomputation, whose outputs only refill saved tensors: their gradients
+    never arrive (the original forward's hooks receive them), so capturing
+    here would be wasted work.  Read from the saved-tensor hooks that
+    ``torch.utils.checkpoint`` installs (private API; False if it changes)."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except Exception:  # pragma: no cover - a torch without this API
+        return False
+    if not hooks:
+        return False
+    return str(getattr(hooks[0], "__qualname__", "")).startswith("_recomputation_hook")
 
 
 def _in_backward() -> bool:
@@ -202,8 +219,10 @@ class Capture:
         gradient to the adapter's shape (a functional capture's slice)."""
         if not self.wants(module) or not output.requires_grad or not layer.adapter.trainable:
             return
-        batch = layer.adapter.batch_size(x)
         recomputed = _in_backward()
+        if recomputed and _discarded_recomputation():
+            return
+        batch = layer.adapter.batch_size(x)
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()

@@ -138,3 +138,72 @@ def test_transformer_layers_fully_preconditioned() -> None:
     assert all(la.captured for la in precond.layers.values())
     skipped = {s.name for s in precond.skipped}
     assert not any("attn" in s and "norm" not in s for s in skipped), skipped
+
+
+# -- activation checkpointing of a Transformer with attention and embeddings -------------
+class TinyLM(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.emb = nn.Embedding(13, E)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
+            for _ in range(2)
+        )
+        self.head = nn.Linear(E, 13)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(idx)
+        for block in self.blocks:
+            if self.mode == "plain":
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+        return self.head(h)
+
+
+def _lm_run(mode: str, monkeypatch) -> tuple[dict, list[torch.Tensor], int]:
+    import kaisa.capture as capture
+
+    calls = [0]
+    original = capture._input_terms
+
+    def counting(layer, x):
+        calls[0] += 1
+        return original(layer, x)
+
+    monkeypatch.setattr(capture, "_input_terms", counting)
+    model = TinyLM(mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        idx, y = (
+            torch.randint(0, 13, (N, L), generator=g),
+            torch.randint(0, 13, (N, L), generator=g),
+        )
+        opt.zero_grad()
+        F.cross_entropy(model(idx).reshape(-1, 13), y.reshape(-1)).backward()
+        precond.step()
+        opt.step()
+    factors = {
+        f"{n}:{s.name}": la.factor(s.name).clone()
+        for n, la in precond.layers.items()
+        for s in la.factors
+    }
+    return factors, [p.detach().clone() for p in model.parameters()], calls[0]
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_checkpointed_transformer_equals_plain_and_hooks_work_once(mode: str, monkeypatch) -> None:
+    want_factors, want_params, want_calls = _lm_run("plain", monkeypatch)
+    got_factors, got_params, got_calls = _lm_run(mode, monkeypatch)
+    assert {"emb:A", "blocks.0.self_attn.q:G", "blocks.1.self_attn.out_proj:A"} <= set(want_factors)
+    assert got_calls == want_calls  # no capture work is done twice
+    for name, value in want_factors.items():
+        assert rel_err(got_factors[name], value) <= 1e-10, name
+    for a, b in zip(got_params, want_params):
+        assert rel_err(a, b) <= 1e-10
