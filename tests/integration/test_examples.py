@@ -66,6 +66,6 @@ def test_hf_trainer_example_learns() -> None:
         check=True,
     )
     lines = out.stdout.strip().splitlines()
-    assert int(lines[-2].rsplit(" ", 1)[-1]) == 15  # 2 blocks × 7 projections + lm_head
+    assert int(lines[-2].rsplit(" ", 1)[-1]) == 16  # embeddings, 2 blocks × 7 projections, lm_head
     before, after = (float(v) for v in lines[-1].rsplit(":", 1)[-1].split("->"))
     assert after < before - 1.0, out.stdout
