@@ -81,7 +81,9 @@ class KFACOption:
 
     @property
     def flag(self) -> str:
-        return "--kfac-" + self.field.replace("_", "-")
+        # kfac_approx is --kfac-approx, not --kfac-kfac-approx
+        name = self.field.removeprefix(PREFIX)
+        return "--kfac-" + name.replace("_", "-")
 
     @property
     def dest(self) -> str:
