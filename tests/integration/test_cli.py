@@ -257,7 +257,7 @@ def test_every_kfac_config_field_has_a_typed_option() -> None:
     parser, commands = build_parser()
     help_text = commands["train"].format_help()
     for f in dataclasses.fields(KFACConfig):
-        assert "--kfac-" + f.name.replace("_", "-") in help_text
+        assert "--kfac-" + f.name.removeprefix("kfac_").replace("_", "-") in help_text
     assert [o.field for o in kfac_options()] == list(KFACConfig.field_names())
     args = parser.parse_args(
         [

@@ -19,12 +19,7 @@ DAMPING = 0.01
 E, H, N, L, S = 8, 2, 4, 5, 6
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def reference_attention(mha, query, key, value, attn_mask=None, key_padding_mask=None):

@@ -26,12 +26,7 @@ TOL = 1e-8
 DAMPING = 0.01
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def ce_per_example(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -149,9 +149,14 @@ def test_text_lm_model_shape_projections_and_causality() -> None:
     out2 = model(changed)
     torch.testing.assert_close(out[:, :-1], out2[:, :-1])
     assert not torch.allclose(out[:, -1], out2[:, -1])
-    # Attention projections are plain Linear modules, so K-FAC can see them.
-    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert {"q", "k", "v", "out", "fc1", "fc2", "head"} <= linear
+    # nn.TransformerEncoderLayer blocks: K-FAC preconditions the attention's
+    # projections and the embeddings too (LayerNorms are left to the optimizer)
+    from kaisa import KFACPreconditioner
+
+    names = set(KFACPreconditioner(model.train()).layers)
+    for role in ("q", "k", "v", "out_proj"):
+        assert f"blocks.0.self_attn.{role}" in names
+    assert {"tok", "pos", "blocks.0.linear1", "blocks.0.linear2", "head"} <= names
 
 
 def test_bits_per_char_conversion() -> None:

@@ -1,59 +1,17 @@
 """A small decoder-only Transformer for character-level language modelling.
 
-Attention is written out with separate ``nn.Linear`` projections for queries,
-keys, values and output (rather than ``nn.MultiheadAttention``, whose fused
-in-projection parameter and functional out-projection bypass module hooks), so
-that K-FAC sees and preconditions every projection and both MLP layers.
+Its blocks are ``nn.TransformerEncoderLayer`` (pre-LayerNorm, GELU, causal
+mask), the layer people use: kaisa preconditions their packed attention
+projections (q, k, v), the out-projection and both MLP layers, as well as the
+token and position embeddings and the head.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "CausalSelfAttention", "CharTransformer"]
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees only itself and the past."""
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.n_heads = n_heads
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-
-        def heads(proj: nn.Module) -> torch.Tensor:
-            return proj(x).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-
-        y = F.scaled_dot_product_attention(
-            heads(self.q), heads(self.k), heads(self.v), is_causal=True
-        )
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm Transformer block: attention then a 4× GELU MLP, both residual."""
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+__all__ = ["CharTransformer"]
 
 
 class CharTransformer(nn.Module):
@@ -70,7 +28,20 @@ class CharTransformer(nn.Module):
         self.context = context
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(context, d_model)
-        self.blocks = nn.Sequential(*(Block(d_model, n_heads) for _ in range(n_layers)))
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d_model,
+                n_heads,
+                dim_feedforward=4 * d_model,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(n_layers)
+        )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
         self.apply(self._init)
@@ -91,4 +62,7 @@ class CharTransformer(nn.Module):
         # embedding's K-FAC block sees each sequence's gradient
         positions = torch.arange(t, device=idx.device).expand(idx.shape[0], t)
         x = self.tok(idx) + self.pos(positions)
-        return self.head(self.ln_f(self.blocks(x)))
+        causal = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        for block in self.blocks:
+            x = block(x, src_mask=causal, is_causal=True)
+        return self.head(self.ln_f(x))
