@@ -22,6 +22,7 @@ from kaisa.apply import GradientApplication
 from kaisa.capture import Capture
 from kaisa.comm import Communicator
 from kaisa.engines.base import Engine, GradientMarks
+from kaisa.factors import FactorSource
 from kaisa.layer import KFACLayer
 from kaisa.plan import WorkPlan
 from kaisa.reduction import FactorReduction
@@ -53,6 +54,7 @@ class StepPipeline:
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
+        self._broadcast_reported: set[str] = set()
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
         if self.in_hook and self.comm.distributed:
             self.capture.on_layer_complete = self.reduction.layer_complete
@@ -117,6 +119,7 @@ class StepPipeline:
     def reduce_factors(self, step: int) -> None:
         """Statistics → owners → running averages."""
         self._report_dropped_forwards()
+        self._report_broadcast_inputs()
         if not self.in_hook:
             for layer in self.layers:
                 self.capture.flush(layer)
@@ -137,6 +140,33 @@ class StepPipeline:
             self.schedule.kl_clip(step),
             factor_step,
         )
+
+    def _report_broadcast_inputs(self) -> None:
+        """A layer that saw fewer data points per pass than the rest of the
+        model was fed one row broadcast over the batch (position ids of shape
+        ``[1, T]``): its G is that of the batch-summed gradient, not the
+        per-example one.  Said once per layer."""
+        per_pass = {}
+        for la in self.layers:
+            index = next(
+                (i for i, s in enumerate(la.factors) if s.source is FactorSource.OUTPUT_GRAD), None
+            )
+            if index is not None and la.batch.passes:
+                per_pass[la.name] = la.batch.counts[index] / la.batch.passes
+        if not per_pass:
+            return
+        most = max(per_pass.values())
+        for name, seen in per_pass.items():
+            if seen == 1 < most and name not in self._broadcast_reported:
+                self._broadcast_reported.add(name)
+                warnings.warn(
+                    f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
+                    f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
+                    "position ids of shape [1, T]), so its G factor is that of the batch-summed "
+                    "gradient. Pass per-example inputs (ids.expand(N, T)) or leave it out with "
+                    "skip_layers",
+                    stacklevel=4,
+                )
 
     def _report_dropped_forwards(self) -> None:
         dropped = {la.name: la.batch.pending_forwards for la in self.layers}

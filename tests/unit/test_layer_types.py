@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,3 +233,32 @@ def test_tied_head_uses_head_factors_with_diagonal_g() -> None:
     want = dense_precondition(raw, A, torch.diag(G_diag), DAMPING)
     assert rel_err(model.head.weight.grad, want) <= TOL
     assert "tied to emb.weight" in precond.describe()
+
+
+def test_position_ids_broadcast_over_the_batch_are_reported() -> None:
+    class Positional(nn.Module):
+        def __init__(self, expand: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.expand = expand
+            self.tok, self.pos, self.head = nn.Embedding(9, 4), nn.Embedding(5, 4), nn.Linear(4, 2)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(idx.shape[1])[None]
+            if self.expand:
+                positions = positions.expand(idx.shape[0], -1)
+            return self.head(self.tok(idx) + self.pos(positions))
+
+    idx = torch.randint(0, 9, (6, 5))
+    for expand in (False, True):
+        model = Positional(expand)
+        precond = KFACPreconditioner(model)
+        model(idx).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precond.step()
+        messages = [str(w.message) for w in caught if "broadcast" in str(w.message)]
+        if expand:
+            assert not messages
+        else:
+            assert len(messages) == 1 and "'pos'" in messages[0] and "expand" in messages[0]
