@@ -70,7 +70,7 @@ class TextLMTask(Task):
     metric = Metric("bits_per_char", higher_is_better=False)
     target = 2.5
     loss_average = "batch_and_sequence"
-    # An epoch is 200 sampled batches (10-15 s on 2 CPU cores, with or
+    # An epoch is 200 sampled batches (18-21 s on 2 CPU cores, with or
     # without K-FAC refreshing factors every 10 steps). Measured with
     # `kaisa compare --task text-lm` (seed 0, 2 cores): Adam reaches 2.5
     # bits/char in 3 epochs (57 s), Adam+K-FAC with attention and embeddings
