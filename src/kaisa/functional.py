@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -44,6 +45,8 @@ _ORIGINAL: list[Callable[..., Tensor]] = []
 
 def _linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     out = _ORIGINAL[0](input, weight, bias)
+    if torch.compiler.is_compiling():  # traced tensors have no data pointer
+        return out
     key = (weight.data_ptr(), tuple(weight.shape))
     for active in reversed(_ACTIVE):
         routes = active.routes.get(key)
@@ -79,7 +82,9 @@ class _AttentionCapture:
         self.shape = (0, 0)
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.capture.wants(module):
+        if not self.capture.wants(module) or torch.compiler.is_compiling():
+            # inside torch.compile the attention is traced, not run: its
+            # projections go uncaptured (step() says so) rather than break it
             return
         query = args[0] if args else kwargs.get("query")
         if not isinstance(query, Tensor):

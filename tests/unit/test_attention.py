@@ -241,3 +241,21 @@ def test_checkpoint_round_trip_with_attention_and_embeddings() -> None:
     straight, resumed = run(None), run(2)
     for a, b in zip(resumed, straight):
         assert rel_err(a, b) <= 1e-12
+
+
+def test_torch_compile_with_attention_runs_and_says_what_it_missed() -> None:
+    """Under torch.compile the attention is traced, not run: its projections go
+    uncaptured (with a warning) instead of breaking the compiled model."""
+    model = Model(batch_first=True, kdim=None)
+    precond = KFACPreconditioner(model, damping=DAMPING)
+
+    def forward(x):
+        return model.head(model.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    fn = torch.compile(forward, backend="eager")
+    x, y = torch.randn(N, L, E), torch.randint(0, 3, (N,))
+    with pytest.warns(UserWarning, match="attn.q"):
+        F.cross_entropy(fn(x), y).backward()
+        precond.step()
+    assert precond.layers["head"].captured and not precond.layers["attn.q"].captured
+    assert F.linear is torch._C._nn.linear
