@@ -30,8 +30,10 @@ def select_engine(
 ) -> Engine:
     """The engine for ``model``: a ``deepspeed.DeepSpeedEngine`` gets
     :class:`~kaisa.engines.deepspeed.DeepSpeedEngine`; anything else plain
-    PyTorch (``.grad``, DDP, DataParallel, ``torch.compile``).  FSDP2 plugs in here."""
+    PyTorch (``.grad``, DDP, DataParallel, ``torch.compile``); a model sharded
+    with ``fully_shard`` gets :class:`~kaisa.engines.fsdp.FSDP2Engine`."""
     from kaisa.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
+    from kaisa.engines.fsdp import FSDP2Engine, is_fsdp2_model
 
     if is_deepspeed_engine(model):
         if gradient_access is not None:
@@ -40,4 +42,6 @@ def select_engine(
                 "its own (partitioned) gradients"
             )
         return DeepSpeedEngine(model)
+    if is_fsdp2_model(model) and gradient_access is None:
+        return FSDP2Engine()
     return TorchEngine(gradient_access, scaling)

@@ -1,0 +1,162 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): row-sharded gradients.
+
+After backward every parameter's ``.grad`` is a ``DTensor`` placed
+``Shard(0)`` on a one-dimensional mesh: rank ``r`` holds rows
+``[r·c, min((r+1)·c, R))`` of the averaged gradient, ``c = ⌈R/W⌉`` (the
+layout of ``torch.chunk``; late ranks may hold none).  Hooks see full local
+activations and output gradients, so capture is unchanged.
+
+A layer's full gradient is needed only by its gradient workers: the row
+shards of all layers with the same workers are padded to ``c`` rows and
+assembled in one collective — a ``gather`` onto the worker (MEM-OPT) or an
+all-gather (every rank a worker).  After kaisa's broadcast every rank holds
+the preconditioned gradient and copies back only its own rows: no
+communication.  With ``set_requires_gradient_sync(False)`` on the first
+micro-batches of an accumulation window ``.grad`` is None until the syncing
+one, which is where ``precond.step()`` belongs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from kaisa.engines.base import Engine, GradientMarks
+from kaisa.engines.pytorch import unwrap_model
+from kaisa.layers.base import LayerAdapter
+
+__all__ = ["FSDP2Engine", "is_fsdp2_model"]
+
+
+def is_fsdp2_model(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` (or any submodule)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _shard(grad: Any) -> tuple[Tensor, Any]:
+    """The local rows of a ``Shard(0)`` DTensor gradient and its process group."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(grad, DTensor):
+        raise TypeError(f"expected a DTensor gradient under FSDP2; got {type(grad).__name__}")
+    if grad.device_mesh.ndim != 1 or tuple(grad.placements) != (Shard(0),):
+        raise NotImplementedError(
+            "kaisa's FSDP2 engine supports a one-dimensional mesh with Shard(0) gradients; "
+            f"got placements {grad.placements} on a {grad.device_mesh.ndim}-D mesh (HSDP: "
+            "not yet)"
+        )
+    return grad.to_local(), grad.device_mesh.get_group()
+
+
+class FSDP2Engine(Engine):
+    """Gradients of a model sharded with ``fully_shard``."""
+
+    name = "fsdp2"
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap_model(model)  # fully_shard changes the class in place, not the names
+
+    def present(self, adapter: LayerAdapter) -> bool:
+        return adapter.weight.grad is not None
+
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+        marks = []
+        for adapter in adapters:
+            grad = adapter.weight.grad
+            marks.append(None if grad is None else GradientMarks.of(_shard(grad)[0]))
+        return marks
+
+    def read(self, adapter: LayerAdapter) -> Tensor | None:
+        if not self.present(adapter):
+            return None
+        everyone = tuple(range(dist.get_world_size()))
+        return self.read_many([adapter], [everyone])[0]
+
+    def read_many(
+        self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
+    ) -> list[Tensor | None]:
+        out: list[Tensor | None] = [None] * len(adapters)
+        by_workers: dict[tuple[int, ...], list[int]] = {}
+        for i, ranks in enumerate(workers):
+            by_workers.setdefault(tuple(sorted(ranks)), []).append(i)
+        for ranks, indices in by_workers.items():  # the adapters' order, on every rank
+            params = [p for i in indices for p in adapters[i].parameters()]
+            full = _assemble(params, ranks)
+            if full is None:
+                continue
+            at = 0
+            for i in indices:
+                adapter = adapters[i]
+                n = len(adapter.parameters())
+                grads = adapter.grads_of(list(full[at : at + n]))
+                at += n
+                weight = grads[0]
+                assert weight is not None
+                bias = grads[1] if adapter.has_bias else None
+                out[i] = adapter.grads_to_matrix(weight, bias)
+        return out
+
+    def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
+        weight, bias = adapter.matrix_to_grads(matrix)
+        values = [weight] if bias is None else [weight, bias]
+        for param, rows, value in zip(adapter.parameters(), adapter.param_rows(), values):
+            local, group = _shard(param.grad)
+            first = (rows.start or 0) if rows is not None else 0
+            _write_rows(local, group, int(param.shape[0]), value, first)
+
+
+def _chunk(total_rows: int, world: int) -> int:
+    return -(-total_rows // world)
+
+
+def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor] | None:
+    """Full gradients of ``params`` on ``ranks`` (None elsewhere): one collective."""
+    shards = [_shard(p.grad) for p in params]
+    group = shards[0][1]
+    world = dist.get_world_size(group)
+    me = dist.get_rank()
+    padded = []
+    for p, (local, _) in zip(params, shards):
+        rows = _chunk(int(p.shape[0]), world)
+        block = local.new_zeros((rows, *p.shape[1:]))
+        block[: local.shape[0]] = local
+        padded.append(block.reshape(-1))
+    flat = torch.cat(padded)
+    if len(ranks) == 1:
+        gathered = [torch.empty_like(flat) for _ in range(world)] if me == ranks[0] else None
+        dist.gather(flat, gathered, dst=ranks[0], group=group)
+        if me != ranks[0]:
+            return None
+        assert gathered is not None
+        everyone = torch.stack(gathered)
+    else:
+        everyone = flat.new_empty(world * flat.numel())
+        dist.all_gather_single(everyone, flat, group=group)
+        if me not in ranks:
+            return None
+        everyone = everyone.view(world, flat.numel())
+    out, at = [], 0
+    for p, block in zip(params, padded):
+        rows = _chunk(int(p.shape[0]), world)
+        part = everyone[:, at : at + block.numel()].reshape(world * rows, *p.shape[1:])
+        out.append(part[: p.shape[0]])
+        at += block.numel()
+    return out
+
+
+def _write_rows(local: Tensor, group: Any, total_rows: int, value: Tensor, first: int) -> None:
+    """Copy rows ``[first, first + len(value))`` of the full gradient that fall
+    in this rank's shard into it."""
+    rank = dist.get_rank(group)
+    start = rank * _chunk(total_rows, dist.get_world_size(group))
+    lo, hi = max(first, start), min(first + value.shape[0], start + local.shape[0])
+    if hi > lo:
+        local[lo - start : hi - start].copy_(value[lo - first : hi - first])
