@@ -30,7 +30,7 @@ from kaisa.comm import Communicator
 from kaisa.engines.base import Engine
 from kaisa.layer import KFACLayer
 from kaisa.methods.base import CurvatureMethod
-from kaisa.plan import WorkPlan
+from kaisa.plan import LayerPlan, WorkPlan
 from kaisa.precondition import kl_scale, kl_term
 from kaisa.second_order import SecondOrderUpdate
 
@@ -55,6 +55,7 @@ class GradientApplication:
         self.second_order = second_order
         self.rank = comm.rank
         self._warned: set[str] = set()
+        self._globals: dict[int, tuple[int, ...]] = {}
 
     def run(
         self,
@@ -124,13 +125,12 @@ class GradientApplication:
         plans = [self.plan.layer(la.name) for la in layers]
         to_global = self.comm.global_ranks
         grads = self.engine.read_many(
-            [la.adapter for la in layers],
-            [tuple(to_global[r] for r in lp.grad_workers) for lp in plans],
+            [la.adapter for la in layers], [self._global_workers(lp, to_global) for lp in plans]
         )
         results: dict[str, tuple[Tensor, Tensor]] = {}
         for layer, lp, grad in zip(layers, plans, grads):
             name = layer.name
-            if self.rank in lp.grad_workers:
+            if lp.is_grad_worker(self.rank):
                 assert grad is not None, f"engine gave no gradient to a worker of {name}"
                 if not self.method.ready(layer.factors, layer.state, lp.colocated):
                     held = self.method.held(layer.factors, lp.colocated)
@@ -138,8 +138,10 @@ class GradientApplication:
                 v = self.method.apply(layer.factors, layer.state, grad, damping)
                 results[name] = (v, kl_term(v, grad))
             if self.plan.grad_workers < self.plan.world_size:
-                group = lp.receiver_group_of(self.rank)
-                src = group[0]
+                # the ranks ≡ rank (mod m): the same set for every layer, with
+                # this layer's worker among them (O(1), nothing built per step)
+                group = self.plan.receiver_groups[self.rank % self.plan.grad_workers]
+                src = lp.gradient_source(self.rank)
                 if self.rank == src:
                     v, dot = results[name]
                     send = [v, dot.reshape(1)]
@@ -157,6 +159,15 @@ class GradientApplication:
                 )
         self.comm.wait()
         return results
+
+    def _global_workers(self, lp: LayerPlan, to_global: tuple[int, ...]) -> tuple[int, ...]:
+        """A layer's workers as global ranks; layers share their worker tuple, so
+        this is built once per worker group, not once per layer and step."""
+        key = id(lp.grad_workers)
+        found = self._globals.get(key)
+        if found is None:
+            found = self._globals[key] = tuple(to_global[r] for r in lp.grad_workers)
+        return found
 
     def _warn_once(self, name: str, message: str) -> None:
         if name not in self._warned:

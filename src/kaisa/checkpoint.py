@@ -184,7 +184,7 @@ class Checkpointer:
             if layer.captured and not all(t.key in entry for t in held):
                 complete = False
             layer.state.clear()
-            if self.rank in lp.grad_workers:
+            if lp.is_grad_worker(self.rank):
                 for t in held:
                     if t.key in entry:
                         layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()

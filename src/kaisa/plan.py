@@ -32,6 +32,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kaisa.config import AssignmentStrategy, DistributedStrategy
 from kaisa.factors import FactorKind, FactorSpec, kfac_factors
 
@@ -60,15 +62,19 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Who does what for one layer (ranks are positions in the data-parallel group)."""
+    """Who does what for one layer (ranks are positions in the data-parallel group).
+
+    The gradient workers are an aligned block ``[s, s + m)`` (``s`` a multiple
+    of ``m``), so worker ``s + i`` serves the ranks ``≡ i (mod m)``: every
+    lookup on the step path is O(1) and the receiver groups are derived, not
+    stored (at W = 4096 storing them per layer would cost gigabytes).
+    """
 
     name: str
     factors: tuple[FactorSpec, ...]
     owners: tuple[int, ...]  #: the rank that reduces, keeps and decomposes each factor
     grad_workers: tuple[int, ...]
-    #: one group per gradient worker: the worker first, then the ranks it
-    #: sends the preconditioned gradient to (itself included, as in a broadcast)
-    receiver_groups: tuple[tuple[int, ...], ...]
+    world_size: int
 
     @property
     def colocated(self) -> bool:
@@ -85,17 +91,23 @@ class LayerPlan:
         return rank in self.owners
 
     def is_grad_worker(self, rank: int) -> bool:
-        return rank in self.grad_workers
+        first = self.grad_workers[0]
+        return first <= rank < first + len(self.grad_workers)
 
     def gradient_source(self, rank: int) -> int:
-        """The gradient worker whose preconditioned gradient ``rank`` uses."""
-        return self.receiver_group_of(rank)[0]
+        """The gradient worker whose preconditioned gradient ``rank`` uses (O(1))."""
+        return self.grad_workers[rank % len(self.grad_workers)]
 
     def receiver_group_of(self, rank: int) -> tuple[int, ...]:
-        for group in self.receiver_groups:
-            if rank in group:
-                return group
-        raise ValueError(f"rank {rank} is in no receiver group of layer {self.name!r}")
+        """The worker serving ``rank`` first, then every rank it serves."""
+        m = len(self.grad_workers)
+        src = self.gradient_source(rank)
+        return (src, *(r for r in range(rank % m, self.world_size, m) if r != src))
+
+    @property
+    def receiver_groups(self) -> tuple[tuple[int, ...], ...]:
+        """One group per gradient worker: the worker, then the ranks it sends to."""
+        return tuple(self.receiver_group_of(w) for w in self.grad_workers)
 
 
 def allowed_fractions(world_size: int) -> list[float]:
@@ -149,12 +161,12 @@ class WorkPlan:
     colocate_factors: bool
     layers: tuple[LayerPlan, ...]
 
-    @property
+    @functools.cached_property
     def worker_groups(self) -> tuple[tuple[int, ...], ...]:
         m = self.grad_workers
         return tuple(tuple(range(s, s + m)) for s in range(0, self.world_size, m))
 
-    @property
+    @functools.cached_property
     def receiver_groups(self) -> tuple[tuple[int, ...], ...]:
         m = self.grad_workers
         return tuple(tuple(range(i, self.world_size, m)) for i in range(m))
@@ -171,56 +183,104 @@ class WorkPlan:
         """The plan of one layer (O(1): it is looked up for every layer every step)."""
         return self._by_name[name]
 
-    def rank_load(self, rank: int) -> dict[str, float]:
-        """Per-rank work and memory in element counts (not bytes)."""
-        decomposition_cost = 0.0
-        factor_elems = 0
-        second_order_elems = 0
-        precondition_flops = 0.0
+    def loads(self) -> dict[str, np.ndarray]:
+        """Per-rank work and memory for every rank at once, in element counts."""
+        w = self.world_size
+        out = {
+            k: np.zeros(w)
+            for k in (
+                "decomposition_cost",
+                "factor_elements",
+                "second_order_elements",
+                "precondition_flops",
+                "layers_owned",
+            )
+        }
         for lp in self.layers:
             for spec, owner in zip(lp.factors, lp.owners):
-                if owner == rank:
-                    decomposition_cost += spec.cost(self.assignment_strategy)
-                    factor_elems += spec.numel
-            if lp.is_grad_worker(rank):
-                # eigenbases (or inverses) plus the eigenvalue outer product
-                numel = math.prod(spec.dim for spec in lp.factors)
-                second_order_elems += sum(spec.numel for spec in lp.factors) + numel
-                precondition_flops += 4.0 * numel * sum(spec.dim for spec in lp.factors)
-        return {
-            "decomposition_cost": decomposition_cost,
-            "factor_elements": float(factor_elems),
-            "second_order_elements": float(second_order_elems),
-            "precondition_flops": precondition_flops,
-        }
+                out["decomposition_cost"][owner] += spec.cost(self.assignment_strategy)
+                out["factor_elements"][owner] += spec.numel
+            for owner in set(lp.owners):
+                out["layers_owned"][owner] += 1
+            # eigenbases (or inverses) plus the eigenvalue outer product
+            numel = math.prod(spec.dim for spec in lp.factors)
+            first, m = lp.grad_workers[0], len(lp.grad_workers)
+            out["second_order_elements"][first : first + m] += (
+                sum(spec.numel for spec in lp.factors) + numel
+            )
+            out["precondition_flops"][first : first + m] += (
+                4.0 * numel * sum(spec.dim for spec in lp.factors)
+            )
+        return out
 
-    def describe(self) -> str:
-        """A readable table of the plan: groups, per-rank load, per-layer owners."""
+    def rank_load(self, rank: int) -> dict[str, float]:
+        """Per-rank work and memory in element counts (not bytes)."""
+        loads = self.loads()
+        return {k: float(v[rank]) for k, v in loads.items() if k != "layers_owned"}
+
+    def describe(self, max_rows: int = 64) -> str:
+        """A readable table of the plan: groups, per-rank load, per-layer owners.
+
+        Beyond ``max_rows`` ranks or layers it summarises (min / median / max
+        over ranks, the largest layers), so it stays fast at W = 4096."""
+        loads = self.loads()
+        m, w = self.grad_workers, self.world_size
         lines = [
-            f"WorkPlan: world_size={self.world_size}, grad_workers={self.grad_workers} "
+            f"WorkPlan: world_size={w}, grad_workers={m} "
             f"(fraction {self.grad_worker_fraction:g}), "
             f"assignment={self.assignment_strategy.value}, "
             f"colocate_factors={self.colocate_factors}",
-            f"  worker groups:   {list(map(list, self.worker_groups))}",
-            f"  receiver groups: {list(map(list, self.receiver_groups))}",
-            f"  {'rank':>4} {'decomp cost':>14} {'factor elems':>13} {'2nd-order elems':>16} "
+            f"  worker groups:   {_groups(self.worker_groups, max_rows)}",
+            f"  receiver groups: {_groups(self.receiver_groups, max_rows)}",
+            f"  {'rank':>6} {'decomp cost':>14} {'factor elems':>13} {'2nd-order elems':>16} "
             f"{'layers':>7}",
         ]
-        for r in range(self.world_size):
-            load = self.rank_load(r)
-            owned = sum(1 for lp in self.layers if lp.is_decomposer(r))
+        columns = ("decomposition_cost", "factor_elements", "second_order_elements")
+        if w <= max_rows:
+            rows = [
+                (str(r), [loads[k][r] for k in columns], loads["layers_owned"][r]) for r in range(w)
+            ]
+        else:
+            rows = [
+                (label, [fn(loads[k]) for k in columns], fn(loads["layers_owned"]))
+                for label, fn in (("min", np.min), ("median", np.median), ("max", np.max))
+            ]
+        for label, (cost, factors, second), owned in rows:
             lines.append(
-                f"  {r:>4} {load['decomposition_cost']:>14.4g} {load['factor_elements']:>13.0f} "
-                f"{load['second_order_elements']:>16.0f} {owned:>7}"
+                f"  {label:>6} {cost:>14.4g} {factors:>13.0f} {second:>16.0f} {owned:>7.0f}"
             )
+        shown = self.layers
+        if len(shown) > max_rows:
+            shown = tuple(
+                sorted(
+                    shown, key=lambda lp: -sum(s.cost(self.assignment_strategy) for s in lp.factors)
+                )
+            )[:max_rows]
+            lines.append(f"  the {max_rows} largest of {len(self.layers)} layers:")
         lines.append(f"  {'layer':<32} {'factors (size on rank)':<30} workers")
-        for lp in self.layers:
+        for lp in shown:
             where = ", ".join(
                 f"{s.name}:{s.dim}{'d' if s.kind is FactorKind.DIAGONAL else ''} on {o}"
                 for s, o in zip(lp.factors, lp.owners)
             )
-            lines.append(f"  {lp.name:<32} {where:<30} {list(lp.grad_workers)}")
+            workers = (
+                list(lp.grad_workers)
+                if len(lp.grad_workers) <= 8
+                else (f"[{lp.grad_workers[0]}..{lp.grad_workers[-1]}]")
+            )
+            lines.append(f"  {lp.name:<32} {where:<30} {workers}")
         return "\n".join(lines)
+
+
+def _groups(groups: tuple[tuple[int, ...], ...], limit: int) -> str:
+    if len(groups) <= limit and all(len(g) <= limit for g in groups):
+        return str(list(map(list, groups)))
+    return f"{len(groups)} groups of {len(groups[0])} (e.g. {_span(groups[0])})"
+
+
+def _span(group: tuple[int, ...]) -> str:
+    step = group[1] - group[0] if len(group) > 1 else 1
+    return f"{group[0]}, {group[0] + step}, …, {group[-1]}"
 
 
 def make_plan(
@@ -242,12 +302,12 @@ def make_plan(
     names = [spec.name for spec in layers]
     if len(set(names)) != len(names):
         raise ValueError("layer names must be unique")
-    worker_groups = [list(range(s, s + m)) for s in range(0, world_size, m)]
-    receiver_groups = [list(range(i, world_size, m)) for i in range(m)]
-    load = [0.0] * world_size
+    worker_groups = [tuple(range(s, s + m)) for s in range(0, world_size, m)]
+    load = np.zeros(world_size)
+    group_load = np.zeros(len(worker_groups))
 
-    def least_loaded(ranks: Sequence[int]) -> int:
-        return min(ranks, key=lambda r: (load[r], r))
+    def least_loaded(first: int) -> int:
+        return first + int(np.argmin(load[first : first + m]))  # ties: the lowest rank
 
     def total_cost(spec: LayerSpec) -> float:
         return sum(f.cost(strategy) for f in spec.factors)
@@ -256,27 +316,27 @@ def make_plan(
     planned: dict[int, LayerPlan] = {}
     for i in order:
         spec = layers[i]
-        group = min(worker_groups, key=lambda g: (sum(load[r] for r in g), g[0]))
+        g = int(np.argmin(group_load))  # ties: the lowest group
+        first = g * m
         owners = [0] * len(spec.factors)
         if colocate_factors:
-            rank = least_loaded(group)
+            rank = least_loaded(first)
             owners = [rank] * len(spec.factors)
             load[rank] += total_cost(spec)
         else:
             costs = [f.cost(strategy) for f in spec.factors]
             big_first = sorted(range(len(costs)), key=lambda k: -costs[k])
             for k in big_first:
-                rank = least_loaded(group)
+                rank = least_loaded(first)
                 owners[k] = rank
-                load[rank] += spec.factors[k].cost(strategy)
-        workers = tuple(group)
-        groups = tuple((w, *[r for r in receiver_groups[w % m] if r != w]) for w in workers)
+                load[rank] += costs[k]
+        group_load[g] += total_cost(spec)
         planned[i] = LayerPlan(
             name=spec.name,
             factors=spec.factors,
             owners=tuple(owners),
-            grad_workers=workers,
-            receiver_groups=groups,
+            grad_workers=worker_groups[g],  # shared, not copied per layer
+            world_size=world_size,
         )
     return WorkPlan(
         world_size=world_size,

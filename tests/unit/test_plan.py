@@ -153,3 +153,23 @@ def test_memory_per_rank_shrinks_with_fraction() -> None:
 def test_duplicate_names_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
         make_plan([LayerSpec.kfac("x", 2, 2), LayerSpec.kfac("x", 3, 3)], 2)
+
+
+def test_plan_at_4096_ranks_is_compact_and_constant_time() -> None:
+    """At L=1000, W=4096 layers share their worker tuple, receiver groups are
+    derived, lookups are arithmetic and describe() summarises (timings:
+    benchmarks/plan_scale.py)."""
+    specs = [LayerSpec.kfac(f"l{i}", 64 + i % 50, 32 + i % 20) for i in range(1000)]
+    for fraction in (1.0, 0.5, 1 / 4096):
+        plan = make_plan(specs, 4096, fraction)
+        m = plan.grad_workers
+        assert len({id(lp.grad_workers) for lp in plan.layers}) <= 4096 // m
+        for rank in (0, 1, 4095):
+            for lp in plan.layers[:50]:
+                src = lp.gradient_source(rank)
+                assert lp.is_grad_worker(src) and src % m == rank % m
+                assert lp.is_grad_worker(rank) == (rank in lp.grad_workers)
+                assert lp.receiver_group_of(rank)[0] == src
+                assert set(lp.receiver_group_of(rank)) == set(plan.receiver_groups[rank % m])
+        text = plan.describe()
+        assert len(text.splitlines()) < 100 and "median" in text and "largest of 1000" in text
