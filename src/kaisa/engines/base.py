@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["Engine", "EngineDefaults", "GradientMarks"]
+__all__ = ["Engine", "EngineDefaults", "GradientMarks", "gather_onto"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +146,20 @@ class GradientMarks:
 
     def record(self, marks: list[Any]) -> None:
         self._marks = marks
+
+
+def gather_onto(local: Tensor, ranks: Sequence[int], group: Any) -> Tensor | None:
+    """Every rank's equal-sized ``local`` stacked as ``[world, numel]`` on the
+    global ``ranks`` (None elsewhere): one ``gather`` when a single rank needs
+    it (MEM-OPT), an all-gather otherwise.  Every rank of ``group`` calls it."""
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(group), dist.get_rank()
+    if len(ranks) == 1:
+        dst = ranks[0]
+        gathered = [torch.empty_like(local) for _ in range(world)] if me == dst else None
+        dist.gather(local, gathered, dst=dst, group=group)
+        return torch.stack(gathered) if gathered is not None else None
+    everyone = local.new_empty(world * local.numel())
+    dist.all_gather_single(everyone, local, group=group)
+    return everyone.view(world, local.numel()) if me in ranks else None

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, EngineDefaults
+from kaisa.engines.base import Engine, EngineDefaults, gather_onto
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter, param_shape
 from kaisa.topology import Topology
@@ -297,30 +297,15 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
     """Full fp32 gradients of ``params`` on ``ranks`` (None elsewhere): one collective."""
     layout = layout_of(params[0])
     group = _group_of(params[0], layout or Layout.FRAGMENT)
-    world = dist.get_world_size(group)
-    everyone = len(ranks) >= world
     me = dist.get_rank()
     if layout is Layout.PARTITION:
         from deepspeed.utils import safe_get_local_grad
 
         parts = [safe_get_local_grad(p).to(torch.float32).flatten() for p in params]
         local = torch.cat(parts)
-        if everyone:
-            flat = local.new_empty(world * local.numel())
-            dist.all_gather_single(flat, local, group=group)
-        elif len(ranks) == 1:
-            gathered = [torch.empty_like(local) for _ in range(world)] if me == ranks[0] else None
-            dist.gather(local, gathered, dst=ranks[0], group=group)
-            if me != ranks[0]:
-                return None
-            assert gathered is not None
-            flat = torch.cat(gathered)
-        else:
-            flat = local.new_empty(world * local.numel())
-            dist.all_gather_single(flat, local, group=group)
-            if me not in ranks:
-                return None
-        rows = flat.view(world, local.numel())
+        rows = gather_onto(local, ranks, group)
+        if rows is None:
+            return None
         out, at = [], 0
         for p, part in zip(params, parts):
             whole = rows[:, at : at + part.numel()].reshape(-1)[: param_shape(p).numel()]
@@ -336,7 +321,7 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
             frag, start = found
             flat.narrow(0, at + start, frag.numel()).copy_(frag)
         at += n
-    if everyone or len(ranks) > 1:
+    if len(ranks) > 1:
         dist.all_reduce(flat, group=group)
         if me not in ranks:
             return None

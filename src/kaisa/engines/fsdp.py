@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, GradientMarks
+from kaisa.engines.base import Engine, GradientMarks, gather_onto
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter
 
@@ -122,27 +122,15 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
     shards = [_shard(p.grad) for p in params]
     group = shards[0][1]
     world = dist.get_world_size(group)
-    me = dist.get_rank()
     padded = []
     for p, (local, _) in zip(params, shards):
         rows = _chunk(int(p.shape[0]), world)
         block = local.new_zeros((rows, *p.shape[1:]))
         block[: local.shape[0]] = local
         padded.append(block.reshape(-1))
-    flat = torch.cat(padded)
-    if len(ranks) == 1:
-        gathered = [torch.empty_like(flat) for _ in range(world)] if me == ranks[0] else None
-        dist.gather(flat, gathered, dst=ranks[0], group=group)
-        if me != ranks[0]:
-            return None
-        assert gathered is not None
-        everyone = torch.stack(gathered)
-    else:
-        everyone = flat.new_empty(world * flat.numel())
-        dist.all_gather_single(everyone, flat, group=group)
-        if me not in ranks:
-            return None
-        everyone = everyone.view(world, flat.numel())
+    everyone = gather_onto(torch.cat(padded), ranks, group)
+    if everyone is None:
+        return None
     out, at = [], 0
     for p, block in zip(params, padded):
         rows = _chunk(int(p.shape[0]), world)
