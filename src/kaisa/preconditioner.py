@@ -26,6 +26,7 @@ from kaisa.plan import WorkPlan
 from kaisa.report import describe, memory_usage
 from kaisa.scaling import LossScaling
 from kaisa.schedule import Schedule
+from kaisa.sharded import restore_sharded, sharded_state
 from kaisa.topology import Topology
 from kaisa.wiring import build, check_runtime_arguments
 
@@ -282,6 +283,17 @@ class KFACPreconditioner:
         self._schedule.restore(restore)
         pipeline.steps = steps
         self._parts.capture.enabled = self._schedule.is_factor_step(steps)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state for ``torch.distributed.checkpoint``
+        (the factors it owns; see :mod:`kaisa.sharded`).  Not collective; the
+        same call's result is the template ``dcp.load`` fills."""
+        return sharded_state(self)
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at
+        any world size or fraction (collective)."""
+        restore_sharded(self, state)
 
     # -- reporting ------------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
