@@ -93,7 +93,7 @@ class GradientApplication:
                     self._warn_once(
                         layer.name,
                         f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
-                        "captured statistics (is it called functionally?); its gradient is "
+                        "captured statistics (is it called functionally, or traced by torch.compile?); its gradient is "
                         "left unchanged",
                     )
                 continue

@@ -4,6 +4,7 @@ definition built from an independent re-implementation of attention."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -254,8 +255,12 @@ def test_torch_compile_with_attention_runs_and_says_what_it_missed() -> None:
 
     fn = torch.compile(forward, backend="eager")
     x, y = torch.randn(N, L, E), torch.randint(0, 3, (N,))
-    with pytest.warns(UserWarning, match="attn.q"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         F.cross_entropy(fn(x), y).backward()
         precond.step()
+    said = " ".join(str(w.message) for w in caught)
+    for role in ("q", "k", "v", "out_proj"):
+        assert f"'attn.{role}'" in said and "torch.compile" in said
     assert precond.layers["head"].captured and not precond.layers["attn.q"].captured
     assert F.linear is torch._C._nn.linear
