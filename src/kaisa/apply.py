@@ -93,8 +93,8 @@ class GradientApplication:
                     self._warn_once(
                         layer.name,
                         f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
-                        "captured statistics (is it called functionally, or traced by torch.compile?); its gradient is "
-                        "left unchanged",
+                        "captured statistics (is it called functionally, or traced by "
+                        "torch.compile?); its gradient is left unchanged",
                     )
                 continue
             local.append(layer)
