@@ -109,3 +109,64 @@ def double_step(rank: int, world: int) -> str:
 def test_fsdp2_double_step_is_refused() -> None:
     for message in run_distributed(2, double_step):
         assert "no backward pass since the last step()" in message
+
+
+class Attentive(nn.Module):
+    """Embedding → self-attention (packed q/k/v rows) → Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def attention_run(rank: int, world: int, fraction: float) -> list[torch.Tensor]:
+    torch.set_default_dtype(torch.float64)
+    model = Attentive()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.attn)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, grad_worker_fraction=fraction, **KW)
+    assert {"emb", "attn.q", "attn.v", "attn.out_proj", "head"} <= set(precond.layers)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        idx = torch.randint(0, 11, (world * B, 5), generator=g)
+        y = torch.randint(0, 3, (world * B,), generator=g)
+        mine = slice(rank * B, (rank + 1) * B) if world > 1 else slice(None)
+        opt.zero_grad()
+        F.cross_entropy(model(idx[mine]), y[mine]).backward()
+        precond.step()
+        opt.step()
+    params = [p.detach() for p in model.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.clone() for p in params]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_fsdp2_attention_rows_and_embedding_equal_single_process(fraction: float) -> None:
+    """q/k/v own rows of one sharded tensor; each rank writes the part of each
+    block that falls in its shard."""
+    want = _single_attention(2)
+    for got in run_distributed(2, attention_run, fraction):
+        for a, b in zip(got, want):
+            assert float((a - b).norm() / b.norm()) <= 1e-10
+
+
+def _single_attention(world: int) -> list[torch.Tensor]:
+    """One process on the world's sequences (the same draws as the ranks')."""
+    global B
+    previous, saved = torch.get_default_dtype(), B
+    B = world * B
+    try:
+        return attention_run(0, 1, 1.0)
+    finally:
+        B = saved
+        torch.set_default_dtype(previous)
