@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["Engine", "EngineDefaults", "GradientMarks", "gather_onto"]
+__all__ = ["Engine", "EngineDefaults", "GradientMarks", "assemble_once", "gather_onto"]
 
 
 @dataclass(frozen=True)
@@ -163,3 +163,19 @@ def gather_onto(local: Tensor, ranks: Sequence[int], group: Any) -> Tensor | Non
     everyone = local.new_empty(world * local.numel())
     dist.all_gather_single(everyone, local, group=group)
     return everyone.view(world, local.numel()) if me in ranks else None
+
+
+def assemble_once(
+    params: list[nn.Parameter],
+    ranks: tuple[int, ...],
+    assemble: Callable[[list[nn.Parameter], tuple[int, ...]], list[Tensor] | None],
+) -> list[Tensor] | None:
+    """``assemble(params, ranks)`` with each tensor sent once: the q/k/v blocks
+    of a packed attention projection share one parameter, which would
+    otherwise travel three times."""
+    unique = list(dict.fromkeys(params))
+    full = assemble(unique, ranks)
+    if full is None:
+        return None
+    by_param = dict(zip(unique, full))
+    return [by_param[p] for p in params]

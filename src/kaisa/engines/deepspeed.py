@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, EngineDefaults, gather_onto
+from kaisa.engines.base import Engine, EngineDefaults, assemble_once, gather_onto
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter, param_shape
 from kaisa.topology import Topology
@@ -221,7 +221,7 @@ class DeepSpeedEngine(Engine):
         # dict order is the adapters' order, the same on every rank
         for ranks, indices in by_workers.items():
             params = [p for i in indices for p in adapters[i].parameters()]
-            full = _assemble(params, ranks)
+            full = assemble_once(params, ranks, _assemble)
             if full is None:
                 continue
             at = 0

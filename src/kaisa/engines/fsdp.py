@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, GradientMarks, gather_onto
+from kaisa.engines.base import Engine, GradientMarks, assemble_once, gather_onto
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter
 
@@ -89,7 +89,7 @@ class FSDP2Engine(Engine):
             by_workers.setdefault(tuple(sorted(ranks)), []).append(i)
         for ranks, indices in by_workers.items():  # the adapters' order, on every rank
             params = [p for i in indices for p in adapters[i].parameters()]
-            full = _assemble(params, ranks)
+            full = assemble_once(params, ranks, _assemble)
             if full is None:
                 continue
             at = 0
