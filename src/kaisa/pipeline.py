@@ -98,12 +98,16 @@ class StepPipeline:
             )
 
     def gradients_valid(self) -> bool:
-        """The engine's verdict (a loss scaler's), the same on every rank."""
-        valid = self.engine.step_is_valid()
-        if valid is True:
+        """The grad scaler's verdict and the engine's own (DeepSpeed's fp16
+        overflow), the same on every rank: one small collective when either
+        has one, none otherwise."""
+        found = self.scaling.found_inf()
+        verdicts = [self.engine.step_is_valid(), True if found is None else found == 0]
+        verdicts = [v for v in verdicts if v is not True]
+        if not verdicts:
             return True
-        agreed = self.comm.agree_all([bool(valid)], self.layers[0].adapter.device)
-        return agreed[0]
+        local = all(bool(v) for v in verdicts)
+        return self.comm.agree_all([local], self.layers[0].adapter.device)[0]
 
     def skip(self, factor_step: bool) -> None:
         """A step the optimizer will skip: leave every statistic, factor,

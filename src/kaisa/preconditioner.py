@@ -99,7 +99,7 @@ class KFACPreconditioner:
                 f"{sorted(KFACConfig.field_names())}"
             )
         scaling = LossScaling(grad_scaler, optimizer)
-        engine = engine or select_engine(model, gradient_access, scaling)
+        engine = engine or select_engine(model, gradient_access)
         given = engine.defaults()
         if given.accumulation_steps is not None:
             asked = kwargs.setdefault("accumulation_steps", given.accumulation_steps)

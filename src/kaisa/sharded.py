@@ -98,16 +98,19 @@ def load_owned_factors(
     factors, present = state.get("factors"), state.get("present")
     if not isinstance(factors, Mapping) or not isinstance(present, Mapping):
         raise ValueError("a sharded K-FAC state needs 'factors' and 'present' mappings")
-    expected = owned_factors(layers, plan, rank)["factors"]
-    missing = sorted(set(expected) - set(factors))
+    expected = {
+        f"{name}.{spec.name}": spec.shape
+        for name, layer in layers.items()
+        for spec, owner in zip(layer.factors, plan.layer(name).owners)
+        if owner == rank
+    }
+    missing = sorted((set(expected) - set(factors)) | (set(expected) - set(present)))
     if missing:
         raise ValueError(f"sharded state lacks factors this rank owns: {missing}")
-    for key, template in expected.items():
+    for key, shape in expected.items():
         value = factors[key]
-        if not isinstance(value, Tensor) or value.shape != template.shape:
-            raise ValueError(
-                f"sharded state entry {key!r} must be a tensor of shape {tuple(template.shape)}"
-            )
+        if not isinstance(value, Tensor) or tuple(value.shape) != shape:
+            raise ValueError(f"sharded state entry {key!r} must be a tensor of shape {shape}")
     for name, layer in layers.items():
         lp = plan.layer(name)
         captured = False

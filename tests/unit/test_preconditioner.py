@@ -495,3 +495,30 @@ def test_layer_whose_hooks_never_fire_keeps_its_raw_gradient() -> None:
         precond.step()
     assert torch.equal(model.bypassed.weight.grad, raw_bypassed)
     assert not torch.allclose(model.used.weight.grad, raw_used)  # the other layer is preconditioned
+
+
+def test_sharded_state_round_trip_and_refusals_in_one_process() -> None:
+    """sharded_state_dict() holds every factor in one process; a template with
+    a factor missing or mis-shaped is refused before anything changes."""
+    model = mlp()
+    precond = KFACPreconditioner(model, damping=0.01)
+    x, y = batch()
+    F.cross_entropy(model(x), y).backward()
+    precond.step()
+    state = precond.sharded_state_dict()
+    before = {k: v.clone() for k, v in state["factors"].items()}
+    assert set(before) == {f"{n}.{f}" for n in precond.layers for f in ("A", "G")}
+    fresh = KFACPreconditioner(mlp(), damping=0.01)
+    key = next(iter(before))
+    broken = {**state, "factors": {k: v for k, v in state["factors"].items() if k != key}}
+    with pytest.raises(ValueError, match="lacks factors"):
+        fresh.load_sharded_state_dict(broken)
+    bad = {**state, "factors": {**state["factors"], key: torch.zeros(2)}}
+    with pytest.raises(ValueError, match="must be a tensor of shape"):
+        fresh.load_sharded_state_dict(bad)
+    assert all(f is None for la in fresh.layers.values() for f in la.running)
+    fresh.load_sharded_state_dict(state)
+    assert fresh.steps == 1
+    for name, la in fresh.layers.items():
+        for spec in la.factors:
+            assert torch.equal(la.factor(spec.name), before[f"{name}.{spec.name}"])

@@ -9,7 +9,6 @@ from torch import nn
 
 from kaisa.engines.base import Engine, EngineDefaults, GradientMarks
 from kaisa.engines.pytorch import GradientAccess, ParamGradAccess, TorchEngine, unwrap_model
-from kaisa.scaling import LossScaling
 
 __all__ = [
     "Engine",
@@ -23,11 +22,7 @@ __all__ = [
 ]
 
 
-def select_engine(
-    model: nn.Module,
-    gradient_access: GradientAccess | None = None,
-    scaling: LossScaling | None = None,
-) -> Engine:
+def select_engine(model: nn.Module, gradient_access: GradientAccess | None = None) -> Engine:
     """The engine for ``model``: a ``deepspeed.DeepSpeedEngine`` gets
     :class:`~kaisa.engines.deepspeed.DeepSpeedEngine`; anything else plain
     PyTorch (``.grad``, DDP, DataParallel, ``torch.compile``); a model sharded
@@ -44,4 +39,4 @@ def select_engine(
         return DeepSpeedEngine(model)
     if is_fsdp2_model(model) and gradient_access is None:
         return FSDP2Engine()
-    return TorchEngine(gradient_access, scaling)
+    return TorchEngine(gradient_access)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["Engine", "EngineDefaults", "GradientMarks", "assemble_once", "gather_onto"]
+__all__ = ["Engine", "EngineDefaults", "GradientMarks", "assemble_by_workers", "gather_onto"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,9 @@ class Engine(ABC):
         return False
 
     def step_is_valid(self) -> bool | Tensor:
-        """Whether this step's gradients may be used (a loss scaler's verdict)."""
+        """Whether this step's gradients may be used, by the engine's own loss
+        scaler (DeepSpeed fp16); a ``torch.amp.GradScaler`` is read by the
+        pipeline for every engine."""
         return True
 
     @abstractmethod
@@ -165,17 +167,28 @@ def gather_onto(local: Tensor, ranks: Sequence[int], group: Any) -> Tensor | Non
     return everyone.view(world, local.numel()) if me in ranks else None
 
 
-def assemble_once(
-    params: list[nn.Parameter],
-    ranks: tuple[int, ...],
-    assemble: Callable[[list[nn.Parameter], tuple[int, ...]], list[Tensor] | None],
-) -> list[Tensor] | None:
-    """``assemble(params, ranks)`` with each tensor sent once: the q/k/v blocks
-    of a packed attention projection share one parameter, which would
-    otherwise travel three times."""
-    unique = list(dict.fromkeys(params))
-    full = assemble(unique, ranks)
-    if full is None:
-        return None
-    by_param = dict(zip(unique, full))
-    return [by_param[p] for p in params]
+Assemble = Callable[[list[nn.Parameter], tuple[int, ...]], "list[Tensor] | None"]
+
+
+def assemble_by_workers(
+    adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]], assemble: Assemble
+) -> list[list[Tensor] | None]:
+    """Each layer's full parameter gradients where it has workers (None elsewhere).
+
+    Layers with the same workers go together through ``assemble(params,
+    ranks)`` — one collective per worker set, in the adapters' order, which
+    is the same on every rank — and a parameter several layers share (the
+    packed q/k/v of an attention) is sent once."""
+    out: list[list[Tensor] | None] = [None] * len(adapters)
+    by_workers: dict[tuple[int, ...], list[int]] = {}
+    for i, ranks in enumerate(workers):
+        by_workers.setdefault(tuple(sorted(ranks)), []).append(i)
+    for ranks, indices in by_workers.items():
+        unique = list(dict.fromkeys(p for i in indices for p in adapters[i].parameters()))
+        full = assemble(unique, ranks)
+        if full is None:
+            continue
+        by_param = dict(zip(unique, full))
+        for i in indices:
+            out[i] = [by_param[p] for p in adapters[i].parameters()]
+    return out

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, EngineDefaults, assemble_once, gather_onto
+from kaisa.engines.base import Engine, EngineDefaults, assemble_by_workers, gather_onto
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter, param_shape
 from kaisa.topology import Topology
@@ -211,33 +211,21 @@ class DeepSpeedEngine(Engine):
     def read_many(
         self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
     ) -> list[Tensor | None]:
-        out: list[Tensor | None] = [None] * len(adapters)
-        by_workers: dict[tuple[int, ...], list[int]] = {}
-        for i, (adapter, ranks) in enumerate(zip(adapters, workers)):
-            if layout_of(adapter.weight) is Layout.GRAD:
-                out[i] = self._matrix(adapter, [p.grad for p in adapter.parameters()])
-            else:
-                by_workers.setdefault(tuple(sorted(ranks)), []).append(i)
-        # dict order is the adapters' order, the same on every rank
-        for ranks, indices in by_workers.items():
-            params = [p for i in indices for p in adapters[i].parameters()]
-            full = assemble_once(params, ranks, _assemble)
-            if full is None:
-                continue
-            at = 0
-            for i in indices:
-                n = len(adapters[i].parameters())
-                out[i] = self._matrix(adapters[i], full[at : at + n])
-                at += n
+        # stage 0 keeps full gradients on every rank: nothing to assemble
+        held = [layout_of(a.weight) is Layout.GRAD for a in adapters]
+        shared = [a for a, h in zip(adapters, held) if not h]
+        fulls = iter(
+            assemble_by_workers(shared, [w for w, h in zip(workers, held) if not h], _assemble)
+        )
+        out: list[Tensor | None] = []
+        for adapter, local in zip(adapters, held):
+            full = [p.grad for p in adapter.parameters()] if local else next(fulls)
+            out.append(None if full is None else self._matrix(adapter, full))
         return out
 
     def _matrix(self, adapter: LayerAdapter, full: Sequence[Tensor | None]) -> Tensor:
-        grads = adapter.grads_of(list(full))
-        weight, bias = grads[0], grads[1] if adapter.has_bias else None
-        assert weight is not None
-        if adapter.has_bias and bias is None:
-            bias = weight.new_zeros(adapter.out_features)
-        matrix = adapter.grads_to_matrix(weight, bias)
+        matrix = adapter.matrix_of(full)
+        assert matrix is not None
         if self.fp16:  # DeepSpeed unscales inside ds_engine.step(), after kaisa
             matrix = matrix / self._loss_scale()
         return matrix

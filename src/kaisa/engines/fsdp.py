@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, GradientMarks, assemble_once, gather_onto
+from kaisa.engines.base import Engine, GradientMarks, assemble_by_workers, gather_onto
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter
 
@@ -83,26 +83,8 @@ class FSDP2Engine(Engine):
     def read_many(
         self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
     ) -> list[Tensor | None]:
-        out: list[Tensor | None] = [None] * len(adapters)
-        by_workers: dict[tuple[int, ...], list[int]] = {}
-        for i, ranks in enumerate(workers):
-            by_workers.setdefault(tuple(sorted(ranks)), []).append(i)
-        for ranks, indices in by_workers.items():  # the adapters' order, on every rank
-            params = [p for i in indices for p in adapters[i].parameters()]
-            full = assemble_once(params, ranks, _assemble)
-            if full is None:
-                continue
-            at = 0
-            for i in indices:
-                adapter = adapters[i]
-                n = len(adapter.parameters())
-                grads = adapter.grads_of(list(full[at : at + n]))
-                at += n
-                weight = grads[0]
-                assert weight is not None
-                bias = grads[1] if adapter.has_bias else None
-                out[i] = adapter.grads_to_matrix(weight, bias)
-        return out
+        fulls = assemble_by_workers(adapters, workers, _assemble)
+        return [None if f is None else a.matrix_of(f) for a, f in zip(adapters, fulls)]
 
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         weight, bias = adapter.matrix_to_grads(matrix)

@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from kaisa.engines.base import Engine, GradientMarks
 from kaisa.layers.base import LayerAdapter
-from kaisa.scaling import LossScaling
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
 
@@ -57,11 +56,8 @@ class TorchEngine(Engine):
 
     name = "torch"
 
-    def __init__(
-        self, access: GradientAccess | None = None, scaling: LossScaling | None = None
-    ) -> None:
+    def __init__(self, access: GradientAccess | None = None) -> None:
         self.access: GradientAccess = access or ParamGradAccess()
-        self.scaling = scaling
         self._ddp = False
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -78,21 +74,11 @@ class TorchEngine(Engine):
         # with find_unused_parameters), so presence is the same everywhere
         return self._ddp and isinstance(self.access, ParamGradAccess)
 
-    def step_is_valid(self) -> bool | Tensor:
-        found = self.scaling.found_inf() if self.scaling is not None else None
-        return True if found is None else found == 0
-
     def present(self, adapter: LayerAdapter) -> bool:
         return self.access.read(adapter.weight) is not None
 
     def read(self, adapter: LayerAdapter) -> Tensor | None:
-        grads = adapter.grads_of([self.access.read(p) for p in adapter.parameters()])
-        if grads[0] is None:
-            return None
-        bias = None
-        if adapter.has_bias:
-            bias = grads[1] if grads[1] is not None else grads[0].new_zeros(adapter.out_features)
-        return adapter.grads_to_matrix(grads[0], bias)
+        return adapter.matrix_of([self.access.read(p) for p in adapter.parameters()])
 
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         weight, bias = adapter.matrix_to_grads(matrix)

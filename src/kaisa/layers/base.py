@@ -16,6 +16,7 @@ for K-FAC-reduce and padding masks; K-FAC-expand flattens them into rows.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -164,6 +165,18 @@ class LayerAdapter(ABC):
     def grads_of(self, grads: list[Tensor | None]) -> list[Tensor | None]:
         """This layer's rows of the full parameter gradients ``grads``."""
         return [g if g is None or r is None else g[r] for g, r in zip(grads, self.param_rows())]
+
+    def matrix_of(self, full: Sequence[Tensor | None]) -> Tensor | None:
+        """The canonical gradient from the full gradients of :meth:`parameters`
+        (None without a weight gradient; a missing bias gradient is zero)."""
+        grads = self.grads_of(list(full))
+        weight = grads[0]
+        if weight is None:
+            return None
+        bias = None
+        if self.has_bias:
+            bias = grads[1] if grads[1] is not None else weight.new_zeros(self.out_features)
+        return self.grads_to_matrix(weight, bias)
 
     def grads_to_matrix(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
         """``[d_out, d_in(+1)]`` gradient matrix; bias as the last column."""
