@@ -63,23 +63,28 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 
 
-def time_steps(model_name: str, kfac: dict[str, Any] | None, steps: int, batch: int) -> float:
+def time_steps(
+    model_name: str, kfac: dict[str, Any] | None, steps: int, batch: int, device: str = "cpu"
+) -> float:
     torch.manual_seed(0)
-    model = MODELS[model_name]()
+    model = MODELS[model_name]().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     precond = KFACPreconditioner(model, optimizer=opt, **kfac) if kfac is not None else None
-    x = torch.randn(batch, 1, 28, 28)
-    y = torch.randint(0, 10, (batch,))
+    x = torch.randn(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     warmup = 3
     start = 0.0
     for i in range(steps + warmup):
         if i == warmup:
+            sync()
             start = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         if precond is not None:
             precond.step()
         opt.step()
+    sync()
     return (time.perf_counter() - start) / steps
 
 
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (TF32 stays off)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,7 +104,8 @@ def main() -> None:
         base = None
         for variant, kfac in VARIANTS.items():
             t = statistics.median(
-                time_steps(model_name, kfac, args.steps, args.batch) for _ in range(args.repeats)
+                time_steps(model_name, kfac, args.steps, args.batch, args.device)
+                for _ in range(args.repeats)
             )
             base = t if kfac is None else base
             rows.append(
@@ -118,6 +125,7 @@ def main() -> None:
     meta = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "batch": args.batch,
         "steps": args.steps,
     }

@@ -1,13 +1,17 @@
 """Run a function on W forked gloo ranks and collect what each returns.
 
 Fork costs ~0.1 s per rank (spawn: seconds), and is safe because the test
-process runs torch with one thread (tests/conftest.py).  Every process group
+process runs torch with one thread (tests/conftest.py).  Where CUDA exists
+(the lent GPU machine) the parent may already hold CUDA and autograd's
+device threads, which a forked child cannot use; there the ranks fork from a
+forkserver that imported torch and nothing else.  Every process group
 has a timeout, and the parent kills the children if they do not report in
 time, so a broken collective fails the test instead of hanging the suite.
 """
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import tempfile
@@ -31,6 +35,10 @@ def _worker(
 ) -> None:
     try:
         torch.set_num_threads(1)
+        # Outside fork, tensors in ``args`` arrive in memory shared by all ranks;
+        # a rank updating one in place (an optimizer's loaded momentum) would
+        # change it for the others.  Each rank gets its own copy, as under fork.
+        args = copy.deepcopy(args)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",
@@ -50,6 +58,23 @@ def _worker(
         queue.put((rank, "error", traceback.format_exc()))
 
 
+def _context() -> Any:
+    # KAISA_TEST_FORKSERVER=1 gives every rank its own hash seed, as torchrun does
+    if not torch.cuda.is_available() and not os.environ.get("KAISA_TEST_FORKSERVER"):
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def cpu_mesh(world_size: int) -> Any:
+    """A CPU mesh over all ranks: ``fully_shard``'s default mesh is cuda where
+    a GPU exists, and these tests shard over gloo on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
 def run_distributed(
     world_size: int,
     fn: Callable[..., Any],
@@ -58,7 +83,7 @@ def run_distributed(
     pg_timeout_s: float = 60.0,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, run in parallel."""
-    ctx = mp.get_context("fork")
+    ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg")

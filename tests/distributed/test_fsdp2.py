@@ -15,7 +15,7 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 
-from harness import run_distributed
+from harness import cpu_mesh, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -60,10 +60,11 @@ def sharded(rank: int, world: int, fraction: float) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     net = make_net()
+    mesh = cpu_mesh(world)
     for layer in net:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(net)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     precond = KFACPreconditioner(
         net, optimizer=opt, accumulation_steps=ACCUMULATE, grad_worker_fraction=fraction, **KW
@@ -94,7 +95,7 @@ def double_step(rank: int, world: int) -> str:
     from torch.distributed.fsdp import fully_shard
 
     net = make_net()
-    fully_shard(net)
+    fully_shard(net, mesh=cpu_mesh(world))
     precond = KFACPreconditioner(net, **KW)
     x, y = data(world)[0]
     F.cross_entropy(net(x), y).backward()
@@ -132,8 +133,8 @@ def attention_run(rank: int, world: int, fraction: float) -> list[torch.Tensor]:
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model.attn)
-        fully_shard(model)
+        fully_shard(model.attn, mesh=cpu_mesh(world))
+        fully_shard(model, mesh=cpu_mesh(world))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precond = KFACPreconditioner(model, optimizer=opt, grad_worker_fraction=fraction, **KW)
     assert {"emb", "attn.q", "attn.v", "attn.out_proj", "head"} <= set(precond.layers)

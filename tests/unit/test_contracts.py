@@ -164,6 +164,7 @@ def test_engine_reads_writes_unwraps_and_marks(engine_name: str) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     assert engine.unwrap(nn.DataParallel(model)) is model
     assert engine.unwrap(torch.compile(nn.DataParallel(model), backend="eager")) is model
+    model.cpu()  # DataParallel moves the module to cuda:0 where a GPU exists
     adapter = LinearAdapter("0", model[0])
     assert engine.read(adapter) is None
     marks = GradientMarks()

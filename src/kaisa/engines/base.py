@@ -162,9 +162,11 @@ def gather_onto(local: Tensor, ranks: Sequence[int], group: Any) -> Tensor | Non
         gathered = [torch.empty_like(local) for _ in range(world)] if me == dst else None
         dist.gather(local, gathered, dst=dst, group=group)
         return torch.stack(gathered) if gathered is not None else None
-    everyone = local.new_empty(world * local.numel())
-    dist.all_gather_single(everyone, local, group=group)
-    return everyone.view(world, local.numel()) if me in ranks else None
+    # all_gather into rows of one buffer: every torch >= 2.4 backend has it
+    # (all_gather_single/_into_tensor are newer or backend-dependent)
+    everyone = local.new_empty(world, local.numel())
+    dist.all_gather(list(everyone.unbind(0)), local.reshape(-1), group=group)
+    return everyone if me in ranks else None
 
 
 Assemble = Callable[[list[nn.Parameter], tuple[int, ...]], "list[Tensor] | None"]

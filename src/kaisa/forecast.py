@@ -1,0 +1,307 @@
+"""Predict a KAISA run before it starts: memory, bytes and time per rank.
+
+Everything is read from the same declarations the preconditioner runs on —
+the layers' factor specs, the curvature method's held and sent tensors, the
+work plan's owners and worker blocks, the packing rule of the communicator —
+so the predicted bytes are the bytes :meth:`KFACPreconditioner.comm_stats`
+counts, kind by kind, and the predicted memory is what
+:meth:`KFACPreconditioner.memory_usage` reports between steps.  Time is a
+model on top (:class:`kaisa.costs.CostModel`): decompositions on their
+owners, products on the workers, collectives over a link.
+
+Nothing here communicates or allocates factor-sized tensors, so a plan for
+4096 ranks is computed on a laptop (per-rank sums are numpy vectors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kaisa.comm import packed_numel
+from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig
+from kaisa.costs import CostModel
+from kaisa.factors import FactorKind, FactorSpec
+from kaisa.layers.registry import register_layers
+from kaisa.methods import method_for
+from kaisa.methods.base import HeldTensor
+from kaisa.plan import LayerSpec, allowed_fractions, grad_workers_for, make_plan
+from kaisa.wiring import _dtypes
+
+__all__ = ["Forecast", "LayerCost", "choose_fraction", "forecast", "layer_costs"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What the forecast needs of one layer (sizes and dtypes, no tensors)."""
+
+    name: str
+    factors: tuple[FactorSpec, ...]
+    grad_shape: tuple[int, int]  #: the gradient matrix (rows = G side, cols = A side)
+    factor_itemsize: int
+    inv_itemsize: int
+    grad_itemsize: int
+    rows: int | None = None  #: data rows per factor step (Gram cost), if measured
+
+
+def layer_costs(
+    model: nn.Module, rows: Mapping[str, int] | None = None, **kfac: Any
+) -> list[LayerCost]:
+    """The layers ``KFACPreconditioner(model, **kfac)`` would register, as sizes."""
+    config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
+    adapters, _ = register_layers(model, config.skip_layers)
+    out = []
+    for adapter in adapters:
+        factor, inv = _dtypes(config, adapter.weight.dtype)
+        g, a = adapter.matrix_shape
+        out.append(
+            LayerCost(
+                name=adapter.name,
+                factors=adapter.factor_specs(),
+                grad_shape=(g, a),
+                factor_itemsize=factor.itemsize,
+                inv_itemsize=inv.itemsize,
+                grad_itemsize=adapter.weight.dtype.itemsize,
+                rows=None if rows is None else rows.get(adapter.name),
+            )
+        )
+    return out
+
+
+@dataclass
+class Forecast:
+    """One configuration at one world size; per-rank figures are numpy vectors.
+
+    ``bytes_*`` map a ``comm_stats()`` kind to bytes per rank on that kind of
+    step (a step that updates factors, one that also decomposes, and every
+    step); ``memory`` maps a ``memory_usage()`` key to bytes per rank.
+    """
+
+    world_size: int
+    fraction: float
+    grad_workers: int
+    config: dict[str, Any]
+    memory: dict[str, np.ndarray]
+    bytes_factor_step: dict[str, np.ndarray]
+    bytes_inverse_step: dict[str, np.ndarray]
+    bytes_every_step: dict[str, np.ndarray]
+    seconds: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def step_bytes(self, rank: int, factor_step: bool, inverse_step: bool) -> dict[str, int]:
+        """What ``comm_stats()['step']`` should show on ``rank`` after such a step."""
+        out: dict[str, int] = {}
+        tables = [self.bytes_every_step]
+        tables += [self.bytes_factor_step] if factor_step else []
+        tables += [self.bytes_inverse_step] if inverse_step else []
+        for table in tables:
+            for kind, per_rank in table.items():
+                if per_rank[rank]:
+                    out[kind] = out.get(kind, 0) + int(per_rank[rank])
+        return out
+
+    def average_bytes(self) -> np.ndarray:
+        """Bytes per step per rank, averaged over the update intervals."""
+        f, i = self.config["factor_update_steps"], self.config["inv_update_steps"]
+        return (
+            _total(self.bytes_every_step)
+            + _total(self.bytes_factor_step) / f
+            + _total(self.bytes_inverse_step) / i
+        )
+
+    def overhead(self) -> np.ndarray:
+        """Predicted seconds K-FAC adds to a step, per rank (amortised)."""
+        return _total(self.seconds)
+
+    def summary(self, budget: float | None = None) -> dict[str, Any]:
+        memory = self.memory["total"]
+        return {
+            "world_size": self.world_size,
+            "grad_worker_fraction": self.fraction,
+            "grad_workers": self.grad_workers,
+            "memory_max_bytes": int(memory.max()),
+            "memory_mean_bytes": float(memory.mean()),
+            "bytes_per_step": float(self.average_bytes().max()),
+            "bytes_factor_step": int(_total(self.bytes_factor_step).max()),
+            "bytes_inverse_step": int(_total(self.bytes_inverse_step).max()),
+            "bytes_every_step": int(_total(self.bytes_every_step).max()),
+            "overhead_s": float(self.overhead().max()),
+            "seconds": {k: float(v.max()) for k, v in self.seconds.items()},
+            "fits": budget is None or bool(memory.max() <= budget),
+        }
+
+
+def _total(table: Mapping[str, np.ndarray]) -> np.ndarray:
+    return sum(table.values(), np.zeros(1))
+
+
+def _bytes(tensors: Sequence[HeldTensor], itemsize: int, symmetry_aware: bool) -> int:
+    return itemsize * sum(
+        packed_numel(torch.Size(t.shape), symmetry_aware and t.symmetric) for t in tensors
+    )
+
+
+def _product_flop(layer: LayerCost, method: ComputeMethod) -> float:
+    """Multiplying the gradient matrix by each dense factor's basis or inverse:
+    twice per factor for eigen (into the eigenbasis and back), once for inverse."""
+    numel = layer.grad_shape[0] * layer.grad_shape[1]
+    per = sum(2.0 * numel * s.dim for s in layer.factors if s.kind is FactorKind.DENSE)
+    return per * (2 if method is ComputeMethod.EIGEN else 1)
+
+
+def forecast(
+    layers: Sequence[LayerCost],
+    world_size: int,
+    cost: CostModel | None = None,
+    *,
+    gradients_agree: bool = True,
+    **kfac: Any,
+) -> Forecast:
+    """Predict one configuration (``**kfac``: KFACPreconditioner keywords).
+
+    ``gradients_agree``: gradients are averaged by DDP or an engine (no
+    per-step presence vote); False for hand-averaged gradients.
+    """
+    config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
+    cost = cost or CostModel()
+    plan = make_plan(
+        [LayerSpec(la.name, la.factors) for la in layers],
+        world_size,
+        config.worker_fraction,
+        config.assignment_strategy,
+        config.colocate_factors,
+    )
+    method_kind = ComputeMethod(config.compute_method)
+    method = method_for(method_kind, config.compute_eigenvalue_outer_product)
+    w, sym = world_size, config.symmetry_aware
+    zeros = lambda: np.zeros(w)  # noqa: E731
+    memory = {k: zeros() for k in ("factors", "batch_statistics", "second_order")}
+    factor_step = {k: zeros() for k in ("factor_reduce", "factor_counts")}
+    inverse_step = {k: zeros() for k in ("second_order_broadcast", "allreduce")}
+    every_step = {k: zeros() for k in ("grad_broadcast", "agree")}
+    secs = {k: zeros() for k in ("capture", "factor_comm", "decompose", "inverse_comm")}
+    secs |= {k: zeros() for k in ("precondition", "grad_comm")}
+    exchange = 0
+    for layer in layers:
+        lp = plan.layer(layer.name)
+        first, m = lp.grad_workers[0], len(lp.grad_workers)
+        workers = slice(first, first + m)
+        for spec, owner in zip(layer.factors, lp.owners):
+            memory["factors"][owner] += spec.numel * layer.factor_itemsize
+            factor_step["factor_reduce"] += layer.factor_itemsize * packed_numel(
+                torch.Size(spec.shape), sym and spec.symmetric
+            )
+            if layer.rows is not None:
+                secs["capture"] += cost.compute(2.0 * layer.rows * spec.numel)
+        factor_step["factor_counts"] += 8 * len(layer.factors)
+        held = method.held(layer.factors, lp.colocated)
+        memory["second_order"][workers] += sum(t.numel for t in held) * layer.inv_itemsize
+        vector = method.exchange(layer.factors, [None] * len(layer.factors))
+        exchange += 0 if vector is None else vector.numel()
+        for transfer in method.transfers(layer.factors, lp.colocated):
+            owner = lp.owners[transfer.factors[0]]
+            for i in transfer.factors:
+                spec = layer.factors[i]
+                seconds = cost.decompose(spec.dim, method_kind.value, spec.kind is FactorKind.DENSE)
+                secs["decompose"][owner] += seconds
+            if m > 1:
+                sent = _bytes(transfer.tensors, layer.inv_itemsize, sym)
+                inverse_step["second_order_broadcast"][workers] += sent
+                secs["inverse_comm"][workers] += cost.collective(sent, m, 1)
+        secs["precondition"][workers] += cost.compute(_product_flop(layer, method_kind))
+        if plan.grad_workers < w:
+            g, a = layer.grad_shape
+            sent = (g * a + 1) * layer.grad_itemsize
+            every_step["grad_broadcast"] += sent
+            secs["grad_comm"] += cost.collective(sent, w // plan.grad_workers, 1)
+    if w == 1:
+        for table in (factor_step, inverse_step, every_step):
+            for v in table.values():
+                v[:] = 0
+    else:
+        if exchange and not plan.colocate_factors:
+            inverse_step["allreduce"] += 8 * exchange
+        if not gradients_agree:
+            every_step["agree"] += 4 * len(layers)
+        cap = max(config.allreduce_bucket_cap_mb * 2**20, 1.0)
+        reduce_bytes = float(factor_step["factor_reduce"][0])
+        calls = max(len(set(o for la in plan.layers for o in la.owners)), reduce_bytes / cap)
+        secs["factor_comm"] += cost.collective(int(reduce_bytes), w, int(np.ceil(calls)))
+        secs["factor_comm"] += cost.collective(int(factor_step["factor_counts"][0]), w, 1, True)
+        secs["inverse_comm"] += cost.collective(int(inverse_step["allreduce"][0]), w, 1, True)
+    memory["total"] = memory["factors"] + memory["batch_statistics"] + memory["second_order"]
+    f, i = _interval(config.factor_update_steps), _interval(config.inv_update_steps)
+    for key in ("capture", "factor_comm"):
+        secs[key] /= f
+    for key in ("decompose", "inverse_comm"):
+        secs[key] /= i
+    return Forecast(
+        world_size=w,
+        fraction=plan.grad_worker_fraction,
+        grad_workers=plan.grad_workers,
+        config={
+            "factor_update_steps": f,
+            "inv_update_steps": i,
+            "compute_method": method_kind.value,
+            "symmetry_aware": sym,
+            "colocate_factors": plan.colocate_factors,
+        },
+        memory=memory,
+        bytes_factor_step=factor_step,
+        bytes_inverse_step=inverse_step,
+        bytes_every_step=every_step,
+        seconds=secs,
+    )
+
+
+def _interval(value: int | Any) -> int:
+    """An update interval; a schedule (callable of the step) is read at step 0."""
+    return int(value(0)) if callable(value) else int(value)
+
+
+def fractions_for(world_size: int) -> list[float]:
+    """The fractions worth comparing: every allowed one up to 16 of them, else
+    the powers of two between MEM-OPT (1/W) and COMM-OPT (1)."""
+    allowed = allowed_fractions(world_size)
+    if len(allowed) <= 16:
+        return allowed
+    keep = {1.0 / world_size, 1.0}
+    m = 2
+    while m < world_size:
+        keep.add(m / world_size)
+        m *= 2
+    return sorted(f for f in allowed if f in keep)
+
+
+def choose_fraction(
+    layers: Sequence[LayerCost],
+    world_size: int,
+    cost: CostModel | None = None,
+    memory_budget: float | None = None,
+    **kfac: Any,
+) -> tuple[float, list[Forecast]]:
+    """The fraction with the least predicted overhead whose K-FAC memory fits
+    ``memory_budget`` bytes per rank (MEM-OPT when none fits); ties go to the
+    one using less memory.  Deterministic, so every rank picks the same."""
+    kfac.pop("grad_worker_fraction", None)
+    options = [
+        forecast(layers, world_size, cost, grad_worker_fraction=f, **kfac)
+        for f in fractions_for(world_size)
+    ]
+    fitting = [
+        fc for fc in options if memory_budget is None or fc.memory["total"].max() <= memory_budget
+    ]
+    if not fitting:
+        return options[0].fraction, options
+    best = min(fitting, key=lambda fc: (round(fc.overhead().max(), 9), fc.memory["total"].max()))
+    return best.fraction, options
+
+
+def check_world(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    grad_workers_for(DistributedStrategy.COMM_OPT, world_size)

@@ -1,0 +1,187 @@
+"""CUDA: the same numbers as the CPU float64 run, torch.amp on the GPU, NCCL.
+
+These run only where a CUDA device exists (the lent GPU machine; CI has
+none, and says so in the skip reason).  TF32 is switched off so float32 on
+the GPU is compared with float64 on the CPU at float32 accuracy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+
+from kfac_reference import rel_err
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine"
+)
+
+
+@pytest.fixture(autouse=True)
+def no_tf32() -> Any:
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class Net(nn.Module):
+    """Every layer type kaisa preconditions: conv, embedding, attention, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.emb = nn.Embedding(10, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(4 * 16 + 8, 5)
+
+    def forward(self, img: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(img)).flatten(1)
+        e = self.emb(tok)
+        a, _ = self.attn(e, e, e, need_weights=False)
+        return self.fc(torch.cat([h, a.mean(1)], 1))
+
+
+def data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randn(12, 1, 4, 4, generator=g)
+    tok = torch.randint(0, 10, (12, 5), generator=g)
+    return img, tok, torch.randint(0, 5, (12,), generator=g)
+
+
+def train(
+    device: str, dtype: torch.dtype, steps: int = 4, **kw: Any
+) -> tuple[list[torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = Net().to(device=device, dtype=dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, damping=0.01, kl_clip=0.05, inv_update_steps=2, **kw
+    )
+    grads: list[torch.Tensor] = []
+    for s in range(steps):
+        img, tok, y = (t.to(device) for t in data(s))
+        opt.zero_grad()
+        F.cross_entropy(model(img.to(dtype), tok), y).backward()
+        precond.step()
+        grads += [p.grad.detach().double().cpu() for p in model.parameters()]
+        opt.step()
+    return grads, precond.state_dict()
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_float32_on_cuda_equals_float64_on_cpu(method: str) -> None:
+    ref, _ = train("cpu", torch.float64, compute_method=method)
+    got, state = train("cuda", torch.float32, compute_method=method)
+    assert len(state["layers"]) == 7  # conv, emb, q, k, v, out_proj, fc
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-4
+
+
+def test_factors_and_inverses_stay_on_the_device() -> None:
+    torch.manual_seed(0)
+    model = Net().cuda()
+    precond = KFACPreconditioner(model, inv_update_steps=1)
+    img, tok, y = (t.cuda() for t in data(0))
+    F.cross_entropy(model(img, tok), y).backward()
+    precond.step()
+    state = precond.state_dict(include_second_order=True)
+    tensors = [t for entry in state["layers"].values() for t in entry.values()]
+    assert tensors and all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
+
+
+def test_bf16_autocast_on_cuda_is_close_to_float32() -> None:
+    """bf16 moves the whole preconditioned gradient by ~1% (measured on CPU
+    autocast), while K-FAC itself moves it by more than 100%: the check has
+    room on both sides."""
+
+    def run(autocast: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = Net().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = KFACPreconditioner(model, optimizer=opt, damping=0.01, inv_update_steps=2)
+        out = []
+        for s in range(3):
+            img, tok, y = (t.cuda() for t in data(s))
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(model(img, tok), y)
+            loss.backward()
+            raw = torch.cat([p.grad.detach().double().flatten().cpu() for p in model.parameters()])
+            precond.step()
+            got = torch.cat([p.grad.detach().double().flatten().cpu() for p in model.parameters()])
+            out.append((raw, got))
+            opt.step()
+        return out
+
+    for (_, bf16), (raw, fp32) in zip(run(True), run(False)):
+        assert rel_err(bf16, fp32) < 0.05
+        assert rel_err(bf16, fp32) < 0.05 * rel_err(fp32, raw)
+
+
+def test_fp16_grad_scaler_on_cuda_skips_the_overflow_step() -> None:
+    def run(poison: bool) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = Net().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+        precond = KFACPreconditioner(model, optimizer=opt, grad_scaler=scaler, damping=0.01)
+        for s in [0, 1, 99, 2] if poison else [0, 1, 2]:
+            img, tok, y = (t.cuda() for t in data(s))
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(model(img, tok), y)
+            if s == 99:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            precond.step()
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach().cpu() for p in model.parameters()], precond.state_dict()
+
+    clean, clean_state = run(False)
+    got, state = run(True)
+    assert state["steps"] == clean_state["steps"]
+    for a, b in zip(got, clean):
+        assert torch.equal(a, b)
+
+
+def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
+    if not dist.is_nccl_available():
+        pytest.skip("this torch build has no NCCL")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        ref, _ = train("cuda", torch.float32)
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(Net().cuda())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = KFACPreconditioner(
+            model, optimizer=opt, damping=0.01, kl_clip=0.05, inv_update_steps=2
+        )
+        got = []
+        for s in range(4):
+            img, tok, y = (t.cuda() for t in data(s))
+            opt.zero_grad()
+            F.cross_entropy(model(img, tok), y).backward()
+            precond.step()
+            got += [p.grad.detach().double().cpu() for p in model.parameters()]
+            opt.step()
+        for a, b in zip(got, ref):
+            assert rel_err(a, b) < 1e-5
+    finally:
+        dist.destroy_process_group()
