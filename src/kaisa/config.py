@@ -17,7 +17,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -62,6 +62,9 @@ class DistributedStrategy(enum.Enum):
     COMM_OPT = "comm-opt"  #: f = 1
     HYBRID_OPT = "hybrid-opt"  #: f = 1/2
     MEM_OPT = "mem-opt"  #: f = 1/world_size
+    #: chosen at start-up by the planner (:func:`kaisa.forecast.choose_fraction`):
+    #: the least predicted overhead within ``memory_budget_mb``
+    AUTO = "auto"
 
 
 class KFACApprox(str, enum.Enum):
@@ -213,6 +216,7 @@ class KFACConfig:
     inv_dtype: torch.dtype | str | None = None
     skip_layers: Sequence[str] = field(default_factory=tuple)
     update_factors_in_hook: bool = True
+    memory_budget_mb: float | None = None
     loss_average: LossAverage | str = LossAverage.BATCH
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND
 
@@ -226,6 +230,8 @@ class KFACConfig:
                 _check_number(name, value, **_RANGES[name])
         _check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
         _check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
+        if self.memory_budget_mb is not None:
+            _check_number("memory_budget_mb", self.memory_budget_mb, low=0.0, low_open=True)
         for flag in (
             "compute_eigenvalue_outer_product",
             "symmetry_aware",
@@ -296,3 +302,14 @@ class KFACConfig:
                 value = list(value)
             out[f.name] = value
         return out
+
+
+def layer_dtypes(config: KFACConfig, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(factor dtype, second-order dtype) of a layer whose weight has ``weight_dtype``:
+    at least float32, unless ``factor_dtype``/``inv_dtype`` say otherwise."""
+    # normalised to torch.dtype | None by KFACConfig.__post_init__
+    factor = cast("torch.dtype | None", config.factor_dtype) or torch.promote_types(
+        weight_dtype, torch.float32
+    )
+    inv = cast("torch.dtype | None", config.inv_dtype) or torch.promote_types(factor, torch.float32)
+    return factor, inv

@@ -32,6 +32,8 @@ class CostModel:
         eigh_fixed: seconds every eigendecomposition costs whatever its size.
         inverse_n3, inverse_fixed: the same for a damped Cholesky inverse.
         flops: dense matrix-product rate (FLOP/s) for Grams and preconditioning.
+        memory_bandwidth: bytes/s of a large device-memory copy: building a
+            factor's rows (a conv's unfolded patches) is bound by it.
         bandwidth: bytes per second a rank moves over the data-parallel link.
         latency: seconds per collective hop.
         device: where the kernel figures were measured (or "given").
@@ -42,6 +44,7 @@ class CostModel:
     inverse_n3: float = 5e-11
     inverse_fixed: float = 5e-5
     flops: float = 1e11
+    memory_bandwidth: float = 1e10
     bandwidth: float = 1e9
     latency: float = 5e-5
     device: str = "given"
@@ -50,8 +53,9 @@ class CostModel:
         for name, value in asdict(self).items():
             if name != "device" and not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"cost model field {name} must be a number >= 0; got {value!r}")
-        if self.flops <= 0 or self.bandwidth <= 0:
-            raise ValueError("cost model fields flops and bandwidth must be > 0")
+        for name in ("flops", "bandwidth", "memory_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cost model field {name} must be > 0")
 
     def decompose(self, n: int, method: str, dense: bool = True) -> float:
         """Seconds to decompose one factor of size ``n``; a diagonal is elementwise."""
@@ -63,6 +67,10 @@ class CostModel:
 
     def compute(self, flop: float) -> float:
         return flop / self.flops
+
+    def traffic(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` through device memory."""
+        return nbytes / self.memory_bandwidth
 
     def collective(self, nbytes: int, ranks: int, calls: int, allreduce: bool = False) -> float:
         """Tree/ring estimate: ``calls·latency·⌈log2 p⌉ + (2 if all-reduce)·bytes/bandwidth``."""
@@ -143,6 +151,8 @@ def measure_costs(
     n = max(sizes)
     a = torch.randn(n, n, generator=gen).to(device, dtype)
     product = _best_of(lambda: a @ a, sync, repeats)
+    big = torch.empty(2**24, dtype=torch.float32, device=device)  # 64 MiB
+    copy = _best_of(lambda: big.clone(), sync, repeats)
     eigh_n3, eigh_fixed = _fit_cubic(list(sizes), eigh)
     inverse_n3, inverse_fixed = _fit_cubic(list(sizes), inverse)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -153,6 +163,7 @@ def measure_costs(
         inverse_n3=inverse_n3,
         inverse_fixed=inverse_fixed,
         flops=2 * n**3 / product,
+        memory_bandwidth=2 * big.numel() * big.element_size() / copy,
         bandwidth=bandwidth if bandwidth is not None else defaults.bandwidth,
         latency=latency if latency is not None else defaults.latency,
         device=f"{name} ({torch.get_num_threads()} threads)" if device.type == "cpu" else name,

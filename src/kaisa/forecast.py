@@ -24,16 +24,23 @@ import torch
 from torch import nn
 
 from kaisa.comm import packed_numel
-from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig
+from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig, layer_dtypes
 from kaisa.costs import CostModel
-from kaisa.factors import FactorKind, FactorSpec
+from kaisa.factors import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.registry import register_layers
 from kaisa.methods import method_for
 from kaisa.methods.base import HeldTensor
 from kaisa.plan import LayerSpec, allowed_fractions, grad_workers_for, make_plan
-from kaisa.wiring import _dtypes
 
-__all__ = ["Forecast", "LayerCost", "choose_fraction", "forecast", "layer_costs"]
+__all__ = [
+    "Forecast",
+    "LayerCost",
+    "choose_fraction",
+    "forecast",
+    "fractions_for",
+    "layer_costs",
+    "probe_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,34 @@ class LayerCost:
     rows: int | None = None  #: data rows per factor step (Gram cost), if measured
 
 
+def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
+    """Rows each layer's input factor counts in one forward/backward of
+    ``model(*example)`` (times ``scale``, e.g. batch size / example batch)."""
+    from kaisa.preconditioner import KFACPreconditioner
+
+    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    try:
+        out = model(*example)
+        first = out if isinstance(out, torch.Tensor) else next(iter(_tensors(out)))
+        first.float().sum().backward()
+        rows = {}
+        for name, layer in precond.layers.items():
+            i = next((k for k, s in enumerate(layer.factors) if s.source is FactorSource.INPUT), 0)
+            rows[name] = round(layer.batch.counts[i] * scale)
+    finally:
+        precond.remove_hooks()
+        model.zero_grad(set_to_none=True)
+    return rows
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    values = out.values() if isinstance(out, Mapping) else out
+    found = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not found:
+        raise ValueError("the model's output holds no floating-point tensor to backpropagate")
+    return found
+
+
 def layer_costs(
     model: nn.Module, rows: Mapping[str, int] | None = None, **kfac: Any
 ) -> list[LayerCost]:
@@ -57,7 +92,7 @@ def layer_costs(
     adapters, _ = register_layers(model, config.skip_layers)
     out = []
     for adapter in adapters:
-        factor, inv = _dtypes(config, adapter.weight.dtype)
+        factor, inv = layer_dtypes(config, adapter.weight.dtype)
         g, a = adapter.matrix_shape
         out.append(
             LayerCost(
@@ -196,7 +231,11 @@ def forecast(
                 torch.Size(spec.shape), sym and spec.symmetric
             )
             if layer.rows is not None:
-                secs["capture"] += cost.compute(2.0 * layer.rows * spec.numel)
+                # the rows are written and read once (memory-bound), then their
+                # Gram is a product (a diagonal factor only counts)
+                dense = spec.kind is FactorKind.DENSE
+                secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4)
+                secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
         factor_step["factor_counts"] += 8 * len(layer.factors)
         held = method.held(layer.factors, lp.colocated)
         memory["second_order"][workers] += sum(t.numel for t in held) * layer.inv_itemsize
@@ -305,3 +344,24 @@ def check_world(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
     grad_workers_for(DistributedStrategy.COMM_OPT, world_size)
+
+
+def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) -> float:
+    """``grad_worker_fraction='auto'``: :func:`choose_fraction` on the registered
+    layers with the default cost model and ``config.memory_budget_mb``.  Every
+    input is the same on every rank, so every rank picks the same fraction."""
+    costs = [
+        LayerCost(
+            name=la.name,
+            factors=la.factors,
+            grad_shape=tuple(la.adapter.matrix_shape),
+            factor_itemsize=la.factor_dtype.itemsize,
+            inv_itemsize=la.inv_dtype.itemsize,
+            grad_itemsize=la.adapter.weight.dtype.itemsize,
+        )
+        for la in layers
+    ]
+    kfac = {name: getattr(config, name) for name in KFACConfig.field_names()}
+    budget = config.memory_budget_mb * 2**20 if config.memory_budget_mb is not None else None
+    chosen, _ = choose_fraction(costs, world_size, None, budget, **kfac)
+    return chosen

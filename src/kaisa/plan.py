@@ -123,6 +123,11 @@ def grad_workers_for(fraction: float | DistributedStrategy, world_size: int) -> 
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if fraction is DistributedStrategy.AUTO:
+        raise ValueError(
+            "grad_worker_fraction='auto' is resolved by the preconditioner at start-up "
+            "(kaisa.forecast.choose_fraction), not by the plan"
+        )
     if isinstance(fraction, DistributedStrategy):
         fraction = {
             DistributedStrategy.COMM_OPT: 1.0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,8 +21,16 @@ from kaisa.apply import GradientApplication
 from kaisa.capture import Capture
 from kaisa.checkpoint import Checkpointer
 from kaisa.comm import Communicator, group_ranks
-from kaisa.config import ComputeMethod, KFACApprox, KFACConfig, LossAverage
+from kaisa.config import (
+    ComputeMethod,
+    DistributedStrategy,
+    KFACApprox,
+    KFACConfig,
+    LossAverage,
+    layer_dtypes,
+)
 from kaisa.engines import Engine
+from kaisa.forecast import auto_fraction
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule, register_layers
 from kaisa.methods import CurvatureMethod, method_for
@@ -100,15 +108,6 @@ def check_runtime_arguments(
         )
 
 
-def _dtypes(config: KFACConfig, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    # normalised to torch.dtype | None by KFACConfig.__post_init__
-    factor = cast("torch.dtype | None", config.factor_dtype) or torch.promote_types(
-        weight_dtype, torch.float32
-    )
-    inv = cast("torch.dtype | None", config.inv_dtype) or torch.promote_types(factor, torch.float32)
-    return factor, inv
-
-
 def build(
     model: nn.Module,
     config: KFACConfig,
@@ -132,12 +131,16 @@ def build(
         )
     for adapter in adapters:
         adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
-    layers = {a.name: KFACLayer(a, *_dtypes(config, a.weight.dtype)) for a in adapters}
+    layers = {a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype)) for a in adapters}
     ordered = list(layers.values())
+    world = len(group_ranks(topology.dp if topology is not None else None))
+    fraction = config.worker_fraction
+    if fraction is DistributedStrategy.AUTO:
+        fraction = auto_fraction(ordered, world, config)
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in ordered],
-        len(group_ranks(topology.dp if topology is not None else None)),
-        config.worker_fraction,
+        world,
+        fraction,
         config.assignment_strategy,
         config.colocate_factors,
     )

@@ -24,11 +24,13 @@ import torch
 from kaisa import __version__
 from kaisa.cli import distributed
 from kaisa.cli.options import add_kfac_arguments
+from kaisa.cli.plan import add_plan_parser, run_plan
 from kaisa.cli.plot import plot_runs
 from kaisa.cli.progress import Progress
 from kaisa.cli.results import format_table, run_to_dict, write_results
 from kaisa.cli.spec import build_specs
 from kaisa.cli.train import RunResult, train_run, warm_up
+from kaisa.config import DistributedStrategy
 from kaisa.plan import grad_workers_for
 from kaisa.tasks.base import OPTIMIZERS
 from kaisa.tasks.registry import TASKS, get_task
@@ -134,7 +136,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Train built-in tasks with and without the KAISA K-FAC preconditioner.",
     )
     parser.add_argument("--version", action="version", version=f"kaisa {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{train,compare}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{train,compare,plan}", required=True)
     train = commands.add_parser(
         "train",
         help="train one configuration",
@@ -157,7 +159,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     for sub in (train, compare):
         _add_common_arguments(sub)
-    return parser, {"train": train, "compare": compare}
+    plan = add_plan_parser(commands)
+    return parser, {"train": train, "compare": compare, "plan": plan}
 
 
 def _default_out(task: str) -> Path:
@@ -190,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     command = commands[args.command]
+    if args.command == "plan":
+        return run_plan(args, command.error)
     task = get_task(args.task)
     try:
         specs = build_specs(args, task, [args.kfac] if args.command == "train" else [False, True])
@@ -206,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except distributed.DeviceError as err:
         command.error(f"argument --device: {err}")
     for spec in specs:
-        if not spec.kfac:
+        if not spec.kfac or spec.kfac_config().worker_fraction is DistributedStrategy.AUTO:
             continue
         try:  # fractions are only valid or not for a given world size
             grad_workers_for(spec.kfac_config().worker_fraction, ctx.world_size)

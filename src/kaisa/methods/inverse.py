@@ -24,7 +24,8 @@ __all__ = ["InverseMethod"]
 
 
 def _inverse(spec: FactorSpec) -> HeldTensor:
-    return HeldTensor(f"{spec.name.lower()}_inv", spec.shape, symmetric=True)
+    # a diagonal factor's inverse is a vector: nothing to fold into a triangle
+    return HeldTensor(f"{spec.name.lower()}_inv", spec.shape, spec.symmetric)
 
 
 def _trace(spec: FactorSpec, factor: Tensor) -> Tensor:

@@ -1,0 +1,136 @@
+"""The planner in one process: cost model, fractions, choice, rows, CLI.
+
+Its bytes and memory are checked against real runs at W=1, 2, 4 in
+tests/distributed/test_forecast.py; here the parts that need no ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kaisa import KFACPreconditioner
+from kaisa.cli.main import main
+from kaisa.config import ComputeMethod
+from kaisa.costs import CostModel, measure_costs
+from kaisa.factors import FactorKind
+from kaisa.forecast import choose_fraction, forecast, fractions_for, layer_costs, probe_rows
+from kaisa.methods import method_for
+
+
+def mlp(width: int = 16, depth: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def test_cost_model_rejects_bad_fields_and_round_trips(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="bandwidth"):
+        CostModel(bandwidth=0)
+    with pytest.raises(ValueError, match="eigh_n3"):
+        CostModel(eigh_n3=-1.0)
+    cost = CostModel(flops=3e12, device="x")
+    cost.save(tmp_path / "c.json")
+    assert CostModel.load(tmp_path / "c.json") == cost
+    (tmp_path / "bad.json").write_text(json.dumps({"flops": 1.0, "speed": 2}))
+    with pytest.raises(ValueError, match="speed"):
+        CostModel.load(tmp_path / "bad.json")
+    assert cost.collective(10**6, 1, 1) == 0.0  # nothing to send to oneself
+    assert cost.collective(10**6, 8, 1, True) > cost.collective(10**6, 8, 1)
+
+
+def test_measured_costs_grow_with_n_cubed() -> None:
+    cost = measure_costs("cpu", sizes=(64, 128, 256), repeats=2)
+    assert cost.flops > 1e8 and cost.eigh_n3 > 0 and cost.inverse_n3 > 0
+    assert cost.decompose(512, "eigen") > cost.decompose(128, "eigen")
+    assert cost.decompose(512, "eigen", dense=False) < cost.decompose(512, "eigen")
+
+
+def test_fractions_for_small_and_huge_worlds() -> None:
+    assert fractions_for(12) == [m / 12 for m in (1, 2, 3, 4, 6, 12)]
+    big = fractions_for(4096)
+    assert big[0] == 1 / 4096 and big[-1] == 1.0 and len(big) == 13  # 2^0 .. 2^12 workers
+
+
+def test_choice_fits_the_budget_and_falls_back_to_mem_opt() -> None:
+    layers = layer_costs(mlp())
+    free, options = choose_fraction(layers, 8, factor_update_steps=1, inv_update_steps=10)
+    fastest = min(options, key=lambda fc: fc.overhead().max())
+    assert free == fastest.fraction
+    memories = sorted({int(fc.memory["total"].max()) for fc in options})
+    tight = memories[0] + 1
+    chosen, _ = choose_fraction(layers, 8, None, tight, factor_update_steps=1)
+    assert next(fc for fc in options if fc.fraction == chosen).memory["total"].max() <= tight
+    impossible, _ = choose_fraction(layers, 8, None, 1.0)
+    assert impossible == 1 / 8
+
+
+def test_forecast_at_4096_ranks_is_quick_and_consistent() -> None:
+    layers = layer_costs(mlp(32, 20))
+    fc = forecast(layers, 4096, grad_worker_fraction=1 / 64)
+    assert fc.grad_workers == 64
+    # every factor is owned once: the ranks' factor memory adds up to the model's
+    per_layer = (33 * 33 + 32 * 32) * 4
+    assert fc.memory["factors"].sum() == 20 * per_layer
+    # MEM-OPT sends each preconditioned gradient every step; COMM-OPT never
+    assert fc.bytes_every_step["grad_broadcast"].min() > 0
+    comm_opt = forecast(layers, 4096, grad_worker_fraction=1.0)
+    assert comm_opt.bytes_every_step["grad_broadcast"].max() == 0
+
+
+def test_probe_counts_the_rows_of_a_conv_and_a_sequence() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.Flatten(), nn.Linear(4 * 3 * 3, 2))
+    rows = probe_rows(model, (torch.randn(2, 3, 7, 7),), scale=5)
+    assert rows == {"0": 2 * 3 * 3 * 5, "2": 2 * 5}
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no trace
+
+
+def test_auto_fraction_and_budget_option() -> None:
+    precond = KFACPreconditioner(mlp(), grad_worker_fraction="auto", memory_budget_mb=64)
+    assert precond.plan.grad_worker_fraction == 1.0
+    with pytest.raises(ValueError, match="memory_budget_mb"):
+        KFACPreconditioner(mlp(), memory_budget_mb=0)
+
+
+def test_diagonal_inverse_is_not_sent_as_a_triangle() -> None:
+    """Regression: symmetry_aware packing of a diagonal factor's inverse
+    (an Embedding's A) indexed a vector as a matrix."""
+    emb = nn.Embedding(7, 3)
+    specs = layer_costs(nn.Sequential(emb))[0].factors
+    assert {s.kind for s in specs} == {FactorKind.DIAGONAL, FactorKind.DENSE}
+    for method in ComputeMethod:
+        for t in method_for(method, True).held(specs, colocated=True):
+            assert not t.symmetric or len(t.shape) == 2
+
+
+def test_plan_cli_prints_every_fraction_and_a_recommendation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "plan_models.py"
+    module.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def small():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), (torch.randn(1, 8),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    args = ["plan", "--model", "plan_models:small", "--world-size", "2", "8", "--out", str(out)]
+    assert main([*args, "--memory-budget-mib", "1", "--kfac-inv-update-steps", "10"]) == 0
+    printed = capsys.readouterr().out
+    assert "recommended" in printed and "inv_update_steps': 10" in printed
+    report = json.loads((out / "plan.json").read_text())
+    assert {p["world_size"] for p in report["plans"]} == {2, 8}
+    for world in (2, 8):
+        assert sum(p["recommended"] for p in report["plans"] if p["world_size"] == world) == 1
+    assert (out / "plan.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "no_colon", "--out", str(out)])
+    assert "MODULE:CALLABLE" in capsys.readouterr().err
+    sys.modules.pop("plan_models", None)
