@@ -1,7 +1,7 @@
 """The planner in one process: cost model, fractions, choice, rows, CLI.
 
 Its bytes and memory are checked against real runs at W=1, 2, 4 in
-tests/distributed/test_forecast.py; here the parts that need no ranks.
+tests/distributed/test_forecast_matches_runs.py; here the parts that need no ranks.
 """
 
 from __future__ import annotations
