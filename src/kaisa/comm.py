@@ -151,9 +151,10 @@ class Communicator:
 
     Args:
         topology: the data-parallel group and the model-parallel groups.
-        groups: every rank set (positions in the data-parallel group) the
-            plan will use as a broadcast group; a process group is created
-            for each (in sorted order, on every rank of the group).
+        grad_workers: m, the gradient workers per layer of the plan (0: all
+            ranks): the worker groups are blocks of m consecutive positions,
+            the receiver groups the positions equal modulo m.
+        device_type: the device of the tensors sent (for the DeviceMesh).
         bucket_cap_mb: bucket size; 0 sends each tensor on its own.
         symmetry_aware: send only the upper triangle of symmetric matrices.
         timeout_s: timeout of the groups created here (None: the default's).
@@ -162,8 +163,9 @@ class Communicator:
     def __init__(
         self,
         topology: Topology | None = None,
-        groups: Sequence[Sequence[int]] = (),
+        grad_workers: int = 0,
         *,
+        device_type: str = "cpu",
         bucket_cap_mb: float = 25.0,
         symmetry_aware: bool = False,
         timeout_s: float | None = None,
@@ -181,34 +183,97 @@ class Communicator:
         self.symmetry_aware = symmetry_aware
         self.timeout_s = timeout_s
         self.stats = CommStats()
+        #: kaisa's ``("kfac_receivers", "kfac_workers")`` DeviceMesh (None
+        #: where it has no group to give: one process, or f = 1 or 1/W on
+        #: the whole world, or a bare data-parallel subgroup without a mesh)
+        self.mesh: Any = None
         self._groups: dict[tuple[int, ...], Any] = {}
         self._pending: dict[tuple[Any, ...], _Bucket] = {}
         self._launched: list[_Launched] = []
         if self.world_size > 1:
-            kwargs: dict[str, Any] = {}
             timeout = (
                 datetime.timedelta(seconds=timeout_s)
                 if timeout_s is not None
                 else _default_group_timeout()
             )
             if timeout is not None:
-                kwargs["timeout"] = timeout
                 self.timeout_s = timeout.total_seconds()
-            if self.world_size < dist.get_world_size():
-                # only this group's members create its subgroups
-                kwargs["use_local_synchronization"] = True
-            everyone = tuple(range(self.world_size))
-            wanted = sorted({tuple(sorted(g)) for g in groups if len(g) > 1} | {everyone})
-            for ranks in wanted:  # same order on every rank, as new_group requires
-                self._groups[ranks] = dist.new_group(
-                    [self.global_ranks[r] for r in ranks], **kwargs
+            self._make_groups(grad_workers or self.world_size, timeout, device_type)
+
+    def _make_groups(self, m: int, timeout: datetime.timedelta | None, device_type: str) -> None:
+        """A private copy of the data-parallel group (K-FAC traffic never
+        interleaves with DDP's buckets), and this rank's worker group (its
+        block of m consecutive positions) and receiver group (the positions
+        ≡ rank mod m): the two dimensions of a ``(W/m, m)`` mesh unflattened
+        from the data-parallel one, created by torch's DeviceMesh (one
+        ``split_group`` per dimension on NCCL) rather than one ``new_group``
+        per group of the plan."""
+        w = self.world_size
+        if w % m:
+            raise ValueError(f"{m} gradient workers do not divide the world size {w}")
+        subgroup = w < dist.get_world_size()
+        everyone = tuple(range(w))
+        self._groups[everyone] = dist.new_group(
+            list(self.global_ranks),
+            timeout=timeout,
+            use_local_synchronization=subgroup,  # only this group's members call it
+        )
+        workers = tuple(range(self.rank - self.rank % m, self.rank - self.rank % m + m))
+        receivers = tuple(range(self.rank % m, w, m))
+        dp_mesh = self.topology.dp_mesh
+        if dp_mesh is None and not subgroup:
+            if 1 < m < w:  # f = 1 and 1/W need no group beside `everyone`
+                dp_mesh = _mesh_of(device_type, self.global_ranks)
+        elif dp_mesh is not None and subgroup:
+            # the unflatten creates the groups of every data-parallel group of
+            # the job's mesh at once: every rank must ask for the same shape
+            self._check_same_workers(m, device_type)
+        if dp_mesh is not None:
+            self.mesh = dp_mesh._unflatten(
+                0,
+                (w // m, m),
+                ("kfac_receivers", "kfac_workers"),
+                backend_override=_timeouts(dp_mesh.get_group(), timeout),
+            )
+            found = {
+                workers: self.mesh.get_group("kfac_workers"),
+                receivers: self.mesh.get_group("kfac_receivers"),
+            }
+        elif subgroup:  # a bare subgroup: members create their own two groups
+            found = {
+                ranks: dist.new_group(
+                    [self.global_ranks[r] for r in ranks],
+                    timeout=timeout,
+                    use_local_synchronization=True,
                 )
+                for ranks in (workers, receivers)
+                if 1 < len(ranks) < w
+            }
+        else:
+            found = {}
+        for ranks, group in found.items():
+            if 1 < len(ranks) < w:  # a singleton needs none; the whole group is `everyone`
+                self._groups[ranks] = group
+
+    def _check_same_workers(self, m: int, device_type: str) -> None:
+        """Refuse, rather than hang, when ranks of one job mesh ask for different
+        numbers of gradient workers (their DeviceMesh calls would not match)."""
+        t = torch.tensor([m, -m], dtype=torch.int64, device=torch.device(device_type))
+        self._run("agree", dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(
+                "grad_worker_fraction must give the same number of gradient workers on every "
+                f"rank of the DeviceMesh: this rank has {m}, others between {-int(t[1])} and "
+                f"{int(t[0])} (kaisa's worker and receiver groups are dimensions of one mesh)"
+            )
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
     def group(self, ranks: Sequence[int]) -> Any:
+        """The process group of this rank's data-parallel group, worker group or
+        receiver group (positions in the data-parallel group)."""
         key = tuple(sorted(ranks))
         if key not in self._groups:
             raise KeyError(f"no process group was created for ranks {list(key)}")
@@ -401,3 +466,28 @@ def _default_group_timeout() -> datetime.timedelta | None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return None
+
+
+def _mesh_of(device_type: str, ranks: Sequence[int]) -> Any:
+    """A one-dimensional DeviceMesh over the whole world (in ``ranks``' order);
+    its own dimension reuses the default group, so it creates none."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, torch.tensor(list(ranks)), mesh_dim_names=("kfac_dp",))
+
+
+def _timeouts(group: Any, timeout: datetime.timedelta | None) -> dict[str, Any] | None:
+    """``backend_override`` giving the mesh's new groups kaisa's timeout (a
+    DeviceMesh otherwise creates them with torch's 30-minute default)."""
+    if timeout is None:
+        return None
+    backend = dist.get_backend(group)
+    options: Any
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:  # a mixed or custom backend: torch's own default
+        return None
+    options._timeout = timeout
+    return {"kfac_receivers": options, "kfac_workers": options}

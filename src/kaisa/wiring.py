@@ -146,7 +146,8 @@ def build(
     )
     comm = Communicator(
         topology,
-        list(plan.worker_groups) + list(plan.receiver_groups),
+        plan.grad_workers,
+        device_type=ordered[0].adapter.device.type,
         bucket_cap_mb=config.allreduce_bucket_cap_mb,
         symmetry_aware=config.symmetry_aware,
         timeout_s=pg_timeout_s,
