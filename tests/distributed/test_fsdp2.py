@@ -2,7 +2,8 @@
 gradient workers, each rank writes back only its rows, and with gradient
 accumulation every fraction at W=2 and W=4 equals the unsharded single
 process (float64, ≤ 1e-10).  Shards are uneven (torch.chunk), down to ranks
-that hold no row of a layer."""
+that hold no row of a layer.  HSDP (2 replicas × 2 shards) too: a worker
+gathers its layer's rows from its own replica's shard group."""
 
 from __future__ import annotations
 
@@ -87,6 +88,51 @@ def sharded(rank: int, world: int, fraction: float) -> dict[str, Any]:
 def test_fsdp2_equals_unsharded_single_process(world: int, fraction: float) -> None:
     want = single(world)
     for res in run_distributed(world, sharded, fraction):
+        for a, b in zip(res["params"], want):
+            assert float((a - b).norm() / b.norm()) <= 1e-10
+
+
+def hybrid_sharded(rank: int, world: int, fraction: float, from_mesh: bool) -> dict[str, Any]:
+    """HSDP: 2 replicas × 2 shards; every rank sees its own rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from kaisa import Topology
+
+    net = make_net()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    topology = Topology.from_mesh(mesh, dp=("replicate", "shard")) if from_mesh else None
+    precond = KFACPreconditioner(
+        net,
+        optimizer=opt,
+        accumulation_steps=ACCUMULATE,
+        grad_worker_fraction=fraction,
+        topology=topology,
+        **KW,
+    )
+    batches = data(world)
+    mine = slice(rank * B, (rank + 1) * B)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for i, (x, y) in enumerate(batches[step * ACCUMULATE : (step + 1) * ACCUMULATE]):
+            net.set_requires_gradient_sync(i == ACCUMULATE - 1)
+            (F.cross_entropy(net(x[mine]), y[mine]) / ACCUMULATE).backward()
+        precond.step()
+        opt.step()
+    return {"params": [p.full_tensor().detach() for p in net.parameters()]}
+
+
+@pytest.mark.parametrize(
+    "fraction,from_mesh", [(1.0, False), (0.5, True), (0.25, False), (0.25, True)]
+)
+def test_hsdp_equals_unsharded_single_process(fraction: float, from_mesh: bool) -> None:
+    want = single(4)
+    for res in run_distributed(4, hybrid_sharded, fraction, from_mesh):
         for a, b in zip(res["params"], want):
             assert float((a - b).norm() / b.norm()) <= 1e-10
 

@@ -1,7 +1,8 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``): row-sharded gradients.
 
 After backward every parameter's ``.grad`` is a ``DTensor`` placed
-``Shard(0)`` on a one-dimensional mesh: rank ``r`` holds rows
+``Shard(0)`` on a one-dimensional mesh (under HSDP ``(Replicate(),
+Shard(0))``: each replica's shard group holds the same rows): rank ``r`` holds rows
 ``[r·c, min((r+1)·c, R))`` of the averaged gradient, ``c = ⌈R/W⌉`` (the
 layout of ``torch.chunk``; late ranks may hold none).  Hooks see full local
 activations and output gradients, so capture is unchanged.
@@ -42,18 +43,24 @@ def is_fsdp2_model(model: nn.Module) -> bool:
 
 
 def _shard(grad: Any) -> tuple[Tensor, Any]:
-    """The local rows of a ``Shard(0)`` DTensor gradient and its process group."""
-    from torch.distributed.tensor import DTensor, Shard
+    """The local rows of a ``Shard(0)`` DTensor gradient and the process group
+    it is sharded over.  Under HSDP (a 2-D mesh placed ``(Replicate(),
+    Shard(0))``) every replica holds the same averaged rows, so the rows are
+    gathered within this rank's shard group only."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(grad, DTensor):
         raise TypeError(f"expected a DTensor gradient under FSDP2; got {type(grad).__name__}")
-    if grad.device_mesh.ndim != 1 or tuple(grad.placements) != (Shard(0),):
-        raise NotImplementedError(
-            "kaisa's FSDP2 engine supports a one-dimensional mesh with Shard(0) gradients; "
-            f"got placements {grad.placements} on a {grad.device_mesh.ndim}-D mesh (HSDP: "
-            "not yet)"
-        )
-    return grad.to_local(), grad.device_mesh.get_group()
+    placements = tuple(grad.placements)
+    if placements == (Shard(0),):
+        return grad.to_local(), grad.device_mesh.get_group()
+    if placements == (Replicate(), Shard(0)):
+        return grad.to_local(), grad.device_mesh.get_group(1)
+    raise NotImplementedError(
+        "kaisa's FSDP2 engine supports Shard(0) gradients on a one-dimensional mesh and "
+        f"(Replicate(), Shard(0)) on HSDP's two-dimensional one; got placements {placements} "
+        f"on a {grad.device_mesh.ndim}-D mesh"
+    )
 
 
 class FSDP2Engine(Engine):
@@ -103,6 +110,12 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
     """Full gradients of ``params`` on ``ranks`` (None elsewhere): one collective."""
     shards = [_shard(p.grad) for p in params]
     group = shards[0][1]
+    # the workers this shard group serves: the same set on all its members
+    # (under HSDP a worker gathers from the replica it belongs to)
+    members = set(dist.get_process_group_ranks(group))
+    ranks = tuple(r for r in ranks if r in members)
+    if not ranks:
+        return None
     world = dist.get_world_size(group)
     padded = []
     for p, (local, _) in zip(params, shards):
