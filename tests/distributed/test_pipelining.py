@@ -1,0 +1,251 @@
+"""``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``) with
+:class:`kaisa.engines.pipelining.PipeliningEngine`.
+
+Two stages, on a 2 × 2 mesh (``dp`` × ``pp``, two replicas of each stage,
+gradients averaged over ``dp`` by hand) and on two ranks (pipeline only).
+Each stage preconditions its own layers with its data-parallel peer, the
+micro-batches are accumulation steps and the KL clip sums over the stages,
+so the preconditioned gradients, the factors and the parameters equal one
+process training the whole model on all rows with ``accumulation_steps =
+n_microbatches`` (float64, relative error ≤ 1e-10).  The first schedule step
+runs a shape-inference forward and backward (on empty tensors on the second
+stage) that must leave no trace: no pass, no factor term, no warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner, Topology
+from kaisa.engines.pipelining import PipeliningEngine
+
+from harness import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-10
+BATCH, MICRO, STEPS = 8, 4, 4  # rows per replica and step, micro-batches, optimizer steps
+KW: dict[str, Any] = dict(damping=0.01, kl_clip=0.002)
+
+
+def stage_modules() -> list[nn.Sequential]:
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    second = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    return [first.double(), second.double()]
+
+
+def data(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(40 + replica)
+    return [
+        (
+            torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def loss_fn(reduction: str) -> Any:
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y, reduction=reduction)
+
+    return loss
+
+
+def schedule_for(case: dict[str, Any], stage: Any) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case["schedule"]]
+    return kind(
+        stage,
+        n_microbatches=MICRO,
+        loss_fn=loss_fn(case["reduction"]),
+        scale_grads=case["scale_grads"],
+    )
+
+
+def pipeline_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One stage of one replica; ``world // 2`` replicas of a two-stage pipeline."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+
+    replicas = world // 2
+    dp: Any = None
+    pp_group, index, replica = None, rank, 0
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("dp", "pp"))
+        dp, pp_group = mesh["dp"], mesh["pp"].get_group()
+        index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    module = stage_modules()[index]
+    stage = PipelineStage(module, index, 2, torch.device("cpu"), group=pp_group)
+    schedule = schedule_for(case, stage)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    precond = KFACPreconditioner(
+        module, optimizer=opt, engine=PipeliningEngine(schedule, dp=dp), **{**KW, **case["kfac"]}
+    )
+    out: dict[str, Any] = {"stage": index, "grads": [], "passes": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in data(replica):
+            opt.zero_grad()
+            if stage.is_first:
+                schedule.step(x)
+            else:
+                schedule.step(target=y)
+            out["passes"].append({n: la.batch.passes for n, la in precond.layers.items()})
+            if replicas > 1:  # sum (a summed loss) or average over the replicas
+                for p in module.parameters():
+                    dist.all_reduce(p.grad, group=dp.get_group())
+                    if case["reduction"] == "mean":
+                        p.grad /= replicas
+            precond.step()
+            out["grads"].append({n: p.grad.clone() for n, p in module.named_parameters()})
+            opt.step()
+    out["warnings"] = [str(w.message) for w in caught if "kaisa" in str(w.message)]
+    out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["factors"] = precond.state_dict()["layers"]
+    return out
+
+
+def reference(case: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """One process, both stages in one model; micro-batch ``m`` holds chunk
+    ``m`` of every replica's rows; each loss divided by the micro-batch count
+    (a mean) or not (a sum), as a hand-written accumulation loop does."""
+    net = nn.Sequential(*stage_modules())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    precond = KFACPreconditioner(
+        net, optimizer=opt, accumulation_steps=MICRO, **{**KW, **case["kfac"]}
+    )
+    shards = [data(r) for r in range(replicas)]
+    rows = BATCH // MICRO
+    out: dict[str, Any] = {"grads": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        for m in range(MICRO):
+            x = torch.cat([s[step][0][m * rows : (m + 1) * rows] for s in shards])
+            y = torch.cat([s[step][1][m * rows : (m + 1) * rows] for s in shards])
+            loss = loss_fn(case["reduction"])(net(x), y)
+            (loss / MICRO if case["reduction"] == "mean" else loss).backward()
+        precond.step()
+        out["grads"].append({n: p.grad.clone() for n, p in net.named_parameters()})
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in net.named_parameters()}
+    out["factors"] = precond.state_dict()["layers"]
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_equal_to_reference(
+    results: list[dict[str, Any]], want: dict[str, Any], case: dict[str, Any]
+) -> None:
+    every = case["kfac"].get("factor_update_steps", 1)
+    passes = [{MICRO if step % every == 0 else 0} for step in range(STEPS)]
+    assert {r["stage"] for r in results} == {0, 1}
+    for res in results:
+        prefix = f"{res['stage']}."  # a stage's names inside the whole model
+        assert res["warnings"] == [], res["warnings"]
+        # micro-batches captured per step: the shape inference is not one
+        assert [set(p.values()) for p in res["passes"]] == passes, res["passes"]
+        for step, (got, ref) in enumerate(zip(res["grads"], want["grads"])):
+            for name, value in got.items():
+                err = rel(value, ref[prefix + name])
+                assert err <= TOL, f"stage {res['stage']} step {step} grad {name}: {err:.2e}"
+        for name, value in res["params"].items():
+            assert rel(value, want["params"][prefix + name]) <= TOL, name
+        assert res["factors"], "no factors"
+        for layer, entry in res["factors"].items():
+            for key, value in entry.items():
+                err = rel(value, want["factors"][prefix + layer][key])
+                assert err <= TOL, f"stage {res['stage']} factor {layer}.{key}: {err:.2e}"
+
+
+MESH_CASES = [
+    pytest.param("gpipe", dict(grad_worker_fraction=1.0), id="gpipe-f1"),
+    pytest.param(
+        "gpipe",
+        dict(grad_worker_fraction=0.5, factor_update_steps=2, inv_update_steps=2),
+        id="gpipe-f0.5-intervals",
+    ),
+    pytest.param("1f1b", dict(grad_worker_fraction=1.0, inv_update_steps=3), id="1f1b-f1-inv3"),
+    pytest.param(
+        "1f1b",
+        dict(grad_worker_fraction=0.5, factor_update_steps=2, inv_update_steps=4),
+        id="1f1b-f0.5-intervals",
+    ),
+]
+
+
+@pytest.mark.parametrize(("schedule", "kfac"), MESH_CASES)
+def test_dp_by_pp_mesh_equals_one_process(schedule: str, kfac: dict[str, Any]) -> None:
+    case = dict(schedule=schedule, kfac=kfac, reduction="mean", scale_grads=True)
+    results = run_distributed(4, pipeline_run, case, timeout_s=120, pg_timeout_s=30)
+    assert_equal_to_reference(results, reference(case, replicas=2), case)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "reduction", "scale_grads", "kfac"),
+    [
+        pytest.param("gpipe", "mean", True, {}, id="gpipe-mean-scale_grads"),
+        pytest.param("1f1b", "sum", False, dict(loss_average="sum"), id="1f1b-sum-no-scale_grads"),
+    ],
+)
+def test_pipeline_only_equals_one_process(
+    schedule: str, reduction: str, scale_grads: bool, kfac: dict[str, Any]
+) -> None:
+    """Two ranks, one stage each; the data-parallel group of a stage is the
+    rank alone (inferred); ``scale_grads=False`` goes with a summed loss."""
+    case = dict(schedule=schedule, kfac=kfac, reduction=reduction, scale_grads=scale_grads)
+    results = run_distributed(2, pipeline_run, case, timeout_s=90, pg_timeout_s=30)
+    assert_equal_to_reference(results, reference(case, replicas=1), case)
+
+
+def test_the_kl_clip_binds() -> None:
+    """The clip is active in these runs, so a per-stage clip would differ."""
+    case = dict(schedule="gpipe", kfac={}, reduction="mean", scale_grads=True)
+    clipped = reference(case, replicas=2)
+    free = reference(dict(case, kfac=dict(kl_clip=None)), replicas=2)
+    assert rel(free["grads"][0]["1.2.weight"], clipped["grads"][0]["1.2.weight"]) > 1e-3
+
+
+def misuse(rank: int, world: int) -> list[str]:
+    """Each mistake is refused on every rank before any collective."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    module = stage_modules()[rank]
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn("mean"))
+    engine = PipeliningEngine(schedule)
+    alone = dist.new_group([rank], use_local_synchronization=True)
+    attempts: list[tuple[type[Exception], dict[str, Any], nn.Module]] = [
+        (ValueError, dict(accumulation_steps=MICRO + 1), module),
+        (ValueError, dict(topology=Topology(dp=alone)), module),
+        (ValueError, dict(topology=Topology(dp=dist.group.WORLD, pp=dist.group.WORLD)), module),
+        (ValueError, {}, stage_modules()[rank]),
+    ]
+    messages = []
+    for error, kwargs, model in attempts:
+        with pytest.raises(error) as info:
+            KFACPreconditioner(model, engine=engine, **kwargs)
+        messages.append(str(info.value))
+    with pytest.raises(ValueError, match="no loss_fn"):
+        PipeliningEngine(ScheduleGPipe(stage, n_microbatches=MICRO))
+    return messages
+
+
+def test_misuse_is_refused_with_a_reason() -> None:
+    messages = run_distributed(2, misuse, timeout_s=60, pg_timeout_s=20)[0]
+    assert "accumulates 4 micro-batches" in messages[0]
+    assert "KL clip must sum over the schedule's pipeline group" in messages[1]
+    assert "holds other stages of this pipeline" in messages[2]
+    assert "stage.submod" in messages[3]
