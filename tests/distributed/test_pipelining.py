@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from kaisa import KFACPreconditioner, Topology
 from kaisa.engines.pipelining import PipeliningEngine
@@ -61,8 +64,6 @@ def loss_fn(reduction: str) -> Any:
 
 
 def schedule_for(case: dict[str, Any], stage: Any) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case["schedule"]]
     return kind(
         stage,
@@ -72,45 +73,62 @@ def schedule_for(case: dict[str, Any], stage: Any) -> Any:
     )
 
 
-def pipeline_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """One stage of one replica; ``world // 2`` replicas of a two-stage pipeline."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (an FSDP2 shard's whole tensor)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
-    replicas = world // 2
+
+def place(rank: int, world: int, case: dict[str, Any]) -> tuple[nn.Module, Any, Any, int]:
+    """This rank's stage module (wrapped as the case says), its pipeline stage,
+    its data-parallel mesh (None: pipeline only) and its replica."""
     dp: Any = None
     pp_group, index, replica = None, rank, 0
-    if replicas > 1:
-        mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("dp", "pp"))
+    if world > 2:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
         dp, pp_group = mesh["dp"], mesh["pp"].get_group()
         index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    module = stage_modules()[index]
-    stage = PipelineStage(module, index, 2, torch.device("cpu"), group=pp_group)
+    module: nn.Module = stage_modules()[index]
+    submod = module
+    if case.get("wrap") == "ddp":
+        submod = nn.parallel.DistributedDataParallel(module, process_group=dp.get_group())
+    elif case.get("wrap") == "fsdp":
+        fully_shard(module, mesh=dp)
+    stage = PipelineStage(submod, index, 2, torch.device("cpu"), group=pp_group)
+    return module, stage, dp, replica
+
+
+def pipeline_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One stage of one replica; ``world // 2`` replicas of a two-stage pipeline."""
+    module, stage, dp, replica = place(rank, world, case)
     schedule = schedule_for(case, stage)
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    wrapped = case.get("wrap") is not None  # the wrapper finds the group and averages
+    engine = PipeliningEngine(schedule, dp=None if wrapped else dp)
     precond = KFACPreconditioner(
-        module, optimizer=opt, engine=PipeliningEngine(schedule, dp=dp), **{**KW, **case["kfac"]}
+        stage.submod, optimizer=opt, engine=engine, **{**KW, **case["kfac"]}
     )
-    out: dict[str, Any] = {"stage": index, "grads": [], "passes": []}
+    replicas = world // 2
+    out: dict[str, Any] = {"stage": stage.stage_index, "grads": [], "passes": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, y in data(replica):
+        for step, (x, y) in enumerate(data(replica)):
             opt.zero_grad()
-            if stage.is_first:
-                schedule.step(x)
-            else:
-                schedule.step(target=y)
+            inputs = (x,) if stage.is_first else ()
+            if case.get("validate") and step == 2:  # eval() re-runs the shape inference
+                with torch.no_grad():
+                    schedule.eval(*inputs, target=y)
+            schedule.step(*inputs, target=y)
             out["passes"].append({n: la.batch.passes for n, la in precond.layers.items()})
-            if replicas > 1:  # sum (a summed loss) or average over the replicas
+            if replicas > 1 and not wrapped:  # sum (a summed loss) or average
                 for p in module.parameters():
                     dist.all_reduce(p.grad, group=dp.get_group())
                     if case["reduction"] == "mean":
                         p.grad /= replicas
             precond.step()
-            out["grads"].append({n: p.grad.clone() for n, p in module.named_parameters()})
+            out["grads"].append({n: full(p.grad) for n, p in module.named_parameters()})
             opt.step()
     out["warnings"] = [str(w.message) for w in caught if "kaisa" in str(w.message)]
-    out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["params"] = {n: full(p) for n, p in module.named_parameters()}
     out["factors"] = precond.state_dict()["layers"]
     return out
 
@@ -171,24 +189,33 @@ def assert_equal_to_reference(
 
 
 MESH_CASES = [
-    pytest.param("gpipe", dict(grad_worker_fraction=1.0), id="gpipe-f1"),
+    pytest.param("gpipe", None, dict(grad_worker_fraction=1.0), id="gpipe-f1"),
     pytest.param(
         "gpipe",
+        None,
         dict(grad_worker_fraction=0.5, factor_update_steps=2, inv_update_steps=2),
         id="gpipe-f0.5-intervals",
     ),
-    pytest.param("1f1b", dict(grad_worker_fraction=1.0, inv_update_steps=3), id="1f1b-f1-inv3"),
+    pytest.param(
+        "1f1b", None, dict(grad_worker_fraction=1.0, inv_update_steps=3), id="1f1b-f1-inv3"
+    ),
     pytest.param(
         "1f1b",
+        None,
         dict(grad_worker_fraction=0.5, factor_update_steps=2, inv_update_steps=4),
         id="1f1b-f0.5-intervals",
     ),
+    pytest.param("1f1b", "fsdp", dict(grad_worker_fraction=0.5), id="1f1b-fsdp2-f0.5"),
 ]
 
 
-@pytest.mark.parametrize(("schedule", "kfac"), MESH_CASES)
-def test_dp_by_pp_mesh_equals_one_process(schedule: str, kfac: dict[str, Any]) -> None:
-    case = dict(schedule=schedule, kfac=kfac, reduction="mean", scale_grads=True)
+@pytest.mark.parametrize(("schedule", "wrap", "kfac"), MESH_CASES)
+def test_dp_by_pp_mesh_equals_one_process(
+    schedule: str, wrap: str | None, kfac: dict[str, Any]
+) -> None:
+    """Gradients averaged over ``dp`` by hand, by DDP or by FSDP2 (the wrapper
+    also tells the engine the data-parallel group)."""
+    case = dict(schedule=schedule, wrap=wrap, kfac=kfac, reduction="mean", scale_grads=True)
     results = run_distributed(4, pipeline_run, case, timeout_s=120, pg_timeout_s=30)
     assert_equal_to_reference(results, reference(case, replicas=2), case)
 
@@ -204,8 +231,12 @@ def test_pipeline_only_equals_one_process(
     schedule: str, reduction: str, scale_grads: bool, kfac: dict[str, Any]
 ) -> None:
     """Two ranks, one stage each; the data-parallel group of a stage is the
-    rank alone (inferred); ``scale_grads=False`` goes with a summed loss."""
-    case = dict(schedule=schedule, kfac=kfac, reduction=reduction, scale_grads=scale_grads)
+    rank alone (inferred); ``scale_grads=False`` goes with a summed loss.  A
+    validation pass (``schedule.eval`` under ``no_grad``) before step 2 makes
+    the next ``step()`` run the shape inference again."""
+    case = dict(
+        schedule=schedule, kfac=kfac, reduction=reduction, scale_grads=scale_grads, validate=True
+    )
     results = run_distributed(2, pipeline_run, case, timeout_s=90, pg_timeout_s=30)
     assert_equal_to_reference(results, reference(case, replicas=1), case)
 
@@ -220,8 +251,6 @@ def test_the_kl_clip_binds() -> None:
 
 def misuse(rank: int, world: int) -> list[str]:
     """Each mistake is refused on every rank before any collective."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
     module = stage_modules()[rank]
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn("mean"))

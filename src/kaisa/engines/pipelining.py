@@ -121,6 +121,16 @@ def _as_group(dp: Any) -> Any:
     return dp
 
 
+def _fsdp_mesh(module: nn.Module) -> Any:
+    """The one-dimensional mesh ``fully_shard`` sharded ``module`` over, if any."""
+    from kaisa.engines.fsdp import is_fsdp2_model
+
+    if not is_fsdp2_model(module):
+        return None
+    mesh = next((getattr(p, "device_mesh", None) for p in module.parameters()), None)
+    return mesh if mesh is not None and mesh.ndim == 1 else None
+
+
 class _Guard:
     """Runs a stage's shape-inference methods inside ``paused()``; ``remove()``
     puts the stage's own methods back."""
@@ -155,8 +165,8 @@ class PipeliningEngine(Engine):
         dp: this stage's data-parallel group (the ranks holding the same
             stage), as a process group or a one-dimensional ``DeviceMesh``
             (``mesh["dp"]``).  ``None``: the group of a DDP-wrapped stage
-            module; or, where the pipeline group is the whole world, this rank
-            alone.
+            module or the mesh of an FSDP2-sharded one; or, where the pipeline
+            group is the whole world, this rank alone.
         gradient_access: how parameter gradients are read and written (as for
             :class:`~kaisa.engines.TorchEngine`).
     """
@@ -191,6 +201,8 @@ class PipeliningEngine(Engine):
             submod = self.stage.submod
             if isinstance(submod, nn.parallel.DistributedDataParallel):
                 self._dp = submod.process_group
+            elif (mesh := _fsdp_mesh(submod)) is not None:
+                self._dp = mesh.get_group()
             elif len(_ranks(self._pp_group())) == dist.get_world_size():
                 self._dp = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         return self._dp
