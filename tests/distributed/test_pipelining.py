@@ -78,6 +78,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+def given_shapes(index: int) -> dict[str, torch.Tensor]:
+    """A micro-batch's input and output of stage ``index`` (the input of the
+    second stage needs a gradient, sent back to the first)."""
+    rows, width = BATCH // MICRO, [6, 8, 3]
+    x = torch.empty(rows, width[index], dtype=torch.float64, requires_grad=index > 0)
+    y = torch.empty(rows, width[index + 1], dtype=torch.float64, requires_grad=True)
+    return dict(input_args=x, output_args=y)
+
+
 def place(rank: int, world: int, case: dict[str, Any]) -> tuple[nn.Module, Any, Any, int]:
     """This rank's stage module (wrapped as the case says), its pipeline stage,
     its data-parallel mesh (None: pipeline only) and its replica."""
@@ -93,7 +102,9 @@ def place(rank: int, world: int, case: dict[str, Any]) -> tuple[nn.Module, Any, 
         submod = nn.parallel.DistributedDataParallel(module, process_group=dp.get_group())
     elif case.get("wrap") == "fsdp":
         fully_shard(module, mesh=dp)
-    stage = PipelineStage(submod, index, 2, torch.device("cpu"), group=pp_group)
+    # shapes given: the schedule runs no shape inference
+    shapes = given_shapes(index) if case.get("static") else {}
+    stage = PipelineStage(submod, index, 2, torch.device("cpu"), group=pp_group, **shapes)
     return module, stage, dp, replica
 
 
@@ -206,6 +217,9 @@ MESH_CASES = [
         id="1f1b-f0.5-intervals",
     ),
     pytest.param("1f1b", "fsdp", dict(grad_worker_fraction=0.5), id="1f1b-fsdp2-f0.5"),
+    # torch 2.13's shape inference breaks a DDP stage module (a reducer assert,
+    # kaisa or not); with the shapes given there is none and DDP works
+    pytest.param("gpipe", "ddp-static", dict(grad_worker_fraction=0.5), id="gpipe-ddp-static-f0.5"),
 ]
 
 
@@ -215,7 +229,9 @@ def test_dp_by_pp_mesh_equals_one_process(
 ) -> None:
     """Gradients averaged over ``dp`` by hand, by DDP or by FSDP2 (the wrapper
     also tells the engine the data-parallel group)."""
-    case = dict(schedule=schedule, wrap=wrap, kfac=kfac, reduction="mean", scale_grads=True)
+    case = dict(schedule=schedule, kfac=kfac, reduction="mean", scale_grads=True)
+    if wrap is not None:
+        case.update(wrap=wrap.split("-")[0], static=wrap.endswith("static"))
     results = run_distributed(4, pipeline_run, case, timeout_s=120, pg_timeout_s=30)
     assert_equal_to_reference(results, reference(case, replicas=2), case)
 
