@@ -266,25 +266,37 @@ def test_the_kl_clip_binds() -> None:
 
 
 def misuse(rank: int, world: int) -> list[str]:
-    """Each mistake is refused on every rank before any collective."""
+    """Each mistake is refused on every rank before any collective; a
+    preconditioner's ``remove_hooks()`` gives the stage its methods back."""
+    from torch.distributed.pipelining import ScheduleLoopedBFS
+
     module = stage_modules()[rank]
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn("mean"))
     engine = PipeliningEngine(schedule)
     alone = dist.new_group([rank], use_local_synchronization=True)
-    attempts: list[tuple[type[Exception], dict[str, Any], nn.Module]] = [
-        (ValueError, dict(accumulation_steps=MICRO + 1), module),
-        (ValueError, dict(topology=Topology(dp=alone)), module),
-        (ValueError, dict(topology=Topology(dp=dist.group.WORLD, pp=dist.group.WORLD)), module),
-        (ValueError, {}, stage_modules()[rank]),
+    attempts: list[tuple[dict[str, Any], nn.Module]] = [
+        (dict(accumulation_steps=MICRO + 1), module),
+        (dict(topology=Topology(dp=alone)), module),
+        (dict(topology=Topology(dp=dist.group.WORLD, pp=dist.group.WORLD)), module),
+        ({}, stage_modules()[rank]),
     ]
     messages = []
-    for error, kwargs, model in attempts:
-        with pytest.raises(error) as info:
+    for kwargs, model in attempts:
+        with pytest.raises(ValueError) as info:
             KFACPreconditioner(model, engine=engine, **kwargs)
         messages.append(str(info.value))
     with pytest.raises(ValueError, match="no loss_fn"):
         PipeliningEngine(ScheduleGPipe(stage, n_microbatches=MICRO))
+    with pytest.raises(TypeError, match="pipelining schedule"):
+        PipeliningEngine(stage)
+    looped = ScheduleLoopedBFS([stage], n_microbatches=MICRO, loss_fn=loss_fn("mean"))
+    with pytest.raises(NotImplementedError, match="single-stage"):
+        PipeliningEngine(looped)
+    precond = KFACPreconditioner(module, engine=engine)
+    assert "_prepare_forward_infra" in vars(stage)
+    precond.remove_hooks()
+    assert "_prepare_forward_infra" not in vars(stage)
     return messages
 
 

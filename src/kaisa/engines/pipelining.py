@@ -133,10 +133,11 @@ def _fsdp_mesh(module: nn.Module) -> Any:
 
 class _Guard:
     """Runs a stage's shape-inference methods inside ``paused()``; ``remove()``
-    puts the stage's own methods back."""
+    puts back what the stage had before (its own methods, or another guard)."""
 
     def __init__(self, stage: Any, paused: Callable[[], AbstractContextManager[None]]) -> None:
         self.stage = stage
+        self.before = {name: vars(stage).get(name) for name in _INFERENCE_METHODS}
         for name in _INFERENCE_METHODS:
             setattr(stage, name, self._paused(getattr(stage, name), paused))
 
@@ -148,13 +149,14 @@ class _Guard:
             with paused():
                 return method(*args, **kwargs)
 
-        run.__wrapped__ = method  # type: ignore[attr-defined]
         return run
 
     def remove(self) -> None:
-        for name in _INFERENCE_METHODS:
-            if name in vars(self.stage):  # the instance attribute this guard set
-                delattr(self.stage, name)
+        for name, before in self.before.items():
+            if before is None:
+                vars(self.stage).pop(name, None)  # the class's method again
+            else:
+                setattr(self.stage, name, before)
 
 
 class PipeliningEngine(Engine):
@@ -195,8 +197,9 @@ class PipeliningEngine(Engine):
         return self.stage.group if self.stage.group is not None else dist.group.WORLD
 
     def _dp_group(self) -> Any:
-        """The data-parallel group: given, DDP's, or this rank alone when every
-        rank of the world is a different stage; None when it cannot be known."""
+        """The data-parallel group: given, DDP's, FSDP2's mesh, or this rank
+        alone when every rank of the world is a different stage; None when it
+        cannot be known."""
         if self._dp is None:
             submod = self.stage.submod
             if isinstance(submod, nn.parallel.DistributedDataParallel):
