@@ -9,7 +9,7 @@
     for x, y in loader:
         optimizer.zero_grad()
         schedule.step(x, target=y)        # (inputs on the first stage, targets on the last)
-        average_over(dp_group)            # or a DDP/FSDP-wrapped stage module
+        average_over(dp_group)            # or an FSDP2 (or, shapes given, DDP) stage module
         precond.step()
         optimizer.step()
 
@@ -39,7 +39,9 @@ What the schedule decides, and so what this engine tells kaisa:
 
 Gradients live where the stage module keeps them (``param.grad``, DDP, or
 FSDP2's row shards): reading and writing is delegated to the engine
-:func:`~kaisa.engines.select_engine` picks for the stage module.
+:func:`~kaisa.engines.select_engine` picks for the stage module.  (A DDP stage
+module breaks inside torch 2.13's own shape inference, kaisa or not; given
+``input_args``/``output_args`` the schedule runs none and DDP works.)
 """
 
 from __future__ import annotations
