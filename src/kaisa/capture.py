@@ -147,6 +147,9 @@ class Capture:
         layers: the registered layers.
         loss_average: what the loss was averaged over (sets ``ĝ = m·g``).
         accumulation_steps: micro-batches per optimizer step.
+        loss_divisor: what each micro-batch's loss was divided by (``None``:
+            ``accumulation_steps``; 1 where the gradients are divided after
+            backward instead, as pipelining schedules do).
         in_hook: compute the statistics inside the hooks (no activations kept)
             or keep the raw tensors until :meth:`flush`.
         loss_scale: returns the current loss scale of a grad scaler (or None).
@@ -161,9 +164,11 @@ class Capture:
         accumulation_steps: int,
         in_hook: bool,
         loss_scale: ScaleGetter | None = None,
+        loss_divisor: int | None = None,
     ) -> None:
         self.loss_average = loss_average
         self.accumulation_steps = accumulation_steps
+        self.loss_divisor = accumulation_steps if loss_divisor is None else loss_divisor
         #: ``N`` of ``loss = Σ ℓ / N`` (``LossAverage.ITEMS``)
         self.loss_items: float | None = None
         self.in_hook = in_hook
@@ -261,7 +266,7 @@ class Capture:
     def _multiplier(self, layer: KFACLayer, g: Tensor, batch: int) -> float | Tensor:
         positions = layer.adapter.grad_output_rows(g).shape[1]
         m: float | Tensor = grad_multiplier(
-            self.loss_average, batch, positions, self.accumulation_steps, self.loss_items
+            self.loss_average, batch, positions, self.loss_divisor, self.loss_items
         )
         if self.loss_scale is not None:
             scale = self.loss_scale()

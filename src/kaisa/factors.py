@@ -16,8 +16,10 @@ Conventions (stated in the README and tested against dense references):
   data points of the passes that reached the layer; ``m`` undoes the loss
   averaging: ``m = n·k`` for a loss averaged over the call's n data points,
   ``m = n·S·k`` for one averaged over data points and S positions, ``m = 1``
-  for a summed loss; ``k`` is ``accumulation_steps`` and a grad scaler's
-  scale is divided out too.
+  for a summed loss; ``k`` is what each micro-batch's loss was divided by
+  (``accumulation_steps``; 1 under a pipelining schedule, which divides the
+  gradients after backward instead) and a grad scaler's scale is divided
+  out too.
 
 With these, the factors depend neither on the batch size, nor on the number
 of micro-batches, nor on the world size or the split of rows over ranks.
@@ -114,10 +116,11 @@ def grad_multiplier(
     loss_average: LossAverage,
     batch: int,
     positions: int,
-    accumulation_steps: int,
+    loss_divisor: int,
     items: float | None = None,
 ) -> float:
-    """The factor ``m`` with ``ĝ = m·g`` that undoes the loss averaging."""
+    """The factor ``m`` with ``ĝ = m·g`` that undoes the loss averaging
+    (``loss_divisor``: what each micro-batch's loss was divided by)."""
     if loss_average is LossAverage.ITEMS:
         if items is None or not items > 0:
             raise RuntimeError(
@@ -126,9 +129,9 @@ def grad_multiplier(
             )
         return float(items)
     if loss_average is LossAverage.BATCH:
-        return float(batch * accumulation_steps)
+        return float(batch * loss_divisor)
     if loss_average is LossAverage.BATCH_AND_SEQUENCE:
-        return float(batch * positions * accumulation_steps)
+        return float(batch * positions * loss_divisor)
     return 1.0
 
 

@@ -106,12 +106,13 @@ class KFACPreconditioner:
             if asked != given.accumulation_steps:
                 raise ValueError(
                     f"accumulation_steps={asked!r} but the {engine.name} engine accumulates "
-                    f"{given.accumulation_steps} micro-batches per step (and divides the loss by "
-                    "that); leave accumulation_steps out"
+                    f"{given.accumulation_steps} micro-batches per step; leave "
+                    "accumulation_steps out"
                 )
         if lr is None and optimizer is None:
             lr = given.lr
         topology = topology or given.topology
+        engine.check_topology(topology)
         if grad_scaler is None and given.loss_scale is not None:
             grad_scaler = given.loss_scale
             scaling = LossScaling(grad_scaler, optimizer)
@@ -140,8 +141,9 @@ class KFACPreconditioner:
             engine=engine,
             topology=topology,
             pg_timeout_s=pg_timeout_s,
+            loss_divisor=given.loss_divisor,
         )
-        self._attached = engine.attach(self.step)
+        self._attached = engine.attach(self.step, self.paused)
         logger.log(loglevel, "%s", self.describe())
 
     # -- the step ------------------------------------------------------------------

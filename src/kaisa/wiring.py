@@ -118,6 +118,7 @@ def build(
     engine: Engine,
     topology: Topology | None,
     pg_timeout_s: float | None,
+    loss_divisor: int | None = None,
 ) -> Parts:
     inner = engine.unwrap(model)
     adapters, skipped = register_layers(inner, config.skip_layers)
@@ -160,6 +161,7 @@ def build(
         ordered,
         loss_average=LossAverage(config.loss_average),
         accumulation_steps=config.accumulation_steps,
+        loss_divisor=loss_divisor,
         in_hook=config.update_factors_in_hook,
         loss_scale=scaling.getter(),
     )

@@ -69,3 +69,22 @@ def test_hf_trainer_example_learns() -> None:
     assert int(lines[-2].rsplit(" ", 1)[-1]) == 16  # embeddings, 2 blocks × 7 projections, lm_head
     before, after = (float(v) for v in lines[-1].rsplit(":", 1)[-1].split("->"))
     assert after < before - 1.0, out.stdout
+
+
+def test_pipelining_example_two_stages() -> None:
+    """Two stages of a ``Schedule1F1B`` under torchrun (the documented launch)."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = EXAMPLES / "pipelining_digits.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+        env=env,
+    )
+    accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
+    assert accuracy > 0.8, out.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +40,19 @@ class EngineDefaults:
             optimizer or the ``lr`` argument.
         topology: the engine's own data- and model-parallel groups.
         loss_scale: the current loss scale where the engine scales the loss.
+        loss_divisor: what each micro-batch's loss is divided by before its
+            backward.  ``None``: ``accumulation_steps``, as in a hand-written
+            accumulation loop or DeepSpeed; ``1`` where the engine divides the
+            accumulated *gradients* instead (a pipelining schedule's
+            ``scale_grads``), so the output gradients kaisa sees were not
+            divided and G must not undo a division that never happened.
     """
 
     accumulation_steps: int | None = None
     lr: Callable[[int], float] | None = None
     topology: Any = None
     loss_scale: Callable[[], float] | None = None
+    loss_divisor: int | None = None
 
 
 class Engine(ABC):
@@ -86,11 +94,21 @@ class Engine(ABC):
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
 
-    def attach(self, step: Callable[[], None]) -> Any:
-        """Arrange for ``step`` to run at the right point of the engine's own
-        training step, where the user cannot call it (DeepSpeed's pipeline
-        engine); returns a handle with ``remove()``, or None where the user
-        calls ``precond.step()`` as usual."""
+    def attach(
+        self, step: Callable[[], None], paused: Callable[[], AbstractContextManager[None]]
+    ) -> Any:
+        """Hook kaisa into the engine's own loop: run ``step`` where the user
+        cannot call it (DeepSpeed's pipeline engine), and run the engine's
+        internal passes that are not training passes (a pipelining schedule's
+        shape inference) inside ``paused()`` so they are never captured.
+        Returns a handle with ``remove()``, or None where there is nothing to
+        hook (the user calls ``precond.step()`` as usual)."""
+        return None
+
+    def check_topology(self, topology: Any) -> None:
+        """Raise if ``topology`` (the user's, or :meth:`defaults`') cannot be
+        the engine's layout: a pipeline stage whose KL clip would not sum over
+        the other stages, say."""
         return None
 
     def check_step(self) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
@@ -132,7 +133,9 @@ class DeepSpeedEngine(Engine):
             loss_scale=self._loss_scale if self.fp16 else None,
         )
 
-    def attach(self, step: Callable[[], None]) -> Any:
+    def attach(
+        self, step: Callable[[], None], paused: Callable[[], AbstractContextManager[None]]
+    ) -> Any:
         """The pipeline engine runs forward, backward, the gradient all-reduce
         and the optimizer step inside ``train_batch()``; the one point between
         the all-reduce and the update is the client optimizer's step pre-hook."""
