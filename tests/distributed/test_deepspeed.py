@@ -49,7 +49,9 @@ def test_zero_fp32_equals_ddp(stage: int, fraction: float) -> None:
     ):
         assert got["steps"] == len(got["losses"])
         errors = relative_errors(got["params"], reference["params"])
-        assert max(errors) <= 1e-6, errors
+        # float32: ZeRO 2/3 average gradients by reduce-scatter in another order
+        # than DDP's all-reduce (1.1e-6 measured); the project's float32 bound
+        assert max(errors) <= 1e-5, errors
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
