@@ -186,6 +186,9 @@ class PipeliningEngine(Engine):
         self.stage = _stage_of(schedule)
         self.inner = select_engine(self.stage.submod, gradient_access)
         self._dp = None if dp is None else _as_group(dp)
+        #: the data-parallel DeviceMesh, where there is one: kaisa's worker and
+        #: receiver groups are then unflattened from it (see Topology.from_mesh)
+        self._dp_mesh = dp if dp is not None and hasattr(dp, "get_group") else None
 
     @property
     def n_microbatches(self) -> int:
@@ -207,7 +210,7 @@ class PipeliningEngine(Engine):
             if isinstance(submod, nn.parallel.DistributedDataParallel):
                 self._dp = submod.process_group
             elif (mesh := _fsdp_mesh(submod)) is not None:
-                self._dp = mesh.get_group()
+                self._dp, self._dp_mesh = mesh.get_group(), mesh
             elif len(_ranks(self._pp_group())) == dist.get_world_size():
                 self._dp = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         return self._dp
@@ -218,7 +221,7 @@ class PipeliningEngine(Engine):
         pp = self._pp_group() if self.num_stages > 1 else None
         return EngineDefaults(
             accumulation_steps=self.n_microbatches,
-            topology=None if dp is None else Topology(dp=dp, pp=pp),
+            topology=None if dp is None else Topology(dp=dp, pp=pp, dp_mesh=self._dp_mesh),
             loss_divisor=1,
         )
 
