@@ -156,3 +156,34 @@ def test_fold_and_conv_capture_are_costed() -> None:
     extra -= forecast(as_linear, 1, cost).seconds["capture"][0]
     a_dim = layers[0].factors[0].dim
     assert extra == pytest.approx(2 * 2 * rows["0"] * a_dim * 4 / 1e9)
+
+
+def test_plan_cli_takes_a_given_cost_model_and_a_link_in_gigabits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "plan_models_costs.py"
+    module.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def small():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), (torch.randn(1, 8),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    given = CostModel(eigh_n3=7e-12, eigh_fixed=3e-3, flops=2e13, device="given")
+    given.save(tmp_path / "gpu.json")
+    out = tmp_path / "out"
+    args = ["plan", "--model", "plan_models_costs:small", "--world-size", "4", "--out", str(out)]
+    args += ["--costs", str(tmp_path / "gpu.json"), "--bandwidth-gbps", "100"]
+    args += ["--latency-us", "10", "--save-costs", str(tmp_path / "used.json")]
+    assert main(args) == 0
+    capsys.readouterr()
+    used = CostModel.load(tmp_path / "used.json")
+    assert used.bandwidth == 12.5e9 and used.latency == pytest.approx(1e-5)  # bits, not bytes
+    assert (used.eigh_n3, used.eigh_fixed, used.flops) == (7e-12, 3e-3, 2e13)
+    report = json.loads((out / "plan.json").read_text())
+    assert report["cost_model"]["bandwidth"] == 12.5e9
+    # the decompositions were timed with the given model: one factor of n=9 on a rank
+    layers = layer_costs(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    expected = forecast(layers, 4, used, grad_worker_fraction=1.0).seconds["decompose"].max()
+    comm_opt = next(p for p in report["plans"] if p["grad_worker_fraction"] == 1.0)
+    assert comm_opt["seconds"]["decompose"] == pytest.approx(expected)
+    sys.modules.pop("plan_models_costs", None)
