@@ -102,7 +102,10 @@ def time_phases(
     # matmuls 10-20x slower and would time the benchmark, not K-FAC
     gen = torch.Generator().manual_seed(1)
     batches = [
-        (torch.randn(batch, 1, 28, 28, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+        (
+            torch.randn(batch, 1, 28, 28, generator=gen),
+            torch.randint(0, 10, (batch,), generator=gen),
+        )
         for _ in range(steps + warmup)
     ]
     start = 0.0

@@ -19,7 +19,9 @@ would report (equal at W = 1, 2, 4 in tests/distributed).
 Writes ``plan_paper.json``, ``plan_paper.png`` (memory against bytes per
 step, one line per W, as Fig. 6.3 of the SC'21 paper / the thesis) and
 ``plan_paper_scaling.png`` (predicted overhead per step against W, one line
-per fraction) to ``--out``; prints the tables.
+per fraction) and ``plan_paper_fig63.png`` (at W = 64, every power-of-two
+fraction: overhead and memory, the layout of the thesis' Fig. 6.3) to
+``--out``; prints the tables.
 """
 
 from __future__ import annotations
@@ -37,11 +39,21 @@ from torch import nn
 from tqdm import tqdm
 
 from kaisa.costs import CostModel
-from kaisa.forecast import Forecast, LayerCost, choose_fraction, forecast, layer_costs, probe_rows
+from kaisa.forecast import (
+    Forecast,
+    LayerCost,
+    choose_fraction,
+    forecast,
+    fractions_for,
+    layer_costs,
+    probe_rows,
+)
 from kaisa.zoo import bert_large, resnet50
 
 MIB = 2**20
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+#: the world size of the thesis' Fig. 6.3 (64 V100s): every fraction is swept there
+FIG63_WORLD = 64
 #: factor statistics every 10 steps, decompositions every 100: the defaults of
 #: kfac-pytorch's ImageNet example (--kfac-cov-update-freq 10,
 #: --kfac-update-freq 100); used for both models
@@ -58,9 +70,7 @@ class PaperModel:
 
 
 MODELS = {
-    "resnet50": PaperModel(
-        "ResNet-50", resnet50, 32, 256.0, "ImageNet 224x224, 32 images per GPU"
-    ),
+    "resnet50": PaperModel("ResNet-50", resnet50, 32, 256.0, "ImageNet 224x224, 32 images per GPU"),
     "bert-large": PaperModel(
         "BERT-Large", bert_large, 8, 2048.0, "phase 2: 512 tokens, 8 sequences per GPU"
     ),
@@ -133,7 +143,7 @@ def plan_model(
     budget = model.budget_mib * MIB
     rows, choices = [], {}
     for world in tqdm(worlds, desc=f"{key} @ {cost.bandwidth * 8 / 1e9:g} Gb/s", leave=False):
-        free, options = choose_fraction(layers, world, cost, None, **INTERVALS)
+        free, _ = choose_fraction(layers, world, cost, None, **INTERVALS)
         within, _ = choose_fraction(layers, world, cost, budget, **INTERVALS)
         choices[world] = {"auto": free, "auto_within_budget": within}
         for f in paper_fractions(world):
@@ -209,7 +219,8 @@ def plot(rows: list[dict], out: Path) -> None:
                     textcoords="offset points",
                 )
         ax.set_title(f"{MODELS[key].name}: K-FAC memory vs communication (predicted)")
-        ax.set_xlabel("K-FAC memory per rank (MiB, max over ranks)")
+        ax.set_xscale("log")
+        ax.set_xlabel("K-FAC memory per rank (MiB, max over ranks; log scale)")
         ax.set_ylabel("MB moved per step per rank (averaged)")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -242,6 +253,31 @@ def plot(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_fig63(sweeps: dict[str, list[dict]], out: Path) -> None:
+    """As the thesis' Fig. 6.3: per fraction at one W, overhead (bars) and memory (line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], sweeps.items()):
+        labels = [fraction_label(r["grad_worker_fraction"], r["world_size"]) for r in rows]
+        ax.bar(range(len(rows)), [r["overhead_ms"] for r in rows], color="tab:blue")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_xlabel(f"grad_worker_fraction at W={rows[0]['world_size']}")
+        ax.set_ylabel("predicted K-FAC overhead (ms/step)", color="tab:blue")
+        mem = ax.twinx()
+        mem.plot(range(len(rows)), [r["memory_mib"] / 1024 for r in rows], "o-", color="tab:red")
+        mem.set_ylabel("K-FAC memory per rank (GiB)", color="tab:red")
+        ax.set_title(f"{MODELS[key].name}: overhead and memory per fraction (predicted)")
+    fig.tight_layout()
+    fig.savefig(out / "plan_paper_fig63.png", dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -263,6 +299,7 @@ def main() -> None:
         "cost_models": {},
         "rows": [],
         "auto": {},
+        "fig63": {},
     }
     for key in tqdm(args.models, desc="models"):
         layers, probe_s = model_layers(MODELS[key])
@@ -283,15 +320,37 @@ def main() -> None:
             report["auto"][f"{key}@{gbit:g}"] = {str(w): c for w, c in choices.items()}
             if i == 0:
                 print_table(key, rows, choices)
+                sweep = [
+                    row(key, fc, choices.get(FIG63_WORLD, {}).get("auto", -1.0), -1.0, 0.0)
+                    for fc in (
+                        forecast(layers, FIG63_WORLD, cost, grad_worker_fraction=f, **INTERVALS)
+                        for f in fractions_for(FIG63_WORLD)
+                    )
+                ]
+                report["fig63"][key] = sweep
+                print(
+                    f"W={FIG63_WORLD}, every fraction: "
+                    + ", ".join(
+                        f"{fraction_label(r['grad_worker_fraction'], FIG63_WORLD)}: "
+                        f"{r['overhead_ms']:.1f} ms {r['memory_mib']:.0f} MiB"
+                        for r in sweep
+                    )
+                )
             else:
                 print(
                     f"{MODELS[key].name} at {gbit:g} Gb/s, auto picks: "
-                    + ", ".join(f"W={w}: {fraction_label(c['auto'], w)}" for w, c in choices.items())
+                    + ", ".join(
+                        f"W={w}: {fraction_label(c['auto'], w)}" for w, c in choices.items()
+                    )
                 )
     (args.out / "plan_paper.json").write_text(json.dumps(report, indent=2) + "\n")
     first = args.link_gbit[0]
     plot([r for r in report["rows"] if r["link_gbit"] == first], args.out)
-    print(f"wrote {args.out / 'plan_paper.json'}, plan_paper.png, plan_paper_scaling.png")
+    plot_fig63(report["fig63"], args.out)
+    print(
+        f"wrote {args.out / 'plan_paper.json'}, plan_paper.png, plan_paper_scaling.png, "
+        "plan_paper_fig63.png"
+    )
 
 
 if __name__ == "__main__":
