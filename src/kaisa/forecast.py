@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -369,8 +370,9 @@ def check_world(world_size: int) -> None:
 
 def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) -> float:
     """``grad_worker_fraction='auto'``: :func:`choose_fraction` on the registered
-    layers with the default cost model and ``config.memory_budget_mb``.  Every
-    input is the same on every rank, so every rank picks the same fraction."""
+    layers with the cost model of ``config.plan_costs`` (the default figures
+    when None) and ``config.memory_budget_mb``.  Every input is the same on
+    every rank (the same file), so every rank picks the same fraction."""
     costs = [
         LayerCost(
             name=la.name,
@@ -384,5 +386,6 @@ def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) ->
     ]
     kfac = {name: getattr(config, name) for name in KFACConfig.field_names()}
     budget = config.memory_budget_mb * 2**20 if config.memory_budget_mb is not None else None
-    chosen, _ = choose_fraction(costs, world_size, None, budget, **kfac)
+    cost = CostModel.load(Path(config.plan_costs)) if config.plan_costs is not None else None
+    chosen, _ = choose_fraction(costs, world_size, cost, budget, **kfac)
     return chosen

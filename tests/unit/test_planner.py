@@ -187,3 +187,29 @@ def test_plan_cli_takes_a_given_cost_model_and_a_link_in_gigabits(
     comm_opt = next(p for p in report["plans"] if p["grad_worker_fraction"] == 1.0)
     assert comm_opt["seconds"]["decompose"] == pytest.approx(expected)
     sys.modules.pop("plan_models_costs", None)
+
+
+def test_auto_fraction_uses_the_given_cost_model(tmp_path: Path) -> None:
+    """'auto' at start-up predicts with config.plan_costs: a slow link makes
+    COMM-OPT (no per-step traffic, decompositions sent every 100 steps) win,
+    a fast link and slow products a fraction that splits the preconditioning."""
+    from kaisa.config import KFACConfig
+    from kaisa.forecast import auto_fraction
+
+    layers = list(KFACPreconditioner(mlp(64, 6)).layers.values())
+    picks = {}
+    for name, cost in {
+        "slow link": CostModel(bandwidth=1e3, latency=1e-3),
+        "slow products": CostModel(bandwidth=1e15, latency=0.0, flops=1e6),
+    }.items():
+        cost.save(tmp_path / f"{name}.json")
+        path = str(tmp_path / f"{name}.json")
+        config = KFACConfig(grad_worker_fraction="auto", inv_update_steps=100, plan_costs=path)
+        picks[name] = auto_fraction(layers, 8, config)
+        expected, _ = choose_fraction(layer_costs(mlp(64, 6)), 8, cost, inv_update_steps=100)
+        assert picks[name] == expected
+    assert picks["slow link"] == 1.0 and picks["slow products"] < 1.0
+    with pytest.raises(TypeError, match="plan_costs"):
+        KFACConfig(plan_costs=3)
+    with pytest.raises(FileNotFoundError):
+        KFACPreconditioner(mlp(), grad_worker_fraction="auto", plan_costs=str(tmp_path / "no"))
