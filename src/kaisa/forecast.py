@@ -296,6 +296,8 @@ def forecast(
         secs["inverse_comm"] += cost.collective(int(inverse_step["allreduce"][0]), w, 1, True)
     memory["total"] = memory["factors"] + memory["batch_statistics"] + memory["second_order"]
     f, i = _interval(config.factor_update_steps), _interval(config.inv_update_steps)
+    # every micro-batch of a factor step is captured; ``rows`` are one micro-batch's
+    secs["capture"] *= config.accumulation_steps
     for key in ("capture", "factor_comm", "factor_fold"):
         secs[key] /= f
     for key in ("decompose", "inverse_comm"):

@@ -156,6 +156,9 @@ def test_fold_and_conv_capture_are_costed() -> None:
     extra -= forecast(as_linear, 1, cost).seconds["capture"][0]
     a_dim = layers[0].factors[0].dim
     assert extra == pytest.approx(2 * 2 * rows["0"] * a_dim * 4 / 1e9)
+    # with accumulation every micro-batch of a factor step is captured
+    one = forecast(layers, 1, cost).seconds["capture"][0]
+    assert forecast(layers, 1, cost, accumulation_steps=4).seconds["capture"][0] == 4 * one
 
 
 def test_plan_cli_takes_a_given_cost_model_and_a_link_in_gigabits(

@@ -42,7 +42,10 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     )
     plan.add_argument("--world-size", type=int, nargs="+", default=[1, 2, 4], metavar="W")
     plan.add_argument(
-        "--batch-size", type=int, default=None, help="per-rank batch (default: the task's; 32)"
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-rank (micro-)batch (default: the task's; 32)",
     )
     plan.add_argument(
         "--memory-budget-mib", type=float, default=None, help="K-FAC memory allowed per rank"
