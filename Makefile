@@ -35,6 +35,7 @@ lint: venv
 bench: venv
 	$(PY) benchmarks/step_time.py --out runs/bench
 	$(PY) benchmarks/plan_scale.py --out runs/bench
+	$(PY) benchmarks/plan_paper.py --models resnet50 --out runs/bench
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 \
 		benchmarks/strategies.py --out runs/bench
 

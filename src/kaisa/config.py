@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
@@ -217,6 +218,10 @@ class KFACConfig:
     skip_layers: Sequence[str] = field(default_factory=tuple)
     update_factors_in_hook: bool = True
     memory_budget_mb: float | None = None
+    #: the cost model ``grad_worker_fraction='auto'`` predicts with: a JSON file
+    #: written by ``kaisa plan --save-costs`` (e.g. measured on one of the
+    #: cluster's GPUs with ``--measure-costs cuda``); None: the default figures
+    plan_costs: str | None = None
     loss_average: LossAverage | str = LossAverage.BATCH
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND
 
@@ -232,6 +237,10 @@ class KFACConfig:
         _check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
         if self.memory_budget_mb is not None:
             _check_number("memory_budget_mb", self.memory_budget_mb, low=0.0, low_open=True)
+        if self.plan_costs is not None:
+            if not isinstance(self.plan_costs, (str, os.PathLike)):
+                raise TypeError(f"plan_costs must be a path or None; got {self.plan_costs!r}")
+            set_(self, "plan_costs", os.fspath(self.plan_costs))
         for flag in (
             "compute_eigenvalue_outer_product",
             "symmetry_aware",

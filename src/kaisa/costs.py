@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +100,15 @@ class CostModel:
         return cls(**data)
 
 
-def _best_of(fn: Any, sync: Any, repeats: int) -> float:
+def _best_of(fn: Any, sync: Any, repeats: int, clock: Callable[[], float]) -> float:
     fn()
     sync()
     best = math.inf
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -129,11 +130,15 @@ def measure_costs(
     repeats: int = 3,
     bandwidth: float | None = None,
     latency: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Time eigh, Cholesky inverse and a matrix product on ``device``.
 
     Link figures cannot be measured from one process; they are taken as
     given (defaults: 1 GB/s and 50 µs, a CPU gloo link; pass a cluster's).
+    ``clock``: wall time by default; ``time.process_time`` on a CPU shared
+    with other jobs times only this process's work (with one thread, what
+    an idle core would take), the clock the step it predicts is timed with.
     """
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -142,17 +147,20 @@ def measure_costs(
     for n in sizes:
         x = torch.randn(n, 2 * n, generator=gen, dtype=torch.float64)
         spd = (x @ x.T / (2 * n) + 1e-3 * torch.eye(n, dtype=torch.float64)).to(device, dtype)
-        eigh.append(_best_of(lambda spd=spd: torch.linalg.eigh(spd), sync, repeats))
+        eigh.append(_best_of(lambda spd=spd: torch.linalg.eigh(spd), sync, repeats, clock))
         inverse.append(
             _best_of(
-                lambda spd=spd: torch.cholesky_inverse(torch.linalg.cholesky(spd)), sync, repeats
+                lambda spd=spd: torch.cholesky_inverse(torch.linalg.cholesky(spd)),
+                sync,
+                repeats,
+                clock,
             )
         )
     n = max(sizes)
     a = torch.randn(n, n, generator=gen).to(device, dtype)
-    product = _best_of(lambda: a @ a, sync, repeats)
+    product = _best_of(lambda: a @ a, sync, repeats, clock)
     big = torch.empty(2**24, dtype=torch.float32, device=device)  # 64 MiB
-    copy = _best_of(lambda: big.clone(), sync, repeats)
+    copy = _best_of(lambda: big.clone(), sync, repeats, clock)
     eigh_n3, eigh_fixed = _fit_cubic(list(sizes), eigh)
     inverse_n3, inverse_fixed = _fit_cubic(list(sizes), inverse)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,20 @@ class LayerCost:
     inv_itemsize: int
     grad_itemsize: int
     rows: int | None = None  #: data rows per factor step (Gram cost), if measured
+    #: times the input rows are written before their Gram: once for a Linear
+    #: (the bias column), pad + unfold + row-major copy for a convolution
+    input_copies: int = 1
+
+
+def _input_copies(adapter: Any) -> int:
+    """A convolution's rows are materialised two or three times (``F.pad`` when
+    it pads, ``F.unfold``, then ``reshape`` of the transposed patches), which
+    on a CPU costs more than the Gram of narrow patches; a Linear's once."""
+    module = getattr(adapter, "module", None)
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        return 1
+    padded = any(getattr(module, "_reversed_padding_repeated_twice", ()))
+    return 3 if padded else 2
 
 
 def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
@@ -103,6 +118,7 @@ def layer_costs(
                 inv_itemsize=inv.itemsize,
                 grad_itemsize=adapter.weight.dtype.itemsize,
                 rows=None if rows is None else rows.get(adapter.name),
+                input_copies=_input_copies(adapter),
             )
         )
     return out
@@ -218,7 +234,8 @@ def forecast(
     factor_step = {k: zeros() for k in ("factor_reduce", "factor_counts")}
     inverse_step = {k: zeros() for k in ("second_order_broadcast", "allreduce")}
     every_step = {k: zeros() for k in ("grad_broadcast", "agree")}
-    secs = {k: zeros() for k in ("capture", "factor_comm", "decompose", "inverse_comm")}
+    secs = {k: zeros() for k in ("capture", "factor_comm", "factor_fold")}
+    secs |= {k: zeros() for k in ("decompose", "inverse_comm")}
     secs |= {k: zeros() for k in ("precondition", "grad_comm")}
     exchange = 0
     for layer in layers:
@@ -230,11 +247,16 @@ def forecast(
             factor_step["factor_reduce"] += layer.factor_itemsize * packed_numel(
                 torch.Size(spec.shape), sym and spec.symmetric
             )
+            # the owner folds the reduced sum into the running average: the
+            # factor is read and written and the sum read (division by the
+            # count, finiteness check and lerp_ measured at about three passes)
+            secs["factor_fold"][owner] += cost.traffic(3.0 * spec.numel * layer.factor_itemsize)
             if layer.rows is not None:
-                # the rows are written and read once (memory-bound), then their
-                # Gram is a product (a diagonal factor only counts)
+                # the rows are written and read (memory-bound; a conv's several
+                # times), then their Gram is a product (a diagonal factor only counts)
                 dense = spec.kind is FactorKind.DENSE
-                secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4)
+                copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
+                secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
                 secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
         factor_step["factor_counts"] += 8 * len(layer.factors)
         held = method.held(layer.factors, lp.colocated)
@@ -274,7 +296,9 @@ def forecast(
         secs["inverse_comm"] += cost.collective(int(inverse_step["allreduce"][0]), w, 1, True)
     memory["total"] = memory["factors"] + memory["batch_statistics"] + memory["second_order"]
     f, i = _interval(config.factor_update_steps), _interval(config.inv_update_steps)
-    for key in ("capture", "factor_comm"):
+    # every micro-batch of a factor step is captured; ``rows`` are one micro-batch's
+    secs["capture"] *= config.accumulation_steps
+    for key in ("capture", "factor_comm", "factor_fold"):
         secs[key] /= f
     for key in ("decompose", "inverse_comm"):
         secs[key] /= i
@@ -348,8 +372,9 @@ def check_world(world_size: int) -> None:
 
 def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) -> float:
     """``grad_worker_fraction='auto'``: :func:`choose_fraction` on the registered
-    layers with the default cost model and ``config.memory_budget_mb``.  Every
-    input is the same on every rank, so every rank picks the same fraction."""
+    layers with the cost model of ``config.plan_costs`` (the default figures
+    when None) and ``config.memory_budget_mb``.  Every input is the same on
+    every rank (the same file), so every rank picks the same fraction."""
     costs = [
         LayerCost(
             name=la.name,
@@ -363,5 +388,6 @@ def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) ->
     ]
     kfac = {name: getattr(config, name) for name in KFACConfig.field_names()}
     budget = config.memory_budget_mb * 2**20 if config.memory_budget_mb is not None else None
-    chosen, _ = choose_fraction(costs, world_size, None, budget, **kfac)
+    cost = CostModel.load(Path(config.plan_costs)) if config.plan_costs is not None else None
+    chosen, _ = choose_fraction(costs, world_size, cost, budget, **kfac)
     return chosen

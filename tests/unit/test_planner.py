@@ -6,6 +6,7 @@ tests/distributed/test_forecast_matches_runs.py; here the parts that need no ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -134,3 +135,84 @@ def test_plan_cli_prints_every_fraction_and_a_recommendation(
         main(["plan", "--model", "no_colon", "--out", str(out)])
     assert "MODULE:CALLABLE" in capsys.readouterr().err
     sys.modules.pop("plan_models", None)
+
+
+def test_fold_and_conv_capture_are_costed() -> None:
+    """The running-average fold (three passes over each factor, on its owner,
+    every factor step) and a convolution's repeated row copies are in the
+    time model: benchmarks/plan_accuracy.py measured both missing."""
+    cost = CostModel(memory_bandwidth=1e9, flops=1e12)
+    conv = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 25, 3))
+    rows = probe_rows(conv, (torch.randn(1, 4, 5, 5),), scale=2)
+    layers = layer_costs(conv, rows)
+    assert [la.input_copies for la in layers] == [3, 1]  # pad + unfold + reshape; a Linear once
+    fc = forecast(layers, 1, cost, factor_update_steps=2)
+    numel = sum(s.numel for la in layers for s in la.factors)
+    assert fc.seconds["factor_fold"][0] == pytest.approx(3 * numel * 4 / 1e9 / 2)
+    unpadded = layer_costs(nn.Sequential(nn.Conv2d(4, 8, 3)), rows={"0": 18})
+    assert unpadded[0].input_copies == 2
+    as_linear = [dataclasses.replace(layers[0], input_copies=1)]
+    extra = forecast(layers[:1], 1, cost).seconds["capture"][0]
+    extra -= forecast(as_linear, 1, cost).seconds["capture"][0]
+    a_dim = layers[0].factors[0].dim
+    assert extra == pytest.approx(2 * 2 * rows["0"] * a_dim * 4 / 1e9)
+    # with accumulation every micro-batch of a factor step is captured
+    one = forecast(layers, 1, cost).seconds["capture"][0]
+    assert forecast(layers, 1, cost, accumulation_steps=4).seconds["capture"][0] == 4 * one
+
+
+def test_plan_cli_takes_a_given_cost_model_and_a_link_in_gigabits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "plan_models_costs.py"
+    module.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def small():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), (torch.randn(1, 8),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    given = CostModel(eigh_n3=7e-12, eigh_fixed=3e-3, flops=2e13, device="given")
+    given.save(tmp_path / "gpu.json")
+    out = tmp_path / "out"
+    args = ["plan", "--model", "plan_models_costs:small", "--world-size", "4", "--out", str(out)]
+    args += ["--costs", str(tmp_path / "gpu.json"), "--bandwidth-gbps", "100"]
+    args += ["--latency-us", "10", "--save-costs", str(tmp_path / "used.json")]
+    assert main(args) == 0
+    capsys.readouterr()
+    used = CostModel.load(tmp_path / "used.json")
+    assert used.bandwidth == 12.5e9 and used.latency == pytest.approx(1e-5)  # bits, not bytes
+    assert (used.eigh_n3, used.eigh_fixed, used.flops) == (7e-12, 3e-3, 2e13)
+    report = json.loads((out / "plan.json").read_text())
+    assert report["cost_model"]["bandwidth"] == 12.5e9
+    # the decompositions were timed with the given model: one factor of n=9 on a rank
+    layers = layer_costs(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    expected = forecast(layers, 4, used, grad_worker_fraction=1.0).seconds["decompose"].max()
+    comm_opt = next(p for p in report["plans"] if p["grad_worker_fraction"] == 1.0)
+    assert comm_opt["seconds"]["decompose"] == pytest.approx(expected)
+    sys.modules.pop("plan_models_costs", None)
+
+
+def test_auto_fraction_uses_the_given_cost_model(tmp_path: Path) -> None:
+    """'auto' at start-up predicts with config.plan_costs: a slow link makes
+    COMM-OPT (no per-step traffic, decompositions sent every 100 steps) win,
+    a fast link and slow products a fraction that splits the preconditioning."""
+    from kaisa.config import KFACConfig
+    from kaisa.forecast import auto_fraction
+
+    layers = list(KFACPreconditioner(mlp(64, 6)).layers.values())
+    picks = {}
+    for name, cost in {
+        "slow link": CostModel(bandwidth=1e3, latency=1e-3),
+        "slow products": CostModel(bandwidth=1e15, latency=0.0, flops=1e6),
+    }.items():
+        cost.save(tmp_path / f"{name}.json")
+        path = str(tmp_path / f"{name}.json")
+        config = KFACConfig(grad_worker_fraction="auto", inv_update_steps=100, plan_costs=path)
+        picks[name] = auto_fraction(layers, 8, config)
+        expected, _ = choose_fraction(layer_costs(mlp(64, 6)), 8, cost, inv_update_steps=100)
+        assert picks[name] == expected
+    assert picks["slow link"] == 1.0 and picks["slow products"] < 1.0
+    with pytest.raises(TypeError, match="plan_costs"):
+        KFACConfig(plan_costs=3)
+    with pytest.raises(FileNotFoundError):
+        KFACPreconditioner(mlp(), grad_worker_fraction="auto", plan_costs=str(tmp_path / "no"))

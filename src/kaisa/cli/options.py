@@ -51,6 +51,8 @@ _HELP: dict[str, str] = {
     "inv_dtype": "dtype of the decompositions ('none': float32)",
     "skip_layers": "regexes of module names or types that K-FAC leaves alone",
     "update_factors_in_hook": "accumulate factors inside the hooks rather than in step()",
+    "memory_budget_mb": "K-FAC memory per rank grad_worker_fraction='auto' must fit in",
+    "plan_costs": "cost model JSON (kaisa plan --save-costs) grad_worker_fraction='auto' uses",
     "loss_average": "what the training loss is averaged over (unset: the task's)",
     "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
 }

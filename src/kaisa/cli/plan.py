@@ -42,7 +42,10 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     )
     plan.add_argument("--world-size", type=int, nargs="+", default=[1, 2, 4], metavar="W")
     plan.add_argument(
-        "--batch-size", type=int, default=None, help="per-rank batch (default: the task's; 32)"
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-rank (micro-)batch (default: the task's; 32)",
     )
     plan.add_argument(
         "--memory-budget-mib", type=float, default=None, help="K-FAC memory allowed per rank"
@@ -55,7 +58,12 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         help="time eigh, Cholesky inverse and matmul on this device first",
     )
     plan.add_argument("--save-costs", type=Path, help="write the cost model used as JSON")
-    plan.add_argument("--bandwidth-gbps", type=float, default=None, help="link GB/s per rank")
+    plan.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=None,
+        help="link speed per rank in gigabits per second, as links are rated (100 = 12.5 GB/s)",
+    )
     plan.add_argument("--latency-us", type=float, default=None, help="µs per collective hop")
     plan.add_argument("--out", type=Path, default=Path("runs/plan"))
     add_kfac_arguments(plan)
@@ -81,7 +89,8 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...] | 
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
-    bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps is not None else None
+    # the cost model counts bytes; links are rated in bits
+    bandwidth = args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps is not None else None
     latency = args.latency_us * 1e-6 if args.latency_us is not None else None
     if args.costs:
         cost = CostModel.load(args.costs)

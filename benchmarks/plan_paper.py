@@ -1,0 +1,357 @@
+"""``kaisa plan`` for the SC'21 paper's models at 8-1024 GPUs, with a given GPU cost model.
+
+ResNet-50 (ImageNet, 224x224, 32 images per GPU) and BERT-Large
+(pre-training phase 2: sequences of 512 tokens, 8 per GPU), each at
+W = 8 ... 1024 ranks and grad_worker_fraction 1/W (MEM-OPT), 1/8, 1/2
+(HYBRID-OPT) and 1 (COMM-OPT): per-rank K-FAC memory, bytes per step
+(averaged over the update intervals) and per factor and inverse update, the
+predicted overhead per step, and the fraction ``grad_worker_fraction='auto'``
+would pick (all power-of-two fractions compared, with and without a memory
+budget).
+
+Nothing here is measured on a GPU: the cost model is *given* (see
+``gpu_costs``: figures representative of a V100/A100 and an InfiniBand link
+of ``--link-gbit`` Gb/s), and written next to the results as JSON so that
+``kaisa plan --costs`` reproduces any row.  Memory and bytes do not depend
+on the cost model; they are what ``memory_usage()`` and ``comm_stats()``
+would report (equal at W = 1, 2, 4 in tests/distributed).
+
+Writes ``plan_paper.json``, ``plan_paper.png`` (memory against bytes per
+step, one line per W, as Fig. 6.3 of the SC'21 paper / the thesis) and
+``plan_paper_scaling.png`` (predicted overhead per step against W, one line
+per fraction) and ``plan_paper_fig63.png`` (at W = 64, every power-of-two
+fraction: overhead and memory, the layout of the thesis' Fig. 6.3) to
+``--out``; prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from kaisa.costs import CostModel
+from kaisa.forecast import (
+    Forecast,
+    LayerCost,
+    choose_fraction,
+    forecast,
+    fractions_for,
+    layer_costs,
+    probe_rows,
+)
+from kaisa.zoo import bert_large, resnet50
+
+MIB = 2**20
+WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+#: the world size of the thesis' Fig. 6.3 (64 V100s): every fraction is swept there
+FIG63_WORLD = 64
+#: factor statistics every 10 steps, decompositions every 100: the defaults of
+#: kfac-pytorch's ImageNet example (--kfac-cov-update-freq 10,
+#: --kfac-update-freq 100); used for both models
+INTERVALS: dict[str, Any] = dict(factor_update_steps=10, inv_update_steps=100)
+
+
+@dataclass(frozen=True)
+class PaperModel:
+    name: str
+    build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]
+    batch: int  #: per GPU
+    budget_mib: float  #: an example per-rank K-FAC memory budget for 'auto'
+    note: str
+
+
+MODELS = {
+    "resnet50": PaperModel("ResNet-50", resnet50, 32, 256.0, "ImageNet 224x224, 32 images per GPU"),
+    "bert-large": PaperModel(
+        "BERT-Large", bert_large, 8, 2048.0, "phase 2: 512 tokens, 8 sequences per GPU"
+    ),
+}
+
+
+def gpu_costs(link_gbit: float) -> CostModel:
+    """A GPU-like cost model, given (not measured here; no GPU on this machine).
+
+    * eigh: 5e-12 s·n³ + 5 ms (cuSOLVER syevd in float32: about 10 ms at
+      n = 1024 and 0.35 s at n = 4096; its fixed cost is large because the
+      tridiagonalisation is partly host-driven);
+    * Cholesky inverse: 1e-12 s·n³ + 1 ms;
+    * matrix products: 14 TFLOP/s (float32, no TF32: V100 peak 15.7, A100 19.5);
+    * device memory: 750 GB/s moved (read + write) in a copy;
+    * link: ``link_gbit`` Gb/s per rank, 10 µs per collective hop.
+    """
+    return CostModel(
+        eigh_n3=5e-12,
+        eigh_fixed=5e-3,
+        inverse_n3=1e-12,
+        inverse_fixed=1e-3,
+        flops=14e12,
+        memory_bandwidth=750e9,
+        bandwidth=link_gbit * 1e9 / 8,
+        latency=10e-6,
+        device=f"given: V100/A100-like, {link_gbit:g} Gb/s link",
+    )
+
+
+def paper_fractions(world: int) -> list[float]:
+    """MEM-OPT (1/W), 1/8, HYBRID-OPT (1/2) and COMM-OPT (1), once each."""
+    return sorted({1.0 / world, 1.0 / 8, 0.5, 1.0})
+
+
+def model_layers(model: PaperModel) -> tuple[list[LayerCost], float]:
+    """The layers kaisa registers, with the rows one probe step counts, and
+    the seconds the probe took (a forward/backward of batch 1 on this CPU)."""
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    net, example = model.build()
+    rows = probe_rows(net, example, scale=model.batch)
+    layers = layer_costs(net, rows, **INTERVALS)
+    return layers, time.perf_counter() - start
+
+
+def row(model: str, fc: Forecast, recommended: float, within: float, budget: float) -> dict:
+    s = fc.summary(budget)
+    return {
+        "model": model,
+        "world_size": fc.world_size,
+        "grad_worker_fraction": fc.fraction,
+        "grad_workers": fc.grad_workers,
+        "memory_mib": s["memory_max_bytes"] / MIB,
+        "mb_per_step": s["bytes_per_step"] / 1e6,
+        "mb_factor_update": s["bytes_factor_step"] / 1e6,
+        "mb_inverse_update": s["bytes_inverse_step"] / 1e6,
+        "mb_every_step": s["bytes_every_step"] / 1e6,
+        "overhead_ms": 1e3 * s["overhead_s"],
+        "stages_ms": {k: 1e3 * v for k, v in s["seconds"].items()},
+        "auto": fc.fraction == recommended,
+        "auto_within_budget": fc.fraction == within,
+    }
+
+
+def plan_model(
+    key: str, layers: list[LayerCost], cost: CostModel, worlds: tuple[int, ...]
+) -> tuple[list[dict], dict[int, dict[str, float]]]:
+    model = MODELS[key]
+    budget = model.budget_mib * MIB
+    rows, choices = [], {}
+    for world in tqdm(worlds, desc=f"{key} @ {cost.bandwidth * 8 / 1e9:g} Gb/s", leave=False):
+        free, _ = choose_fraction(layers, world, cost, None, **INTERVALS)
+        within, _ = choose_fraction(layers, world, cost, budget, **INTERVALS)
+        choices[world] = {"auto": free, "auto_within_budget": within}
+        for f in paper_fractions(world):
+            fc = forecast(layers, world, cost, grad_worker_fraction=f, **INTERVALS)
+            rows.append(row(key, fc, free, within, budget))
+    return rows, choices
+
+
+def fraction_label(f: float, world: int) -> str:
+    if f == 1.0:
+        return "1"
+    return f"1/{round(1 / f)}" if abs(1 / f - round(1 / f)) < 1e-9 else f"{f:.3g}"
+
+
+def print_table(key: str, rows: list[dict], choices: dict[int, dict[str, float]]) -> None:
+    model = MODELS[key]
+    print(f"\n{model.name} ({model.note}); intervals {INTERVALS}")
+    print(
+        f"{'W':>5} {'f':>6} {'KFAC MiB':>9} {'MB/step':>8} {'MB factor':>9} {'MB inverse':>10} "
+        f"{'overhead ms':>11}"
+    )
+    for r in rows:
+        w = r["world_size"]
+        marks = []
+        if r["auto"]:
+            marks.append("auto")
+        if r["auto_within_budget"]:
+            marks.append(f"auto<={model.budget_mib:g}MiB")
+        print(
+            f"{w:>5} {fraction_label(r['grad_worker_fraction'], w):>6} {r['memory_mib']:>9.1f} "
+            f"{r['mb_per_step']:>8.1f} {r['mb_factor_update']:>9.1f} "
+            f"{r['mb_inverse_update']:>10.1f} {r['overhead_ms']:>11.1f}  {' '.join(marks)}"
+        )
+    print(
+        "auto picks: "
+        + ", ".join(
+            f"W={w}: {fraction_label(c['auto'], w)} "
+            f"({fraction_label(c['auto_within_budget'], w)} within {model.budget_mib:g} MiB)"
+            for w, c in choices.items()
+        )
+    )
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        mine = [r for r in rows if r["model"] == key]
+        for world in sorted({r["world_size"] for r in mine}):
+            line = sorted(
+                (r for r in mine if r["world_size"] == world),
+                key=lambda r: r["grad_worker_fraction"],
+            )
+            ax.plot(
+                [r["memory_mib"] for r in line],
+                [r["mb_per_step"] for r in line],
+                marker="o",
+                label=f"W={world}",
+            )
+            for r in line:
+                ax.annotate(
+                    fraction_label(r["grad_worker_fraction"], world),
+                    (r["memory_mib"], r["mb_per_step"]),
+                    fontsize=6,
+                    xytext=(2, 2),
+                    textcoords="offset points",
+                )
+        ax.set_title(f"{MODELS[key].name}: K-FAC memory vs communication (predicted)")
+        ax.set_xscale("log")
+        ax.set_xlabel("K-FAC memory per rank (MiB, max over ranks; log scale)")
+        ax.set_ylabel("MB moved per step per rank (averaged)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "plan_paper.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        mine = [r for r in rows if r["model"] == key]
+        for label, pick in (
+            ("MEM-OPT 1/W", lambda r: r["grad_workers"] == 1),
+            ("1/8", lambda r: r["grad_worker_fraction"] == 1 / 8 and r["grad_workers"] > 1),
+            ("HYBRID-OPT 1/2", lambda r: r["grad_worker_fraction"] == 0.5),
+            ("COMM-OPT 1", lambda r: r["grad_worker_fraction"] == 1.0),
+        ):
+            line = sorted((r for r in mine if pick(r)), key=lambda r: r["world_size"])
+            ax.plot(
+                [r["world_size"] for r in line],
+                [r["overhead_ms"] for r in line],
+                marker="o",
+                label=label,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{MODELS[key].name}: predicted K-FAC overhead per step")
+        ax.set_xlabel("GPUs (W)")
+        ax.set_ylabel("ms per step (amortised)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "plan_paper_scaling.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_fig63(sweeps: dict[str, list[dict]], out: Path) -> None:
+    """As the thesis' Fig. 6.3: per fraction at one W, overhead (bars) and memory (line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], sweeps.items()):
+        labels = [fraction_label(r["grad_worker_fraction"], r["world_size"]) for r in rows]
+        ax.bar(range(len(rows)), [r["overhead_ms"] for r in rows], color="tab:blue")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_xlabel(f"grad_worker_fraction at W={rows[0]['world_size']}")
+        ax.set_ylabel("predicted K-FAC overhead (ms/step)", color="tab:blue")
+        mem = ax.twinx()
+        mem.plot(range(len(rows)), [r["memory_mib"] / 1024 for r in rows], "o-", color="tab:red")
+        mem.set_ylabel("K-FAC memory per rank (GiB)", color="tab:red")
+        ax.set_title(f"{MODELS[key].name}: overhead and memory per fraction (predicted)")
+    fig.tight_layout()
+    fig.savefig(out / "plan_paper_fig63.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--world-size", type=int, nargs="+", default=list(WORLDS))
+    parser.add_argument(
+        "--link-gbit",
+        type=float,
+        nargs="+",
+        default=[100.0, 200.0, 25.0],
+        help="link speeds (Gb/s per rank; 25 = a 100 Gb/s NIC shared by 4 GPUs); the tables "
+        "and plots use the first",
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "intervals": INTERVALS,
+        "models": {},
+        "cost_models": {},
+        "rows": [],
+        "auto": {},
+        "fig63": {},
+    }
+    for key in tqdm(args.models, desc="models"):
+        layers, probe_s = model_layers(MODELS[key])
+        report["models"][key] = {
+            **{k: v for k, v in asdict(MODELS[key]).items() if k != "build"},
+            "layers": len(layers),
+            "probe_seconds": probe_s,
+        }
+        for i, gbit in enumerate(args.link_gbit):
+            cost = gpu_costs(gbit)
+            costs_path = args.out / f"plan_paper_costs_{gbit:g}gbit.json"
+            cost.save(costs_path)
+            report["cost_models"][f"{gbit:g}"] = {"file": str(costs_path), **asdict(cost)}
+            rows, choices = plan_model(key, layers, cost, tuple(args.world_size))
+            for r in rows:
+                r["link_gbit"] = gbit
+            report["rows"] += rows
+            report["auto"][f"{key}@{gbit:g}"] = {str(w): c for w, c in choices.items()}
+            if i == 0:
+                print_table(key, rows, choices)
+                sweep = [
+                    row(key, fc, choices.get(FIG63_WORLD, {}).get("auto", -1.0), -1.0, 0.0)
+                    for fc in (
+                        forecast(layers, FIG63_WORLD, cost, grad_worker_fraction=f, **INTERVALS)
+                        for f in fractions_for(FIG63_WORLD)
+                    )
+                ]
+                report["fig63"][key] = sweep
+                print(
+                    f"W={FIG63_WORLD}, every fraction: "
+                    + ", ".join(
+                        f"{fraction_label(r['grad_worker_fraction'], FIG63_WORLD)}: "
+                        f"{r['overhead_ms']:.1f} ms {r['memory_mib']:.0f} MiB"
+                        for r in sweep
+                    )
+                )
+            else:
+                print(
+                    f"{MODELS[key].name} at {gbit:g} Gb/s, auto picks: "
+                    + ", ".join(
+                        f"W={w}: {fraction_label(c['auto'], w)}" for w, c in choices.items()
+                    )
+                )
+    (args.out / "plan_paper.json").write_text(json.dumps(report, indent=2) + "\n")
+    first = args.link_gbit[0]
+    plot([r for r in report["rows"] if r["link_gbit"] == first], args.out)
+    plot_fig63(report["fig63"], args.out)
+    print(
+        f"wrote {args.out / 'plan_paper.json'}, plan_paper.png, plan_paper_scaling.png, "
+        "plan_paper_fig63.png"
+    )
+
+
+if __name__ == "__main__":
+    main()
