@@ -138,9 +138,9 @@ class GradientApplication:
                 v = self.method.apply(layer.factors, layer.state, grad, damping)
                 results[name] = (v, kl_term(v, grad))
             if self.plan.grad_workers < self.plan.world_size:
-                # the ranks ≡ rank (mod m): the same set for every layer, with
-                # this layer's worker among them (O(1), nothing built per step)
-                group = self.plan.receiver_groups[self.rank % self.plan.grad_workers]
+                # this rank's row of the rank grid: the same set for every
+                # layer, with this layer's worker among them (O(1))
+                group = self.plan.receiver_group_of(self.rank)
                 src = lp.gradient_source(self.rank)
                 if self.rank == src:
                     v, dot = results[name]

@@ -152,8 +152,9 @@ class Communicator:
     Args:
         topology: the data-parallel group and the model-parallel groups.
         grad_workers: m, the gradient workers per layer of the plan (0: all
-            ranks): the worker groups are blocks of m consecutive positions,
-            the receiver groups the positions equal modulo m.
+            ranks): with n = W/m, the receiver groups are blocks of n
+            consecutive positions, the worker groups the positions equal
+            modulo n.
         device_type: the device of the tensors sent (for the DeviceMesh).
         bucket_cap_mb: bucket size; 0 sends each tensor on its own.
         symmetry_aware: send only the upper triangle of symmetric matrices.
@@ -183,7 +184,7 @@ class Communicator:
         self.symmetry_aware = symmetry_aware
         self.timeout_s = timeout_s
         self.stats = CommStats()
-        #: kaisa's ``("kfac_receivers", "kfac_workers")`` DeviceMesh (None
+        #: kaisa's ``("kfac_workers", "kfac_receivers")`` DeviceMesh (None
         #: where it has no group to give: one process, or f = 1 or 1/W on
         #: the whole world, or a bare data-parallel subgroup without a mesh)
         self.mesh: Any = None
@@ -202,10 +203,10 @@ class Communicator:
 
     def _make_groups(self, m: int, timeout: datetime.timedelta | None, device_type: str) -> None:
         """A private copy of the data-parallel group (K-FAC traffic never
-        interleaves with DDP's buckets), and this rank's worker group (its
-        block of m consecutive positions) and receiver group (the positions
-        ≡ rank mod m): the two dimensions of a ``(W/m, m)`` mesh unflattened
-        from the data-parallel one, created by torch's DeviceMesh (one
+        interleaves with DDP's buckets), and this rank's worker group (the
+        positions ≡ rank mod n, n = W/m) and receiver group (its block of n
+        consecutive positions): the two dimensions of the plan's ``(m, n)``
+        rank grid, a mesh unflattened from the data-parallel one, created by torch's DeviceMesh (one
         ``split_group`` per dimension on NCCL) rather than one ``new_group``
         per group of the plan."""
         w = self.world_size
@@ -218,8 +219,9 @@ class Communicator:
             timeout=timeout,
             use_local_synchronization=subgroup,  # only this group's members call it
         )
-        workers = tuple(range(self.rank - self.rank % m, self.rank - self.rank % m + m))
-        receivers = tuple(range(self.rank % m, w, m))
+        n = w // m  # the m × n rank grid of the plan: workers a column, receivers a row
+        workers = tuple(range(self.rank % n, w, n))
+        receivers = tuple(range(self.rank - self.rank % n, self.rank - self.rank % n + n))
         dp_mesh = self.topology.dp_mesh
         if dp_mesh is None and not subgroup:
             if 1 < m < w:  # f = 1 and 1/W need no group beside `everyone`
@@ -231,8 +233,8 @@ class Communicator:
         if dp_mesh is not None:
             self.mesh = dp_mesh._unflatten(
                 0,
-                (w // m, m),
-                ("kfac_receivers", "kfac_workers"),
+                (m, n),
+                ("kfac_workers", "kfac_receivers"),
                 backend_override=_timeouts(dp_mesh.get_group(), timeout),
             )
             found = {
@@ -490,4 +492,4 @@ def _timeouts(group: Any, timeout: datetime.timedelta | None) -> dict[str, Any] 
     else:  # a mixed or custom backend: torch's own default
         return None
     options._timeout = timeout
-    return {"kfac_receivers": options, "kfac_workers": options}
+    return {"kfac_workers": options, "kfac_receivers": options}

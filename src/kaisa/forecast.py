@@ -240,8 +240,7 @@ def forecast(
     exchange = 0
     for layer in layers:
         lp = plan.layer(layer.name)
-        first, m = lp.grad_workers[0], len(lp.grad_workers)
-        workers = slice(first, first + m)
+        workers, m = lp.worker_slice, len(lp.grad_workers)
         for spec, owner in zip(layer.factors, lp.owners):
             memory["factors"][owner] += spec.numel * layer.factor_itemsize
             factor_step["factor_reduce"] += layer.factor_itemsize * packed_numel(

@@ -10,13 +10,17 @@ and the gradient worker fraction f, :func:`make_plan` decides
   eigenbases (or inverses) and compute its preconditioned gradient;
 * which ranks receive the preconditioned gradient from which worker.
 
-The ranks are split into W/m *worker groups* of m = f·W consecutive ranks,
-and into m *receiver groups* ``{i, i+m, i+2m, …}``.  A layer is given to one
-worker group; its decomposer(s) sit in that group and broadcast the
-second-order tensors to the group on inverse-update steps; each worker then
-broadcasts the preconditioned gradient to the receiver group it belongs to,
-every step.  f = 1 (COMM-OPT) makes every rank a worker of every layer and
-removes the per-step broadcast; f = 1/W (MEM-OPT) makes one worker per layer.
+The ranks form an ``m × n`` grid (m = f·W workers per layer, n = W/m),
+row-major as KAISA lays it out: the n *worker groups* are its columns
+``{g, g+n, g+2n, …}`` and the m *receiver groups* its rows, n consecutive
+ranks each.  A layer is given to one worker group; its decomposer(s) sit in
+that group and broadcast the second-order tensors to the group on
+inverse-update steps; each worker then broadcasts the preconditioned
+gradient to the rest of its row, every step.  The per-step traffic thus stays
+among consecutive ranks — inside a node when n is at most the GPUs per node —
+and only the infrequent inverse broadcast crosses nodes.  f = 1 (COMM-OPT)
+makes every rank a worker of every layer and removes the per-step broadcast;
+f = 1/W (MEM-OPT) makes one worker per layer.
 
 Ranks here are positions in the data-parallel group (0 … W−1), not global
 ranks: ranks that hold other parts of the model (tensor or pipeline
@@ -64,10 +68,11 @@ class LayerSpec:
 class LayerPlan:
     """Who does what for one layer (ranks are positions in the data-parallel group).
 
-    The gradient workers are an aligned block ``[s, s + m)`` (``s`` a multiple
-    of ``m``), so worker ``s + i`` serves the ranks ``≡ i (mod m)``: every
-    lookup on the step path is O(1) and the receiver groups are derived, not
-    stored (at W = 4096 storing them per layer would cost gigabytes).
+    The gradient workers are a column ``g, g + n, …, g + (m−1)·n`` of the
+    ``m × n`` rank grid (``n = W/m``), so worker ``b·n + g`` serves the ranks
+    ``[b·n, (b+1)·n)`` of its row: every lookup on the step path is O(1) and
+    the receiver groups are derived, not stored (at W = 4096 storing them per
+    layer would cost gigabytes).
     """
 
     name: str
@@ -90,19 +95,30 @@ class LayerPlan:
     def is_decomposer(self, rank: int) -> bool:
         return rank in self.owners
 
+    @property
+    def _row(self) -> int:
+        """n = W/m: the length of a receiver group (a row of the rank grid)."""
+        return self.world_size // len(self.grad_workers)
+
     def is_grad_worker(self, rank: int) -> bool:
-        first = self.grad_workers[0]
-        return first <= rank < first + len(self.grad_workers)
+        return rank % self._row == self.grad_workers[0]
 
     def gradient_source(self, rank: int) -> int:
-        """The gradient worker whose preconditioned gradient ``rank`` uses (O(1))."""
-        return self.grad_workers[rank % len(self.grad_workers)]
+        """The gradient worker whose preconditioned gradient ``rank`` uses (O(1)):
+        the one in ``rank``'s row."""
+        return self.grad_workers[rank // self._row]
 
     def receiver_group_of(self, rank: int) -> tuple[int, ...]:
         """The worker serving ``rank`` first, then every rank it serves."""
-        m = len(self.grad_workers)
+        n = self._row
         src = self.gradient_source(rank)
-        return (src, *(r for r in range(rank % m, self.world_size, m) if r != src))
+        first = rank - rank % n
+        return (src, *(r for r in range(first, first + n) if r != src))
+
+    @property
+    def worker_slice(self) -> slice:
+        """The gradient workers as a slice of a per-rank array (a grid column)."""
+        return slice(self.grad_workers[0], self.world_size, self._row)
 
     @property
     def receiver_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -166,15 +182,30 @@ class WorkPlan:
     colocate_factors: bool
     layers: tuple[LayerPlan, ...]
 
+    @property
+    def receivers_per_group(self) -> int:
+        """n = W/m: the worker groups, and the ranks of each receiver group."""
+        return self.world_size // self.grad_workers
+
     @functools.cached_property
     def worker_groups(self) -> tuple[tuple[int, ...], ...]:
-        m = self.grad_workers
-        return tuple(tuple(range(s, s + m)) for s in range(0, self.world_size, m))
+        """The columns ``{g, g+n, …}`` of the ``m × n`` rank grid."""
+        n = self.receivers_per_group
+        return tuple(tuple(range(g, self.world_size, n)) for g in range(n))
 
     @functools.cached_property
     def receiver_groups(self) -> tuple[tuple[int, ...], ...]:
-        m = self.grad_workers
-        return tuple(tuple(range(i, self.world_size, m)) for i in range(m))
+        """The rows of the rank grid: n consecutive ranks each."""
+        n = self.receivers_per_group
+        return tuple(tuple(range(b, b + n)) for b in range(0, self.world_size, n))
+
+    def worker_group_of(self, rank: int) -> tuple[int, ...]:
+        """The worker group (grid column) ``rank`` belongs to (O(1))."""
+        return self.worker_groups[rank % self.receivers_per_group]
+
+    def receiver_group_of(self, rank: int) -> tuple[int, ...]:
+        """The receiver group (grid row) ``rank`` belongs to (O(1))."""
+        return self.receiver_groups[rank // self.receivers_per_group]
 
     @property
     def grad_worker_fraction(self) -> float:
@@ -209,13 +240,9 @@ class WorkPlan:
                 out["layers_owned"][owner] += 1
             # eigenbases (or inverses) plus the eigenvalue outer product
             numel = math.prod(spec.dim for spec in lp.factors)
-            first, m = lp.grad_workers[0], len(lp.grad_workers)
-            out["second_order_elements"][first : first + m] += (
-                sum(spec.numel for spec in lp.factors) + numel
-            )
-            out["precondition_flops"][first : first + m] += (
-                4.0 * numel * sum(spec.dim for spec in lp.factors)
-            )
+            workers = lp.worker_slice
+            out["second_order_elements"][workers] += sum(spec.numel for spec in lp.factors) + numel
+            out["precondition_flops"][workers] += 4.0 * numel * sum(spec.dim for spec in lp.factors)
         return out
 
     def rank_load(self, rank: int) -> dict[str, float]:
@@ -307,12 +334,13 @@ def make_plan(
     names = [spec.name for spec in layers]
     if len(set(names)) != len(names):
         raise ValueError("layer names must be unique")
-    worker_groups = [tuple(range(s, s + m)) for s in range(0, world_size, m)]
+    n = world_size // m
+    worker_groups = [tuple(range(g, world_size, n)) for g in range(n)]  # grid columns
     load = np.zeros(world_size)
     group_load = np.zeros(len(worker_groups))
 
-    def least_loaded(first: int) -> int:
-        return first + int(np.argmin(load[first : first + m]))  # ties: the lowest rank
+    def least_loaded(g: int) -> int:
+        return g + n * int(np.argmin(load[g::n]))  # ties: the lowest rank
 
     def total_cost(spec: LayerSpec) -> float:
         return sum(f.cost(strategy) for f in spec.factors)
@@ -322,17 +350,16 @@ def make_plan(
     for i in order:
         spec = layers[i]
         g = int(np.argmin(group_load))  # ties: the lowest group
-        first = g * m
         owners = [0] * len(spec.factors)
         if colocate_factors:
-            rank = least_loaded(first)
+            rank = least_loaded(g)
             owners = [rank] * len(spec.factors)
             load[rank] += total_cost(spec)
         else:
             costs = [f.cost(strategy) for f in spec.factors]
             big_first = sorted(range(len(costs)), key=lambda k: -costs[k])
             for k in big_first:
-                rank = least_loaded(first)
+                rank = least_loaded(g)
                 owners[k] = rank
                 load[rank] += costs[k]
         group_load[g] += total_cost(spec)

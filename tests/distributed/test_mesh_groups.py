@@ -1,8 +1,8 @@
 """kaisa's worker and receiver groups as two dimensions of one DeviceMesh.
 
 ``Topology.from_mesh`` takes the job's mesh; the communicator unflattens its
-data-parallel dimension into ``("kfac_receivers", "kfac_workers")`` of shape
-``(W/m, m)``, so the groups compose with the other dimensions and are made by
+data-parallel dimension into ``("kfac_workers", "kfac_receivers")`` of shape
+``(m, W/m)`` (the plan's rank grid: workers a column, receivers a row), so the groups compose with the other dimensions and are made by
 torch's mesh machinery.  Checked on 4 gloo ranks: the groups are the plan's,
 kaisa itself makes one ``new_group`` (its private copy of the data-parallel
 group), group timeouts are kaisa's, training equals the single process, and
@@ -64,10 +64,8 @@ def mesh_run(rank: int, world: int, shape: tuple[int, int], fraction: float) -> 
         "mesh_names": comm.mesh.mesh_dim_names,
         "workers": _ranks(comm.mesh.get_group("kfac_workers")),
         "receivers": _ranks(comm.mesh.get_group("kfac_receivers")),
-        "plan_workers": [comm.global_ranks[r] for r in plan.worker_groups[me // plan.grad_workers]],
-        "plan_receivers": [
-            comm.global_ranks[r] for r in plan.receiver_groups[me % plan.grad_workers]
-        ],
+        "plan_workers": [comm.global_ranks[r] for r in plan.worker_group_of(me)],
+        "plan_receivers": [comm.global_ranks[r] for r in plan.receiver_group_of(me)],
         "timeouts": [_timeout(comm.group(range(comm.world_size)))]
         + [_timeout(comm.mesh.get_group(d)) for d in ("kfac_workers", "kfac_receivers")],
     }
@@ -91,8 +89,8 @@ def test_groups_are_mesh_dimensions_and_training_equals_one_process(
     m = round(fraction * w)
     for rank, got in enumerate(results):
         assert got["kaisa_new_group_calls"] == 1, got["kaisa_new_group_calls"]
-        assert got["mesh_names"] == ("kfac_receivers", "kfac_workers")
-        assert got["mesh_shape"] == (w // m, m)
+        assert got["mesh_names"] == ("kfac_workers", "kfac_receivers")
+        assert got["mesh_shape"] == (m, w // m)
         assert got["workers"] == got["plan_workers"], rank
         assert got["receivers"] == got["plan_receivers"], rank
         assert rank in got["workers"] and rank in got["receivers"]
@@ -141,5 +139,5 @@ def test_world_without_mesh_gets_a_kaisa_mesh() -> None:
     results = run_distributed(4, world_hybrid, timeout_s=60, pg_timeout_s=20)
     for rank, got in enumerate(results):
         assert got["shape"] == (2, 2)
-        assert got["workers"] == [rank - rank % 2, rank - rank % 2 + 1]
-        assert got["receivers"] == [rank % 2, rank % 2 + 2]
+        assert got["workers"] == [rank % 2, rank % 2 + 2]  # a column of the 2 × 2 grid
+        assert got["receivers"] == [rank - rank % 2, rank - rank % 2 + 1]  # a row

@@ -76,9 +76,16 @@ def test_plan_invariants(world, fraction, colocate) -> None:
         # every rank receives the layer's preconditioned gradient from exactly one worker
         receivers = sorted(r for g in lp.receiver_groups for r in g)
         assert receivers == list(range(world))
+        n = world // m
         for rank in range(world):
+            # KAISA's m × n grid: the worker serving a rank is in its row of n consecutive ranks
             assert lp.gradient_source(rank) in lp.grad_workers
-            assert lp.gradient_source(rank) % m == rank % m
+            assert lp.gradient_source(rank) // n == rank // n
+            assert lp.is_grad_worker(rank) == (rank in lp.grad_workers)
+        assert lp.grad_workers == tuple(range(lp.grad_workers[0], world, n))
+    for rank in range(world):
+        assert plan.receiver_group_of(rank) == tuple(range(rank - rank % n, rank - rank % n + n))
+        assert rank in plan.worker_group_of(rank)
 
 
 def test_comm_opt_and_mem_opt_extremes() -> None:
@@ -133,7 +140,8 @@ def test_plan_is_deterministic_and_describable() -> None:
     assert a == make_plan(layers, 8, 0.5)
     text = a.describe()
     assert "world_size=8, grad_workers=4" in text
-    assert "receiver groups: [[0, 4], [1, 5], [2, 6], [3, 7]]" in text
+    assert "receiver groups: [[0, 1], [2, 3], [4, 5], [6, 7]]" in text
+    assert "worker groups:   [[0, 2, 4, 6], [1, 3, 5, 7]]" in text
     assert all(f"layer{i}" in text for i in range(12))
     assert (
         len([line for line in text.splitlines() if line.strip().startswith(tuple("01234567"))]) == 8
@@ -163,13 +171,14 @@ def test_plan_at_4096_ranks_is_compact_and_constant_time() -> None:
     for fraction in (1.0, 0.5, 1 / 4096):
         plan = make_plan(specs, 4096, fraction)
         m = plan.grad_workers
-        assert len({id(lp.grad_workers) for lp in plan.layers}) <= 4096 // m
+        n = 4096 // m
+        assert len({id(lp.grad_workers) for lp in plan.layers}) <= n
         for rank in (0, 1, 4095):
             for lp in plan.layers[:50]:
                 src = lp.gradient_source(rank)
-                assert lp.is_grad_worker(src) and src % m == rank % m
+                assert lp.is_grad_worker(src) and src // n == rank // n
                 assert lp.is_grad_worker(rank) == (rank in lp.grad_workers)
                 assert lp.receiver_group_of(rank)[0] == src
-                assert set(lp.receiver_group_of(rank)) == set(plan.receiver_groups[rank % m])
+                assert set(lp.receiver_group_of(rank)) == set(plan.receiver_group_of(rank))
         text = plan.describe()
         assert len(text.splitlines()) < 100 and "median" in text and "largest of 1000" in text
