@@ -53,6 +53,7 @@ _HELP: dict[str, str] = {
     "update_factors_in_hook": "accumulate factors inside the hooks rather than in step()",
     "loss_average": "what the training loss is averaged over (unset: the task's)",
     "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
+    "tensor_parallel": "layers sharded by parallelize_module: 'exact' (gathered) or 'block'",
 }
 
 _TRUE = ("true", "yes", "on", "1")

@@ -26,9 +26,12 @@ def select_engine(model: nn.Module, gradient_access: GradientAccess | None = Non
     """The engine for ``model``: a ``deepspeed.DeepSpeedEngine`` gets
     :class:`~kaisa.engines.deepspeed.DeepSpeedEngine`; anything else plain
     PyTorch (``.grad``, DDP, DataParallel, ``torch.compile``); a model sharded
-    with ``fully_shard`` gets :class:`~kaisa.engines.fsdp.FSDP2Engine`."""
+    with ``fully_shard`` gets :class:`~kaisa.engines.fsdp.FSDP2Engine`; one
+    whose weights are DTensors sharded by ``parallelize_module`` gets
+    :class:`~kaisa.engines.tensor_parallel.TensorParallelEngine`."""
     from kaisa.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
     from kaisa.engines.fsdp import FSDP2Engine, is_fsdp2_model
+    from kaisa.engines.tensor_parallel import TensorParallelEngine, tensor_parallel_mesh
 
     if is_deepspeed_engine(model):
         if gradient_access is not None:
@@ -37,6 +40,14 @@ def select_engine(model: nn.Module, gradient_access: GradientAccess | None = Non
                 "its own (partitioned) gradients"
             )
         return DeepSpeedEngine(model)
+    mesh = tensor_parallel_mesh(model)
+    if mesh is not None:
+        if is_fsdp2_model(model) or gradient_access is not None:
+            raise NotImplementedError(
+                "kaisa: tensor parallelism (parallelize_module) combined with fully_shard or "
+                "gradient_access is not supported; average data-parallel gradients by hand"
+            )
+        return TensorParallelEngine(mesh)
     if is_fsdp2_model(model) and gradient_access is None:
         return FSDP2Engine()
     return TorchEngine(gradient_access)
