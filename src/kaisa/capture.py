@@ -235,6 +235,12 @@ class Capture:
         gradient to the adapter's shape (a functional capture's slice)."""
         if not self.accepts(layer.adapter, module, output):
             return
+        if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
+            raise RuntimeError(
+                f"kaisa: layer {layer.name!r} received a DTensor input: the model was "
+                "parallelised after KFACPreconditioner was built. Construct the preconditioner "
+                "after parallelize_module"
+            )
         recomputed = _in_backward()
         batch = layer.adapter.batch_size(x)
         if not recomputed:

@@ -130,7 +130,13 @@ def tp_run(rank: int, world: int, kind: str, dims: tuple[int, int], opts: dict) 
     dp = dims[0]
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
     net = make(kind)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    # local_output=False: colwise outputs and their gradients stay DTensors, as
+    # hooks registered before parallelize_module see them
+    local_output = opts.pop("local_output", True)
+    styles = {
+        "colwise": lambda: ColwiseParallel(use_local_output=local_output),
+        "rowwise": RowwiseParallel,
+    }
     parallelize_module(net, mesh["tp"], {n: styles[s]() for n, s in net.plan.items()})
     opt = torch.optim.SGD(net.parameters(), lr=LR, foreach=False)
     topology = Topology(dp=mesh["dp"].get_group(), tp=mesh["tp"].get_group()) if dp > 1 else None
@@ -293,3 +299,38 @@ def test_attention_block_on_two_tp_ranks(mode: str) -> None:
         )
     else:
         assert_equal(results, reference_block("attention", 4, 2, inv_every=1))
+
+
+@pytest.mark.parametrize("mode", ["exact", "block"])
+def test_dtensor_outputs_and_gradients_are_captured(mode: str) -> None:
+    opts = dict(KW, tensor_parallel=mode, local_output=False)
+    results = run_distributed(2, tp_run, "mlp", (1, 2), opts, timeout_s=90, pg_timeout_s=30)
+    del opts["local_output"]
+    ref = dense_run("mlp", 4, opts) if mode == "exact" else reference_block("mlp", 4, 2, 1)
+    assert_equal(results, ref)
+
+
+def built_before_parallelising(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    net = make("mlp")
+    precond = KFACPreconditioner(net)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(net, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x, y = data("mlp", 4, 1)[0]
+    try:
+        loss_of(net(x), y).backward()
+        precond.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_preconditioner_built_before_parallelize_module_says_so() -> None:
+    for message in run_distributed(2, built_before_parallelising, timeout_s=60, pg_timeout_s=20):
+        assert "after parallelize_module" in message

@@ -40,14 +40,14 @@ def select_engine(model: nn.Module, gradient_access: GradientAccess | None = Non
                 "its own (partitioned) gradients"
             )
         return DeepSpeedEngine(model)
-    mesh = tensor_parallel_mesh(model)
+    if is_fsdp2_model(model) and gradient_access is None:
+        return FSDP2Engine()  # fully_shard's Shard(0) DTensors (FSDP + TP: not yet)
+    mesh = None if is_fsdp2_model(model) else tensor_parallel_mesh(model)
     if mesh is not None:
-        if is_fsdp2_model(model) or gradient_access is not None:
-            raise NotImplementedError(
-                "kaisa: tensor parallelism (parallelize_module) combined with fully_shard or "
-                "gradient_access is not supported; average data-parallel gradients by hand"
+        if gradient_access is not None:
+            raise ValueError(
+                "gradient_access cannot be combined with tensor parallelism (parallelize_module), "
+                "whose gradients kaisa reads through their local shards"
             )
         return TensorParallelEngine(mesh)
-    if is_fsdp2_model(model) and gradient_access is None:
-        return FSDP2Engine()
     return TorchEngine(gradient_access)

@@ -48,6 +48,9 @@ class LayerAdapter(ABC):
     #: the engine feeds :meth:`kaisa.capture.Capture.observe` itself (tensor
     #: parallelism gathers the shards of a call first); Capture adds no hook
     captured_by_engine = False
+    #: inputs may be DTensors (tensor parallelism); elsewhere a DTensor input
+    #: means the model was parallelised after the preconditioner was built
+    sees_dtensors = False
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name

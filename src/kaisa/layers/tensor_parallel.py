@@ -81,6 +81,7 @@ class ExactShardedAdapter(LinearAdapter):
     """
 
     captured_by_engine = True
+    sees_dtensors = True
 
     def __init__(self, name: str, module: nn.Module, style: Style, primary: int) -> None:
         super().__init__(name, module)
@@ -105,6 +106,8 @@ class ShardBlockAdapter(LinearAdapter):
     columns, outputs all of them, no bias column (the replicated bias is
     :class:`ReplicatedBiasAdapter`'s).  Gradients are the local shards.
     """
+
+    sees_dtensors = True
 
     def __init__(self, name: str, module: nn.Module, style: Style, tp_size: int, tp_rank: int):
         super().__init__(name, module)
@@ -162,6 +165,8 @@ class ReplicatedBiasAdapter(LayerAdapter):
     tensor-parallel rank, so every rank computes the same update and the bias
     stays replicated; the KL clip counts it once.
     """
+
+    sees_dtensors = True
 
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__(f"{name}.bias", module)
