@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner, Topology
 
-DP, TP = 2, 2
+MESHES = ((2, 2), (1, 4))  # (dp, tp): the tested 2 × 2 mesh, and tp = 4 alone
 
 
 class Block(nn.Module):
@@ -98,10 +98,13 @@ def build(name: str) -> tuple[Block, dict[str, Any]]:
     return Block(**{k: spec[k] for k in keys}), spec
 
 
-def run_rank(rank: int, init: str, name: str, mode: str, fraction: float, out: str) -> None:
+def run_rank(
+    rank: int, init: str, mesh_shape: tuple[int, int], name: str, mode: str, fraction: float,
+    out: str,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init}", rank=rank, world_size=DP * TP,
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=math.prod(mesh_shape),
         timeout=timedelta(seconds=120),
     )  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
@@ -111,7 +114,7 @@ def run_rank(rank: int, init: str, name: str, mode: str, fraction: float, out: s
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
     model, spec = build(name)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, mesh["tp"], {n: styles[s]() for n, s in model.plan().items()})
@@ -138,14 +141,17 @@ def run_rank(rank: int, init: str, name: str, mode: str, fraction: float, out: s
     dist.destroy_process_group()
 
 
-def measure(name: str, mode: str, fraction: float) -> list[dict[str, int]]:
+def measure(
+    mesh_shape: tuple[int, int], name: str, mode: str, fraction: float
+) -> list[dict[str, int]]:
     """Bytes per collective kind summed over the ranks, for step 0 and step 1."""
     ctx = mp.get_context("fork")
+    world = math.prod(mesh_shape)
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "pg"), os.path.join(tmp, "stats")
         procs = [
-            ctx.Process(target=run_rank, args=(r, init, name, mode, fraction, out))
-            for r in range(DP * TP)
+            ctx.Process(target=run_rank, args=(r, init, mesh_shape, name, mode, fraction, out))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -153,7 +159,7 @@ def measure(name: str, mode: str, fraction: float) -> list[dict[str, int]]:
             p.join(timeout=600)
             if p.exitcode != 0:
                 raise RuntimeError(f"rank failed in {name} {mode} f={fraction}")
-        per_rank = [torch.load(f"{out}.{r}") for r in range(DP * TP)]
+        per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
     totals: list[dict[str, int]] = []
     for step in range(2):
         summed: dict[str, int] = defaultdict(int)
@@ -164,43 +170,48 @@ def measure(name: str, mode: str, fraction: float) -> list[dict[str, int]]:
     return totals
 
 
-def gpt_neox(name: str, bytes_per: int = 4) -> dict[str, int]:
+def gpt_neox(mesh_shape: tuple[int, int], name: str, bytes_per: int = 4) -> dict[str, int]:
     """kfac-pytorch's GPT-NeoX tp traffic (network bytes, ring collectives)."""
+    dp_size, tp_size = mesh_shape
     model, spec = build(name)
     rows = spec["batch"] * spec["seq"]  # one call per step per layer
     factor = grad = 0
     for layer, style in model.plan().items():
         lin: nn.Linear = getattr(model, layer)
         sharded = lin.out_features if style == "colwise" else lin.in_features
-        factor += DP * (TP - 1) * rows * sharded * bytes_per  # all_gather in every tp group
+        # all_gather in every tp group
+        factor += dp_size * (tp_size - 1) * rows * sharded * bytes_per
         weight = lin.weight.numel() * bytes_per
         bias = lin.out_features * bytes_per
         # MEM-OPT: only the inverse worker's tp group gathers and scatters
-        grad += (TP - 1) * (weight + (bias if style == "colwise" else 0))  # all_gather
-        grad += (TP - 1) * (weight + bias)  # reduce_scatter (+ colwise bias) or bias broadcast
+        grad += (tp_size - 1) * (weight + (bias if style == "colwise" else 0))  # all_gather
+        grad += (tp_size - 1) * (weight + bias)  # reduce_scatter (+ colwise bias) or bias broadcast
     return {"factor_step_tp": factor + grad, "step_tp": grad}
 
 
 def table(out: Path) -> list[dict[str, Any]]:
     rows = []
-    for name in MODELS:
-        neox = gpt_neox(name)
-        rows.append(dict(model=name, config="GPT-NeoX (formula, MEM-OPT)", **neox))
-        for mode, fraction in (("exact", 1.0), ("exact", 0.5), ("block", 1.0)):
-            steps = measure(name, mode, fraction)
-            tp = [sum(v for k, v in s.items() if k.startswith("tp_")) for s in steps]
-            dp = [sum(v for k, v in s.items() if not k.startswith("tp_")) for s in steps]
-            rows.append(
-                dict(
-                    model=name,
-                    config=f"kaisa {mode}, f={fraction:g}",
-                    factor_step_tp=tp[0],
-                    step_tp=tp[1],
-                    factor_step_dp=dp[0],
-                    step_dp=dp[1],
-                    kinds=steps,
+    for mesh_shape in MESHES:
+        for name in MODELS:
+            neox = gpt_neox(mesh_shape, name)
+            rows.append(dict(mesh=mesh_shape, model=name, config="GPT-NeoX (formula)", **neox))
+            configs = [("exact", 1.0), ("exact", 1 / mesh_shape[0]), ("block", 1.0)]
+            for mode, fraction in dict.fromkeys(configs):  # one dp rank: f = 1/dp is f = 1
+                steps = measure(mesh_shape, name, mode, fraction)
+                tp = [sum(v for k, v in s.items() if k.startswith("tp_")) for s in steps]
+                dp = [sum(v for k, v in s.items() if not k.startswith("tp_")) for s in steps]
+                rows.append(
+                    dict(
+                        mesh=mesh_shape,
+                        model=name,
+                        config=f"kaisa {mode}, f={fraction:g}",
+                        factor_step_tp=tp[0],
+                        step_tp=tp[1],
+                        factor_step_dp=dp[0],
+                        step_dp=dp[1],
+                        kinds=steps,
+                    )
                 )
-            )
     out.mkdir(parents=True, exist_ok=True)
     (out / "tensor_parallel_comm.json").write_text(json.dumps(rows, indent=2))
     return rows
@@ -211,18 +222,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = parser.parse_args()
     rows = table(args.out)
-    print(f"dp × tp = {DP} × {TP}, float32; bytes per factor step / per other step")
-    print("| model | configuration | tp bytes, factor step | tp bytes, other step "
-          "| kaisa dp-side bytes, factor step | kaisa dp-side bytes, other step |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("float32; tp bytes on the network, kaisa's dp-side bytes as comm_stats() counts them")
+    print(
+        "| dp × tp | model | configuration | tp bytes, factor step | tp bytes, other step "
+        "| dp-side bytes, factor step | dp-side bytes, other step |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        dp = [r.get("factor_step_dp", "—"), r.get("step_dp", "—")]
+        dp = ["—", "—"] if "step_dp" not in r else [f"{r['factor_step_dp']:,}", f"{r['step_dp']:,}"]
+        mesh = " × ".join(map(str, r["mesh"]))
         print(
-            f"| {r['model']} | {r['config']} | {r['factor_step_tp']:,} | {r['step_tp']:,} "
-            f"| {dp[0]:,} | {dp[1]:,} |".replace("| —, |", "| — |")
-            if isinstance(dp[0], int)
-            else f"| {r['model']} | {r['config']} | {r['factor_step_tp']:,} | {r['step_tp']:,} "
-            "| — | — |"
+            f"| {mesh} | {r['model']} | {r['config']} | {r['factor_step_tp']:,} "
+            f"| {r['step_tp']:,} | {dp[0]} | {dp[1]} |"
         )
 
 
