@@ -147,7 +147,7 @@ def tp_run(rank: int, world: int, kind: str, dims: tuple[int, int], opts: dict) 
     batches, grads, stats = data(kind, 4 * dp, STEPS), [], []
     for x, y in batches:
         opt.zero_grad()
-        loss_of(net(x[me * 4 : (me + 1) * 4]), y[me * 4 : (me + 1) * 4]).backward()
+        micro(net, x[me * 4 : (me + 1) * 4], y[me * 4 : (me + 1) * 4], opts)
         for p in net.parameters():  # average over the data-parallel group by hand
             local = local_of(p.grad)
             dist.all_reduce(local, group=mesh["dp"].get_group())
@@ -157,7 +157,15 @@ def tp_run(rank: int, world: int, kind: str, dims: tuple[int, int], opts: dict) 
         stats.append(precond.comm_stats()["step"])
         opt.step()
     bias = {n: local_of(p.grad).clone() for n, p in net.named_parameters() if "bias" in n}
-    return {"grads": grads, "layers": list(precond.layers), "stats": stats, "bias": bias}
+    layers, text = list(precond.layers), precond.describe()
+    return {"grads": grads, "layers": layers, "stats": stats, "bias": bias, "describe": text}
+
+
+def micro(net: nn.Module, x: Tensor, y: Tensor, opts: dict) -> None:
+    """Backward passes over ``accumulation_steps`` micro-batches of (x, y)."""
+    k = opts.get("accumulation_steps", 1)
+    for xs, ys in zip(x.chunk(k), y.chunk(k)):
+        (loss_of(net(xs), ys) / k).backward()
 
 
 STEPS = 3
@@ -170,7 +178,7 @@ def dense_run(kind: str, n: int, opts: dict) -> list[dict[str, Tensor]]:
     grads = []
     for x, y in data(kind, n, STEPS):
         opt.zero_grad()
-        loss_of(net(x), y).backward()
+        micro(net, x, y, opts)
         precond.step()
         grads.append({k: p.grad.clone() for k, p in net.named_parameters()})
         opt.step()
@@ -254,12 +262,15 @@ def rel(a: Tensor, b: Tensor) -> float:
 
 
 def assert_equal(results: list[dict], ref: list[dict[str, Tensor]]) -> None:
+    """Every parameter's gradient within TOL of the reference, relative to its
+    own norm or, for a gradient that is rounding noise (the key projection's
+    bias: softmax ignores a shift shared by all keys), to the step's."""
     for rank, got in enumerate(results):
         for step, (g, r) in enumerate(zip(got["grads"], ref)):
+            scale = torch.cat([t.reshape(-1) for t in r.values()]).norm()
             for name in r:
-                assert rel(g[name], r[name]) <= TOL, (
-                    f"rank {rank} step {step} {name}: {rel(g[name], r[name])}"
-                )
+                err = float((g[name] - r[name]).norm() / max(r[name].norm(), 1e-6 * scale))
+                assert err <= TOL, f"rank {rank} step {step} {name}: {err}"
 
 
 # -- tests --------------------------------------------------------------------------
@@ -271,6 +282,7 @@ def test_exact_on_a_dp_tp_mesh_equals_the_dense_run(fraction: float) -> None:
     # the colwise and rowwise layers have different primaries; the head is on every tp rank
     assert results[0]["layers"] != results[1]["layers"]
     assert all("head" in r["layers"] for r in results)
+    assert "exact on tp rank" in results[0]["describe"] + results[1]["describe"]
     kinds = set(results[0]["stats"][0]) | set(results[1]["stats"][0])
     assert {"tp_factor_gather", "tp_grad_gather", "tp_grad_scatter"} <= kinds
 
@@ -334,3 +346,9 @@ def built_before_parallelising(rank: int, world: int) -> str:
 def test_a_preconditioner_built_before_parallelize_module_says_so() -> None:
     for message in run_distributed(2, built_before_parallelising, timeout_s=60, pg_timeout_s=20):
         assert "after parallelize_module" in message
+
+
+def test_exact_with_deferred_capture_and_accumulation() -> None:
+    opts = dict(KW, update_factors_in_hook=False, accumulation_steps=2, kfac_approx="reduce")
+    results = run_distributed(2, tp_run, "attention", (1, 2), opts, timeout_s=90, pg_timeout_s=30)
+    assert_equal(results, dense_run("attention", 4, opts))
