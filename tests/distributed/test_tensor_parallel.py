@@ -140,12 +140,22 @@ def tp_run(rank: int, world: int, kind: str, dims: tuple[int, int], opts: dict) 
     parallelize_module(net, mesh["tp"], {n: styles[s]() for n, s in net.plan.items()})
     opt = torch.optim.SGD(net.parameters(), lr=LR, foreach=False)
     topology = Topology(dp=mesh["dp"].get_group(), tp=mesh["tp"].get_group()) if dp > 1 else None
-    precond = KFACPreconditioner(
-        net, optimizer=opt, topology=topology, loss_average=loss_average(kind), **opts
-    )
+    resume_at = opts.pop("resume_at", None)
+
+    def build() -> KFACPreconditioner:
+        return KFACPreconditioner(
+            net, optimizer=opt, topology=topology, loss_average=loss_average(kind), **opts
+        )
+
+    precond = build()
     me = mesh.get_coordinate()[0]
     batches, grads, stats = data(kind, 4 * dp, STEPS), [], []
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
+        if step == resume_at:  # a new preconditioner, restored from a checkpoint
+            state = precond.state_dict(include_second_order=True)
+            precond.remove_hooks()
+            precond = build()
+            precond.load_state_dict(state)
         opt.zero_grad()
         micro(net, x[me * 4 : (me + 1) * 4], y[me * 4 : (me + 1) * 4], opts)
         for p in net.parameters():  # average over the data-parallel group by hand
@@ -352,3 +362,36 @@ def test_exact_with_deferred_capture_and_accumulation() -> None:
     opts = dict(KW, update_factors_in_hook=False, accumulation_steps=2, kfac_approx="reduce")
     results = run_distributed(2, tp_run, "attention", (1, 2), opts, timeout_s=90, pg_timeout_s=30)
     assert_equal(results, dense_run("attention", 4, opts))
+
+
+@pytest.mark.parametrize("mode", ["exact", "block"])
+def test_a_checkpoint_resumes_the_same_run(mode: str) -> None:
+    opts = dict(KW, tensor_parallel=mode, inv_update_steps=2, resume_at=1)
+    results = run_distributed(2, tp_run, "mlp", (1, 2), opts, timeout_s=90, pg_timeout_s=30)
+    del opts["resume_at"]
+    ref = dense_run("mlp", 4, opts) if mode == "exact" else reference_block("mlp", 4, 2, 2)
+    assert_equal(results, ref)
+
+
+def too_few_layers(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    net = nn.Sequential(nn.Linear(4, 6))
+    parallelize_module(net, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
+    try:
+        KFACPreconditioner(net, tensor_parallel="exact")
+    except ValueError as exc:
+        KFACPreconditioner(net, tensor_parallel="block")  # one block per rank: fine
+        return str(exc)
+    return "no error"
+
+
+def test_exact_mode_refuses_a_model_with_fewer_layers_than_tp_ranks() -> None:
+    for message in run_distributed(2, too_few_layers, timeout_s=60, pg_timeout_s=20):
+        assert "tensor_parallel='block'" in message
+
+
+def test_tensor_parallel_argument_is_validated() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel must be one of 'exact', 'block'"):
+        KFACPreconditioner(nn.Linear(2, 2), tensor_parallel="rows")

@@ -173,6 +173,12 @@ class TensorParallelEngine(TorchEngine):
             exact = ExactShardedAdapter(adapter.name, adapter.module, style, primary)
             self.exact.append(exact)
             self.layouts[exact.name] = ShardLayout(exact, len(self.ranks))
+        if not kept and len(self.exact) < len(self.ranks):
+            raise ValueError(
+                f"tensor_parallel='exact' gives each of the {len(self.ranks)} tensor-parallel "
+                f"ranks at least one layer, but the model has {len(self.exact)} sharded layer(s) "
+                "and no replicated one: use tensor_parallel='block'"
+            )
         return kept + [a for a in self.exact if a.primary == self.tp_rank]
 
     def connect(self, comm: Communicator, capture: Capture, layers: list[KFACLayer]) -> None:
