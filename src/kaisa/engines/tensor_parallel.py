@@ -211,7 +211,7 @@ class TensorParallelEngine(TorchEngine):
         assert self.group is not None
         index = {a.name: i for i, a in enumerate(adapters)}
         me = dist.get_rank()
-        flags = torch.zeros(len(self.exact), dtype=torch.int32)
+        flags = torch.zeros(len(self.exact), dtype=torch.int32, device=self.exact[0].device)
         for j, a in enumerate(self.exact):
             if a.name in index:  # this rank is the primary and the layer takes part
                 flags[j] = 2 if me in workers[index[a.name]] else 1
