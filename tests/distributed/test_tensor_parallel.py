@@ -178,7 +178,7 @@ def micro(net: nn.Module, x: Tensor, y: Tensor, opts: dict) -> None:
         (loss_of(net(xs), ys) / k).backward()
 
 
-STEPS = 3
+STEPS = 4
 
 
 def dense_run(kind: str, n: int, opts: dict) -> list[dict[str, Tensor]]:
@@ -285,8 +285,17 @@ def assert_equal(results: list[dict], ref: list[dict[str, Tensor]]) -> None:
 
 # -- tests --------------------------------------------------------------------------
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_exact_on_a_dp_tp_mesh_equals_the_dense_run(fraction: float) -> None:
-    opts = dict(KW, grad_worker_fraction=fraction, factor_update_steps=1, inv_update_steps=2)
+@pytest.mark.parametrize("intervals", [(1, 2), (2, 2)])
+def test_exact_on_a_dp_tp_mesh_equals_the_dense_run(
+    fraction: float, intervals: tuple[int, int]
+) -> None:
+    factor_every, inv_every = intervals
+    opts = dict(
+        KW,
+        grad_worker_fraction=fraction,
+        factor_update_steps=factor_every,
+        inv_update_steps=inv_every,
+    )
     results = run_distributed(4, tp_run, "mlp", (2, 2), opts, timeout_s=90, pg_timeout_s=30)
     assert_equal(results, dense_run("mlp", 8, opts))
     # the colwise and rowwise layers have different primaries; the head is on every tp rank
