@@ -38,6 +38,7 @@ bench: venv
 	$(PY) benchmarks/plan_paper.py --models resnet50 --out runs/bench
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 \
 		benchmarks/strategies.py --out runs/bench
+	OMP_NUM_THREADS=1 $(PY) benchmarks/tensor_parallel_comm.py --out runs/bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -69,7 +69,8 @@ class GradientApplication:
         results = self._precondition(taking_part, damping)
         nu: Tensor | None = None
         if kl_clip is not None:
-            dots = [dot for _, dot in results.values()]
+            counted = [la.name for la in taking_part if self.engine.counts_in_kl(la.adapter)]
+            dots = [results[name][1] for name in counted]
             inner = torch.stack(dots).sum() if dots else None
             if self.comm.model_parallel:
                 # every rank of a model-parallel group joins, with 0 if it has no layer
@@ -81,6 +82,7 @@ class GradientApplication:
         for layer in taking_part:
             value = results[layer.name][0]
             self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
+        self.engine.after_write()
 
     def _taking_part(self, layers: list[KFACLayer], factor_step: bool) -> list[KFACLayer]:
         """Captured layers with a gradient, kept where every rank has one."""

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from kaisa.config import LossAverage
 from kaisa.factors import FactorSource, grad_multiplier
 from kaisa.layer import KFACLayer
+from kaisa.layers.base import LayerAdapter
 
 __all__ = ["Capture"]
 
@@ -182,6 +183,8 @@ class Capture:
         ]
         functional: list[KFACLayer] = []
         for layer in layers:
+            if layer.adapter.captured_by_engine:
+                continue  # the engine calls observe() itself (Engine.connect)
             if not layer.adapter.captured_by_module_hooks:
                 functional.append(layer)
                 continue
@@ -211,6 +214,19 @@ class Capture:
         """Whether a forward of ``module`` now is captured at all."""
         return self.enabled and module.training and torch.is_grad_enabled()
 
+    def accepts(self, adapter: LayerAdapter, module: nn.Module, output: Tensor) -> bool:
+        """Whether :meth:`observe` would capture this call: the same answer on
+        every rank that runs the same forward, so ranks that only help a
+        layer's owner (tensor parallelism) can join its collectives exactly
+        when it captures."""
+        if not self.wants(module) or not output.requires_grad or not adapter.trainable:
+            return False
+        return not (_in_backward() and _discarded_recomputation())
+
+    def adopt(self, handles: list[RemovableHandle]) -> None:
+        """Take hooks registered elsewhere (by an engine), so :meth:`remove` removes them."""
+        self._handles.extend(handles)
+
     def observe(
         self,
         layer: KFACLayer,
@@ -222,11 +238,15 @@ class Capture:
         """One call of ``layer``: its input ``x`` (in the adapter's input shape)
         and the ``output`` whose gradient completes it; ``grad_view`` maps that
         gradient to the adapter's shape (a functional capture's slice)."""
-        if not self.wants(module) or not output.requires_grad or not layer.adapter.trainable:
+        if not self.accepts(layer.adapter, module, output):
             return
+        if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
+            raise RuntimeError(
+                f"kaisa: layer {layer.name!r} received a DTensor input: the model was "
+                "parallelised after KFACPreconditioner was built. Construct the preconditioner "
+                "after parallelize_module"
+            )
         recomputed = _in_backward()
-        if recomputed and _discarded_recomputation():
-            return
         batch = layer.adapter.batch_size(x)
         if not recomputed:
             layer.batch.pending_forwards += 1

@@ -29,6 +29,7 @@ __all__ = [
     "KFACApprox",
     "KFACConfig",
     "LossAverage",
+    "TensorParallelMode",
     "resolve",
 ]
 
@@ -82,6 +83,22 @@ class KFACApprox(str, enum.Enum):
 
     EXPAND = "expand"
     REDUCE = "reduce"
+
+
+class TensorParallelMode(str, enum.Enum):
+    """How a layer sharded by ``parallelize_module`` (``ColwiseParallel`` /
+    ``RowwiseParallel``) is preconditioned (see :mod:`kaisa.engines.tensor_parallel`).
+
+    * ``EXACT``: the factors of the unsharded layer, gathered onto one
+      tensor-parallel rank per layer; the preconditioned gradient equals the
+      unsharded run's.
+    * ``BLOCK``: each rank keeps the factor block of its own shard (A or G
+      restricted to the shard's inputs or outputs); no tensor-parallel
+      traffic but the KL clip's sum.
+    """
+
+    EXACT = "exact"
+    BLOCK = "block"
 
 
 class LossAverage(str, enum.Enum):
@@ -224,6 +241,7 @@ class KFACConfig:
     plan_costs: str | None = None
     loss_average: LossAverage | str = LossAverage.BATCH
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND
+    tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise in place once
@@ -257,6 +275,11 @@ class KFACConfig:
         )
         set_(self, "loss_average", _as_enum("loss_average", self.loss_average, LossAverage))
         set_(self, "kfac_approx", _as_enum("kfac_approx", self.kfac_approx, KFACApprox))
+        set_(
+            self,
+            "tensor_parallel",
+            _as_enum("tensor_parallel", self.tensor_parallel, TensorParallelMode),
+        )
         set_(self, "factor_dtype", _as_dtype("factor_dtype", self.factor_dtype))
         set_(self, "inv_dtype", _as_dtype("inv_dtype", self.inv_dtype))
         for name in ("factor_dtype", "inv_dtype"):

@@ -122,6 +122,7 @@ def build(
 ) -> Parts:
     inner = engine.unwrap(model)
     adapters, skipped = register_layers(inner, config.skip_layers)
+    adapters = engine.select_layers(adapters, skipped, config)
     if not adapters:
         reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
         raise ValueError(
@@ -165,6 +166,7 @@ def build(
         in_hook=config.update_factors_in_hook,
         loss_scale=scaling.getter(),
     )
+    engine.connect(comm, capture, ordered)
     reduction = FactorReduction(
         ordered,
         plan,

@@ -55,6 +55,7 @@ _HELP: dict[str, str] = {
     "plan_costs": "cost model JSON (kaisa plan --save-costs) grad_worker_fraction='auto' uses",
     "loss_average": "what the training loss is averaged over (unset: the task's)",
     "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
+    "tensor_parallel": "layers sharded by parallelize_module: 'exact' (gathered) or 'block'",
 }
 
 _TRUE = ("true", "yes", "on", "1")

@@ -19,12 +19,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from kaisa.layers.base import LayerAdapter
+
+if TYPE_CHECKING:
+    from kaisa.capture import Capture
+    from kaisa.comm import Communicator
+    from kaisa.config import KFACConfig
+    from kaisa.layer import KFACLayer
+    from kaisa.layers.registry import SkippedModule
 
 __all__ = ["Engine", "EngineDefaults", "GradientMarks", "assemble_by_workers", "gather_onto"]
 
@@ -67,6 +74,38 @@ class Engine(ABC):
     @abstractmethod
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's model inside any wrapper, so layer names do not depend on it."""
+
+    def select_layers(
+        self,
+        adapters: list[LayerAdapter],
+        skipped: list[SkippedModule],
+        config: KFACConfig,
+    ) -> list[LayerAdapter]:
+        """The adapters this rank's work plan holds: all registered ones, except
+        where the engine divides a layer's work over ranks outside the
+        data-parallel group (tensor parallelism keeps a sharded layer on one
+        tensor-parallel rank, or replaces it by its shard's blocks).  May
+        append to ``skipped`` what it cannot handle."""
+        return adapters
+
+    def connect(self, comm: Communicator, capture: Capture, layers: list[KFACLayer]) -> None:
+        """Join the built parts: an engine that feeds some of ``layers``'
+        statistics itself (tensor parallelism gathers shards first) registers
+        its hooks with ``capture``, and records its own traffic in
+        ``comm.stats``."""
+        return None
+
+    def counts_in_kl(self, adapter: LayerAdapter) -> bool:
+        """Whether this rank adds the layer's ``⟨V, ∇⟩`` to the KL clip's sum
+        over the model-parallel groups: False where another rank of those
+        groups holds the same replicated layer and counts it."""
+        return True
+
+    def after_write(self) -> None:
+        """Called on every rank once :meth:`write` has run for every layer of
+        the step, so an engine may finish writes that need every rank (the
+        tensor-parallel scatter of preconditioned shards)."""
+        return None
 
     @abstractmethod
     def read(self, adapter: LayerAdapter) -> Tensor | None:

@@ -41,7 +41,14 @@ class ParamGradAccess:
     """Plain ``param.grad``."""
 
     def read(self, param: nn.Parameter) -> Tensor | None:
-        return param.grad
+        grad = param.grad
+        if grad is not None and hasattr(grad, "placements"):
+            raise RuntimeError(
+                "kaisa: this parameter's gradient is a DTensor, but the model was not sharded "
+                "when KFACPreconditioner was built: construct the preconditioner after "
+                "parallelize_module / fully_shard"
+            )
+        return grad
 
     def write(self, param: nn.Parameter, value: Tensor) -> None:
         grad = param.grad

@@ -45,6 +45,12 @@ class LayerAdapter(ABC):
 
     #: whether positions may be reduced before the statistics (K-FAC-reduce)
     supports_reduce = True
+    #: the engine feeds :meth:`kaisa.capture.Capture.observe` itself (tensor
+    #: parallelism gathers the shards of a call first); Capture adds no hook
+    captured_by_engine = False
+    #: inputs may be DTensors (tensor parallelism); elsewhere a DTensor input
+    #: means the model was parallelised after the preconditioner was built
+    sees_dtensors = False
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
