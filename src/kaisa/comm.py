@@ -199,75 +199,7 @@ class Communicator:
             )
             if timeout is not None:
                 self.timeout_s = timeout.total_seconds()
-            self._make_groups(grad_workers or self.world_size, timeout, device_type)
-
-    def _make_groups(self, m: int, timeout: datetime.timedelta | None, device_type: str) -> None:
-        """A private copy of the data-parallel group (K-FAC traffic never
-        interleaves with DDP's buckets), and this rank's worker group (the
-        positions ≡ rank mod n, n = W/m) and receiver group (its block of n
-        consecutive positions): the two dimensions of the plan's ``(m, n)``
-        rank grid, a mesh unflattened from the data-parallel one, created by torch's DeviceMesh (one
-        ``split_group`` per dimension on NCCL) rather than one ``new_group``
-        per group of the plan."""
-        w = self.world_size
-        if w % m:
-            raise ValueError(f"{m} gradient workers do not divide the world size {w}")
-        subgroup = w < dist.get_world_size()
-        everyone = tuple(range(w))
-        self._groups[everyone] = dist.new_group(
-            list(self.global_ranks),
-            timeout=timeout,
-            use_local_synchronization=subgroup,  # only this group's members call it
-        )
-        n = w // m  # the m × n rank grid of the plan: workers a column, receivers a row
-        workers = tuple(range(self.rank % n, w, n))
-        receivers = tuple(range(self.rank - self.rank % n, self.rank - self.rank % n + n))
-        dp_mesh = self.topology.dp_mesh
-        if dp_mesh is None and not subgroup:
-            if 1 < m < w:  # f = 1 and 1/W need no group beside `everyone`
-                dp_mesh = _mesh_of(device_type, self.global_ranks)
-        elif dp_mesh is not None and subgroup:
-            # the unflatten creates the groups of every data-parallel group of
-            # the job's mesh at once: every rank must ask for the same shape
-            self._check_same_workers(m, device_type)
-        if dp_mesh is not None:
-            self.mesh = dp_mesh._unflatten(
-                0,
-                (m, n),
-                ("kfac_workers", "kfac_receivers"),
-                backend_override=_timeouts(dp_mesh.get_group(), timeout),
-            )
-            found = {
-                workers: self.mesh.get_group("kfac_workers"),
-                receivers: self.mesh.get_group("kfac_receivers"),
-            }
-        elif subgroup:  # a bare subgroup: members create their own two groups
-            found = {
-                ranks: dist.new_group(
-                    [self.global_ranks[r] for r in ranks],
-                    timeout=timeout,
-                    use_local_synchronization=True,
-                )
-                for ranks in (workers, receivers)
-                if 1 < len(ranks) < w
-            }
-        else:
-            found = {}
-        for ranks, group in found.items():
-            if 1 < len(ranks) < w:  # a singleton needs none; the whole group is `everyone`
-                self._groups[ranks] = group
-
-    def _check_same_workers(self, m: int, device_type: str) -> None:
-        """Refuse, rather than hang, when ranks of one job mesh ask for different
-        numbers of gradient workers (their DeviceMesh calls would not match)."""
-        t = torch.tensor([m, -m], dtype=torch.int64, device=torch.device(device_type))
-        self._run("agree", dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(
-                "grad_worker_fraction must give the same number of gradient workers on every "
-                f"rank of the DeviceMesh: this rank has {m}, others between {-int(t[1])} and "
-                f"{int(t[0])} (kaisa's worker and receiver groups are dimensions of one mesh)"
-            )
+            self.mesh = _make_groups(self, grad_workers or self.world_size, timeout, device_type)
 
     @property
     def distributed(self) -> bool:
@@ -447,6 +379,79 @@ class Communicator:
                     offset += n
                 if item.callback is not None:
                     item.callback(outs)
+
+
+def _make_groups(
+    comm: Communicator, m: int, timeout: datetime.timedelta | None, device_type: str
+) -> Any:
+    """A private copy of the data-parallel group (K-FAC traffic never
+    interleaves with DDP's buckets), and this rank's worker group (the
+    positions ≡ rank mod n, n = W/m) and receiver group (its block of n
+    consecutive positions): the two dimensions of the plan's ``(m, n)``
+    rank grid, a mesh unflattened from the data-parallel one, created by
+    torch's DeviceMesh (one ``split_group`` per dimension on NCCL) rather
+    than one ``new_group`` per group of the plan."""
+    w, mesh = comm.world_size, None
+    if w % m:
+        raise ValueError(f"{m} gradient workers do not divide the world size {w}")
+    subgroup = w < dist.get_world_size()
+    everyone = tuple(range(w))
+    comm._groups[everyone] = dist.new_group(
+        list(comm.global_ranks),
+        timeout=timeout,
+        use_local_synchronization=subgroup,  # only this group's members call it
+    )
+    n = w // m  # the m × n rank grid of the plan: workers a column, receivers a row
+    workers = tuple(range(comm.rank % n, w, n))
+    receivers = tuple(range(comm.rank - comm.rank % n, comm.rank - comm.rank % n + n))
+    dp_mesh = comm.topology.dp_mesh
+    if dp_mesh is None and not subgroup:
+        if 1 < m < w:  # f = 1 and 1/W need no group beside `everyone`
+            dp_mesh = _mesh_of(device_type, comm.global_ranks)
+    elif dp_mesh is not None and subgroup:
+        # the unflatten creates the groups of every data-parallel group of
+        # the job's mesh at once: every rank must ask for the same shape
+        _check_same_workers(comm, m, device_type)
+    if dp_mesh is not None:
+        mesh = dp_mesh._unflatten(
+            0,
+            (m, n),
+            ("kfac_workers", "kfac_receivers"),
+            backend_override=_timeouts(dp_mesh.get_group(), timeout),
+        )
+        found = {
+            workers: mesh.get_group("kfac_workers"),
+            receivers: mesh.get_group("kfac_receivers"),
+        }
+    elif subgroup:  # a bare subgroup: members create their own two groups
+        found = {
+            ranks: dist.new_group(
+                [comm.global_ranks[r] for r in ranks],
+                timeout=timeout,
+                use_local_synchronization=True,
+            )
+            for ranks in (workers, receivers)
+            if 1 < len(ranks) < w
+        }
+    else:
+        found = {}
+    for ranks, group in found.items():
+        if 1 < len(ranks) < w:  # a singleton needs none; the whole group is `everyone`
+            comm._groups[ranks] = group
+    return mesh
+
+
+def _check_same_workers(comm: Communicator, m: int, device_type: str) -> None:
+    """Refuse, rather than hang, when ranks of one job mesh ask for different
+    numbers of gradient workers (their DeviceMesh calls would not match)."""
+    t = torch.tensor([m, -m], dtype=torch.int64, device=torch.device(device_type))
+    comm._run("agree", dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+    if int(t[0]) != -int(t[1]):
+        raise ValueError(
+            "grad_worker_fraction must give the same number of gradient workers on every "
+            f"rank of the DeviceMesh: this rank has {m}, others between {-int(t[1])} and "
+            f"{int(t[0])} (kaisa's worker and receiver groups are dimensions of one mesh)"
+        )
 
 
 def _default_group_timeout() -> datetime.timedelta | None:

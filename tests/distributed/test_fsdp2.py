@@ -57,18 +57,31 @@ def single(world: int) -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
-def sharded(rank: int, world: int, fraction: float) -> dict[str, Any]:
+def sharded(
+    rank: int, world: int, fraction: float, hsdp: bool = False, from_mesh: bool = False
+) -> dict[str, Any]:
+    """Every rank its own rows; ``hsdp``: 2 replicas × world/2 shards."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from kaisa import Topology
+
     net = make_net()
-    mesh = cpu_mesh(world)
+    names = ("replicate", "shard")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names) if hsdp else None
+    mesh = mesh or cpu_mesh(world)
     for layer in net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     precond = KFACPreconditioner(
-        net, optimizer=opt, accumulation_steps=ACCUMULATE, grad_worker_fraction=fraction, **KW
+        net,
+        optimizer=opt,
+        accumulation_steps=ACCUMULATE,
+        grad_worker_fraction=fraction,
+        topology=Topology.from_mesh(mesh, dp=names) if from_mesh else None,
+        **KW,
     )
     assert precond._parts.engine.name == "fsdp2"
     batches = data(world)
@@ -92,47 +105,12 @@ def test_fsdp2_equals_unsharded_single_process(world: int, fraction: float) -> N
             assert float((a - b).norm() / b.norm()) <= 1e-10
 
 
-def hybrid_sharded(rank: int, world: int, fraction: float, from_mesh: bool) -> dict[str, Any]:
-    """HSDP: 2 replicas × 2 shards; every rank sees its own rows."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from kaisa import Topology
-
-    net = make_net()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    for layer in net:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    topology = Topology.from_mesh(mesh, dp=("replicate", "shard")) if from_mesh else None
-    precond = KFACPreconditioner(
-        net,
-        optimizer=opt,
-        accumulation_steps=ACCUMULATE,
-        grad_worker_fraction=fraction,
-        topology=topology,
-        **KW,
-    )
-    batches = data(world)
-    mine = slice(rank * B, (rank + 1) * B)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for i, (x, y) in enumerate(batches[step * ACCUMULATE : (step + 1) * ACCUMULATE]):
-            net.set_requires_gradient_sync(i == ACCUMULATE - 1)
-            (F.cross_entropy(net(x[mine]), y[mine]) / ACCUMULATE).backward()
-        precond.step()
-        opt.step()
-    return {"params": [p.full_tensor().detach() for p in net.parameters()]}
-
-
 @pytest.mark.parametrize(
     "fraction,from_mesh", [(1.0, False), (0.5, True), (0.25, False), (0.25, True)]
 )
 def test_hsdp_equals_unsharded_single_process(fraction: float, from_mesh: bool) -> None:
     want = single(4)
-    for res in run_distributed(4, hybrid_sharded, fraction, from_mesh):
+    for res in run_distributed(4, sharded, fraction, True, from_mesh):
         for a, b in zip(res["params"], want):
             assert float((a - b).norm() / b.norm()) <= 1e-10
 
