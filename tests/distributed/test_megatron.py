@@ -223,7 +223,7 @@ def test_exact_equals_the_dense_run(world: int, tp: int, extra: dict) -> None:
         assert all("head" in r["layers"] for r in results)
         assert "exact on tp rank" in results[0]["describe"] + results[1]["describe"]
     else:
-        assert "Megatron ColumnParallelLinear" in results[0]["describe"]
+        assert "ColumnParallelLinear(A: 6×6, G: 8×8) from Megatron-core" in results[0]["describe"]
 
 
 def test_block_equals_its_definition() -> None:

@@ -155,9 +155,11 @@ class TensorParallelEngine(TorchEngine):
         tp = comm.topology.tp
         if tp is None or tuple(group_ranks(tp)) != self.ranks:
             raise ValueError(
-                "topology.tp must be the tensor-parallel group of the sharded layers' mesh "
+                "topology.tp must be the tensor-parallel group of the sharded layers "
                 f"(ranks {list(self.ranks)}): pass kaisa.Topology(dp=mesh['dp'].get_group(), "
-                "tp=mesh['tp'].get_group())"
+                "tp=mesh['tp'].get_group()), or with Megatron-core "
+                "Topology(dp=parallel_state.get_data_parallel_group(), "
+                "tp=parallel_state.get_tensor_model_parallel_group())"
             )
         if set(comm.global_ranks) & set(self.ranks) != {dist.get_rank()}:
             raise ValueError("topology.dp and topology.tp must meet in this rank only")

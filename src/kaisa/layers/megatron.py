@@ -158,4 +158,4 @@ class MegatronLinearAdapter(LinearAdapter):
         return megatron_sharding(self.module)
 
     def describe(self) -> str:
-        return f"{super().describe()} (Megatron {megatron_kind(self.module)})"
+        return f"{super().describe()} from Megatron-core: [s, b, h] inputs"
