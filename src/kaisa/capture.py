@@ -205,8 +205,9 @@ class Capture:
     def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             x = _first_tensor(inputs)
-            if x is not None and isinstance(output, Tensor):
-                self.observe(layer, module, x, output)
+            out = layer.adapter.output_tensor(output)
+            if x is not None and out is not None:
+                self.observe(layer, module, x, out)
 
         return hook
 

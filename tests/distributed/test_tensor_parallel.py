@@ -215,7 +215,14 @@ def blocks_of(name: str, style: str | None, d_out: int, d_in: int, tp: int) -> l
 
 def reference_block(kind: str, n: int, tp: int, inv_every: int) -> list[dict[str, Tensor]]:
     """Block-mode K-FAC by its definition, in one process, float64."""
-    net = make(kind)
+    return block_reference(make(kind), data(kind, n, STEPS), tp, inv_every)
+
+
+def block_reference(
+    net: nn.Module, batches: list[tuple[Tensor, Tensor]], tp: int, inv_every: int
+) -> list[dict[str, Tensor]]:
+    """Block-mode K-FAC of ``net`` (``nn.Linear`` layers, sharded as ``net.plan``
+    says) on ``batches`` of batch-first inputs, by its definition, float64."""
     linears = {name: m for name, m in net.named_modules() if isinstance(m, nn.Linear)}
     seen: dict[str, Any] = {}
     for name, m in linears.items():
@@ -223,7 +230,8 @@ def reference_block(kind: str, n: int, tp: int, inv_every: int) -> list[dict[str
     running: dict[str, tuple[Tensor, Tensor]] = {}
     used: dict[str, tuple[Tensor, Tensor]] = {}
     out = []
-    for step, (x, y) in enumerate(data(kind, n, STEPS)):
+    for step, (x, y) in enumerate(batches):
+        n = x.shape[0]
         net.zero_grad()
         loss = loss_of(net(x), y)
         outs = torch.autograd.grad(loss, [seen[k][1] for k in linears], retain_graph=True)

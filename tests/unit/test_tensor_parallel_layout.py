@@ -10,7 +10,8 @@ from torch import nn
 
 from kaisa.engines.tensor_parallel import assign_primaries
 from kaisa.engines.tp_layout import ShardLayout
-from kaisa.layers.tensor_parallel import ExactShardedAdapter, Style, shard_range
+from kaisa.layers.linear import LinearAdapter
+from kaisa.layers.tensor_parallel import ExactShardedAdapter, Sharding, Style, shard_range
 
 
 class ShardOf(nn.Module):
@@ -46,7 +47,11 @@ def test_pieces_assemble_into_the_full_matrix_and_split_back(
     weight = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
     bias = torch.randn(d_out, generator=g, dtype=torch.float64) if has_bias else None
     ranks = [ShardOf(weight, bias, style, t, size) for t in range(size)]
-    layouts = [ShardLayout(ExactShardedAdapter("l", m, style, primary=0), size) for m in ranks]
+    sharding = Sharding(style, d_in, d_out)
+    layouts = [
+        ShardLayout(ExactShardedAdapter(LinearAdapter("l", m), sharding, primary=0), size)
+        for m in ranks
+    ]
     full = weight if bias is None else torch.cat([weight, bias[:, None]], dim=1)
 
     pieces = torch.stack([lo.grad_piece() for lo in layouts])

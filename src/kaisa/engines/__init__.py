@@ -27,11 +27,13 @@ def select_engine(model: nn.Module, gradient_access: GradientAccess | None = Non
     :class:`~kaisa.engines.deepspeed.DeepSpeedEngine`; anything else plain
     PyTorch (``.grad``, DDP, DataParallel, ``torch.compile``); a model sharded
     with ``fully_shard`` gets :class:`~kaisa.engines.fsdp.FSDP2Engine`; one
-    whose weights are DTensors sharded by ``parallelize_module`` gets
-    :class:`~kaisa.engines.tensor_parallel.TensorParallelEngine`."""
+    whose weights are DTensors sharded by ``parallelize_module``, or that
+    holds Megatron-core parallel linears split over a tensor-parallel group,
+    gets :class:`~kaisa.engines.tensor_parallel.TensorParallelEngine`."""
     from kaisa.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
     from kaisa.engines.fsdp import FSDP2Engine, is_fsdp2_model
-    from kaisa.engines.tensor_parallel import TensorParallelEngine, tensor_parallel_mesh
+    from kaisa.engines.tensor_parallel import TensorParallelEngine
+    from kaisa.engines.tp_shards import tensor_parallel_group
 
     if is_deepspeed_engine(model):
         if gradient_access is not None:
@@ -42,12 +44,12 @@ def select_engine(model: nn.Module, gradient_access: GradientAccess | None = Non
         return DeepSpeedEngine(model)
     if is_fsdp2_model(model) and gradient_access is None:
         return FSDP2Engine()  # fully_shard's Shard(0) DTensors (FSDP + TP: not yet)
-    mesh = None if is_fsdp2_model(model) else tensor_parallel_mesh(model)
-    if mesh is not None:
+    tp = None if is_fsdp2_model(model) else tensor_parallel_group(model)
+    if tp is not None:
         if gradient_access is not None:
             raise ValueError(
-                "gradient_access cannot be combined with tensor parallelism (parallelize_module), "
-                "whose gradients kaisa reads through their local shards"
+                "gradient_access cannot be combined with tensor parallelism (parallelize_module, "
+                "Megatron), whose gradients kaisa reads through their local shards"
             )
-        return TensorParallelEngine(mesh)
+        return TensorParallelEngine(tp)
     return TorchEngine(gradient_access)

@@ -1,10 +1,13 @@
 """Tensor parallelism (``parallelize_module`` with ``ColwiseParallel`` /
-``RowwiseParallel``): gradients and statistics of sharded Linear layers.
+``RowwiseParallel``, or Megatron-core's ``ColumnParallelLinear`` /
+``RowParallelLinear``): gradients and statistics of sharded linear layers.
+Which layers are sharded, how and over which group is
+:mod:`kaisa.engines.tp_shards`'s answer; nothing here depends on the framework.
 
 Each rank runs its own preconditioner over its data-parallel group
 (``Topology(dp=mesh["dp"].get_group(), tp=mesh["tp"].get_group())``); the
 ranks of a tensor-parallel group hold shards of the same layers and see the
-same data.  Layers parallelize_module left alone are *replicated*: every
+same data.  Layers left unsharded are *replicated*: every
 tensor-parallel rank preconditions them identically (no tp traffic) and only
 tp rank 0 adds them to the KL clip, so each parameter is counted once.
 
@@ -26,20 +29,21 @@ tensor-parallel traffic but the KL clip's sum.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.capture import Capture, _first_tensor, _Hook
+from kaisa.capture import Capture
 from kaisa.comm import Communicator, group_ranks
 from kaisa.config import KFACConfig, TensorParallelMode
 from kaisa.engines.base import EngineDefaults
 from kaisa.engines.pytorch import TorchEngine
+from kaisa.engines.tp_capture import ExactCapture
 from kaisa.engines.tp_group import TPGroup
 from kaisa.engines.tp_layout import ShardLayout
+from kaisa.engines.tp_shards import TPGroupOf, is_sharded, sharding_of
 from kaisa.layer import KFACLayer
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.linear import LinearAdapter
@@ -48,46 +52,13 @@ from kaisa.layers.tensor_parallel import (
     ExactShardedAdapter,
     ReplicatedBiasAdapter,
     ShardBlockAdapter,
+    Sharding,
     Style,
     local,
 )
 from kaisa.topology import Topology
 
-__all__ = ["LocalGradAccess", "TensorParallelEngine", "assign_primaries", "tensor_parallel_mesh"]
-
-
-def _style(param: Any) -> Style | None:
-    """The sharding of a DTensor weight on a one-dimensional mesh, if any."""
-    placements = getattr(param, "placements", None)
-    if not placements or not any(p.is_shard() for p in placements):
-        return None
-    if tuple(placements) == (_shard(0),):
-        return Style.COLWISE
-    if tuple(placements) == (_shard(1),):
-        return Style.ROWWISE
-    raise NotImplementedError(
-        f"kaisa: a weight placed {tuple(placements)} is not supported; tensor parallelism "
-        "supports ColwiseParallel (Shard(0)) and RowwiseParallel (Shard(1)) on a 1-D mesh"
-    )
-
-
-def _shard(dim: int) -> Any:
-    from torch.distributed.tensor import Shard
-
-    return Shard(dim)
-
-
-def tensor_parallel_mesh(model: nn.Module) -> Any:
-    """The device mesh of the model's sharded DTensor parameters (None if none)."""
-    meshes = {}
-    for param in model.parameters():
-        placements = getattr(param, "placements", None)
-        if placements and any(p.is_shard() for p in placements):
-            mesh = getattr(param, "device_mesh", None)
-            meshes[id(mesh)] = mesh
-    if len(meshes) > 1:
-        raise NotImplementedError("kaisa: sharded parameters on more than one device mesh")
-    return next(iter(meshes.values()), None)
+__all__ = ["LocalGradAccess", "TensorParallelEngine", "assign_primaries"]
 
 
 class LocalGradAccess:
@@ -116,17 +87,16 @@ def assign_primaries(costs: Sequence[float], size: int) -> list[int]:
 
 
 class TensorParallelEngine(TorchEngine):
-    """Gradients of a model parallelised with ``parallelize_module``."""
+    """Gradients of a model whose linear layers are sharded over one
+    tensor-parallel group (``tp``: :func:`~kaisa.engines.tp_shards.tensor_parallel_group`)."""
 
     name = "tensor_parallel"
 
-    def __init__(self, mesh: Any) -> None:
+    def __init__(self, tp: TPGroupOf) -> None:
         super().__init__(LocalGradAccess())
-        if mesh.ndim != 1:
-            raise NotImplementedError("kaisa: tensor parallelism on a 1-D (tp) mesh only")
-        self.ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        self.ranks = tp.ranks
         self.tp_rank = self.ranks.index(dist.get_rank())
-        self.mesh = mesh
+        self.tp_group = tp.group
         self.mode = TensorParallelMode.EXACT
         self.exact: list[ExactShardedAdapter] = []
         self.layouts: dict[str, ShardLayout] = {}
@@ -140,7 +110,7 @@ class TensorParallelEngine(TorchEngine):
         parallelism: each rank is its own data-parallel group."""
         if self._default is None and len(self.ranks) == dist.get_world_size():
             me = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-            self._default = Topology(dp=me, tp=self.mesh.get_group())
+            self._default = Topology(dp=me, tp=self.tp_group)
         return EngineDefaults(topology=self._default)
 
     # -- construction ------------------------------------------------------------
@@ -149,28 +119,28 @@ class TensorParallelEngine(TorchEngine):
     ) -> list[LayerAdapter]:
         self.mode = TensorParallelMode(config.tensor_parallel)
         kept: list[LayerAdapter] = []
-        sharded: list[tuple[LayerAdapter, Style]] = []
+        sharded: list[tuple[LinearAdapter, Sharding]] = []
         for adapter in adapters:
-            style = _style(adapter.weight)
-            if style is None:
+            sharding = sharding_of(adapter)
+            if sharding is not None:
+                assert isinstance(adapter, LinearAdapter)
+                sharded.append((adapter, sharding))
+            elif not is_sharded(adapter):
                 kept.append(adapter)
-            elif type(adapter) is LinearAdapter:
-                sharded.append((adapter, style))
             else:
                 kind = type(adapter.module).__name__
-                why = f"sharded {kind}: kaisa's tensor parallelism supports nn.Linear only"
+                why = f"sharded {kind}: kaisa's tensor parallelism supports linear layers only"
                 skipped.append(SkippedModule(adapter.name, kind, why, tuple(adapter.param_names())))
         if self.mode is TensorParallelMode.BLOCK:
-            for adapter, style in sharded:
-                module, name = adapter.module, adapter.name
-                kept.append(ShardBlockAdapter(name, module, style, len(self.ranks), self.tp_rank))
-                if style is Style.ROWWISE and adapter.has_bias:
-                    kept.append(ReplicatedBiasAdapter(name, module))
+            for adapter, sharding in sharded:
+                kept.append(ShardBlockAdapter(adapter, sharding, len(self.ranks), self.tp_rank))
+                if sharding.style is Style.ROWWISE and adapter.has_bias:
+                    kept.append(ReplicatedBiasAdapter(adapter, sharding))
             return kept
-        costs = [float(a.a_dim**3 + a.g_dim**3) for a, _ in sharded]
-        primaries = assign_primaries(costs, len(self.ranks))
-        for (adapter, style), primary in zip(sharded, primaries):
-            exact = ExactShardedAdapter(adapter.name, adapter.module, style, primary)
+        full = [ExactShardedAdapter(a, sharding, primary=0) for a, sharding in sharded]
+        costs = [float(a.a_dim**3 + a.g_dim**3) for a in full]
+        for exact, primary in zip(full, assign_primaries(costs, len(self.ranks))):
+            exact.primary = primary
             self.exact.append(exact)
             self.layouts[exact.name] = ShardLayout(exact, len(self.ranks))
         if not kept and len(self.exact) < len(self.ranks):
@@ -185,16 +155,18 @@ class TensorParallelEngine(TorchEngine):
         tp = comm.topology.tp
         if tp is None or tuple(group_ranks(tp)) != self.ranks:
             raise ValueError(
-                "topology.tp must be the tensor-parallel group of the sharded layers' mesh "
+                "topology.tp must be the tensor-parallel group of the sharded layers "
                 f"(ranks {list(self.ranks)}): pass kaisa.Topology(dp=mesh['dp'].get_group(), "
-                "tp=mesh['tp'].get_group())"
+                "tp=mesh['tp'].get_group()), or with Megatron-core "
+                "Topology(dp=parallel_state.get_data_parallel_group(), "
+                "tp=parallel_state.get_tensor_model_parallel_group())"
             )
         if set(comm.global_ranks) & set(self.ranks) != {dist.get_rank()}:
             raise ValueError("topology.dp and topology.tp must meet in this rank only")
         self.group = TPGroup(self.ranks, comm.stats, comm.timeout_s)
         if self.exact:
             by_name = {la.name: la for la in layers}
-            hooks = _ExactCapture(capture, self.group, by_name)
+            hooks = ExactCapture(capture, self.group, by_name)
             capture.adopt(hooks.install(self.exact))
 
     # -- the step ------------------------------------------------------------------
@@ -280,52 +252,3 @@ class TensorParallelEngine(TorchEngine):
 def _like(adapter: LayerAdapter, numel: int) -> Tensor:
     weight = local(adapter.weight.grad)
     return weight.new_empty(numel)
-
-
-class _ExactCapture:
-    """Forward hooks on every exact-mode layer, on every tensor-parallel rank.
-
-    Each decides with :meth:`Capture.accepts` (the same answer on every rank)
-    whether the call is captured; if so it gathers the shards the primary
-    needs — the input of a rowwise layer now, the output gradient of a
-    colwise layer when it arrives — and, on the primary, hands the full
-    tensors to :meth:`Capture.observe`.
-    """
-
-    def __init__(self, capture: Capture, group: TPGroup, layers: dict[str, KFACLayer]) -> None:
-        self.capture = capture
-        self.group = group
-        self.layers = layers
-
-    def install(self, adapters: list[ExactShardedAdapter]) -> list[Any]:
-        return [a.module.register_forward_hook(_Hook(self._hook(a), a.module)) for a in adapters]
-
-    def _hook(self, adapter: ExactShardedAdapter) -> Callable[[nn.Module, Any, Any], None]:
-        group, capture = self.group, self.capture
-        layer = self.layers.get(adapter.name)  # None where this rank is not the primary
-
-        def gather(full: int) -> Callable[[Tensor], Tensor | None]:
-            return lambda t: group.gather_last_dim(local(t).detach(), adapter.primary, full)
-
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            x = _first_tensor(inputs)
-            if x is None or not isinstance(output, Tensor):
-                return
-            if not capture.accepts(adapter, module, output):
-                return
-            if adapter.style is Style.ROWWISE:
-                full_x = gather(adapter.in_features)(x)
-                if layer is not None and full_x is not None:
-                    capture.observe(layer, module, full_x, output, grad_view=local)
-                return
-            view = gather(adapter.out_features)
-            if layer is not None:
-                capture.observe(layer, module, local(x), output, grad_view=view)  # type: ignore[arg-type]
-            else:
-                output.register_hook(lambda g: _discard(view(g)))
-
-        return hook
-
-
-def _discard(_: Any) -> None:
-    return None

@@ -5,6 +5,7 @@ from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
 from kaisa.layers.embedding import EmbeddingAdapter
 from kaisa.layers.linear import LinearAdapter
+from kaisa.layers.megatron import MegatronLinearAdapter
 from kaisa.layers.registry import (
     SkippedModule,
     adapter_for,
@@ -18,6 +19,7 @@ __all__ = [
     "EmbeddingAdapter",
     "LayerAdapter",
     "LinearAdapter",
+    "MegatronLinearAdapter",
     "SkippedModule",
     "TransposedLinearAdapter",
     "adapter_for",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -104,6 +104,11 @@ class LayerAdapter(ABC):
     def batch_size(x: Tensor) -> int:
         """Number of data points in a call: the input's leading dimension."""
         return int(x.shape[0]) if x.dim() > 1 else 1
+
+    def output_tensor(self, output: Any) -> Tensor | None:
+        """The tensor of a call's ``output`` whose gradient is the layer's
+        output gradient (None: nothing to capture)."""
+        return output if isinstance(output, Tensor) else None
 
     def a_rows(self, x: Tensor) -> Tensor:
         """Input rows with the bias column of ones appended when there is a bias."""

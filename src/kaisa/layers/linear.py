@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from torch import Tensor, nn
 
 from kaisa.factors import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["LinearAdapter", "TiedHeadAdapter"]
+__all__ = ["LinearAdapter", "LinearCall", "TiedHeadAdapter"]
+
+
+@dataclass(frozen=True)
+class LinearCall:
+    """How a linear-like module is called: which input dimension is the batch
+    and where its output is.  ``nn.Linear`` takes ``[batch, ..., d]`` and
+    returns a tensor; Megatron-core's parallel linears take ``[sequence,
+    batch, d]`` and return ``(output, bias)``.  The batch dimension matters
+    for the gradient multiplier (``loss_average``) and for K-FAC-reduce."""
+
+    sequence_first: bool = False  #: a 3-D input is ``[sequence, batch, d]``
+    returns_bias: bool = False  #: the module returns ``(output, bias or None)``
+
+    def rows(self, t: Tensor) -> Tensor:
+        """``t`` as ``[batch, shared, features]``."""
+        if t.dim() == 1:  # unbatched
+            return t.reshape(1, 1, -1)
+        if self.sequence_first and t.dim() == 3:
+            t = t.transpose(0, 1)
+        return t.reshape(t.shape[0], -1, t.shape[-1])
+
+    def batch_size(self, x: Tensor) -> int:
+        if self.sequence_first and x.dim() == 3:
+            return int(x.shape[1])
+        return int(x.shape[0]) if x.dim() > 1 else 1
+
+    def output(self, output: Any) -> Tensor | None:
+        """The tensor whose gradient is the layer's output gradient.  With
+        ``returns_bias`` it is the first element: when the module returns its
+        bias instead of adding it (Megatron's ``skip_bias_add``), the caller
+        adds it, so that element's gradient is still the pre-activation's."""
+        if self.returns_bias and isinstance(output, tuple) and output:
+            output = output[0]
+        return output if isinstance(output, Tensor) else None
 
 
 class LinearAdapter(LayerAdapter):
@@ -19,6 +56,7 @@ class LinearAdapter(LayerAdapter):
     """
 
     module: nn.Linear
+    call = LinearCall()
 
     @property
     def in_features(self) -> int:
@@ -28,11 +66,14 @@ class LinearAdapter(LayerAdapter):
     def out_features(self) -> int:
         return int(self.module.out_features)
 
-    @staticmethod
-    def _canonical(t: Tensor) -> Tensor:
-        if t.dim() == 1:  # unbatched
-            return t.reshape(1, 1, -1)
-        return t.reshape(t.shape[0], -1, t.shape[-1])
+    def _canonical(self, t: Tensor) -> Tensor:
+        return self.call.rows(t)
+
+    def batch_size(self, x: Tensor) -> int:  # type: ignore[override]
+        return self.call.batch_size(x)
+
+    def output_tensor(self, output: Any) -> Tensor | None:
+        return self.call.output(output)
 
     def input_rows(self, x: Tensor) -> Tensor:
         return self._canonical(x)

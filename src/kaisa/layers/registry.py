@@ -21,6 +21,7 @@ from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
 from kaisa.layers.embedding import EmbeddingAdapter
 from kaisa.layers.linear import LinearAdapter, TiedHeadAdapter
+from kaisa.layers.megatron import MEGATRON_LINEARS, MegatronLinearAdapter
 
 __all__ = [
     "SkippedModule",
@@ -39,11 +40,22 @@ _ADAPTERS: dict[type[nn.Module], AdapterFactory] = {
     nn.Embedding: EmbeddingAdapter,
 }
 
-# Types of optional packages, matched by (module, class name) so that kaisa
-# never imports them: Hugging Face GPT-2's Conv1D is a Linear stored [in, out].
+# Types of optional packages, matched by (module, class name) of the class or
+# a base class, so that kaisa never imports them: Hugging Face GPT-2's Conv1D
+# is a Linear stored [in, out]; Megatron-core's parallel linears return
+# (output, bias) and take [sequence, batch, hidden].
 _ADAPTERS_BY_NAME: dict[tuple[str, str], AdapterFactory] = {
     ("transformers.pytorch_utils", "Conv1D"): TransposedLinearAdapter,
+    **{key: MegatronLinearAdapter for key in MEGATRON_LINEARS},
 }
+
+
+def _by_name(module: nn.Module) -> AdapterFactory | None:
+    for cls in type(module).__mro__:
+        factory = _ADAPTERS_BY_NAME.get((cls.__module__, cls.__name__))
+        if factory is not None:
+            return factory
+    return None
 
 
 def register_layer_type(module_type: type[nn.Module], factory: AdapterFactory) -> None:
@@ -82,15 +94,12 @@ def _unsupported_reason(module: nn.Module) -> str | None:
 def _known_type(module: nn.Module) -> bool:
     if isinstance(module, nn.MultiheadAttention):
         return True
-    by_name = (type(module).__module__, type(module).__name__) in _ADAPTERS_BY_NAME
-    return by_name or isinstance(module, tuple(_ADAPTERS))
+    return _by_name(module) is not None or isinstance(module, tuple(_ADAPTERS))
 
 
 def adapter_for(name: str, module: nn.Module) -> tuple[LayerAdapter | None, str | None]:
     """The adapter for ``module``, or ``(None, reason)`` when it cannot be preconditioned."""
-    factory = _ADAPTERS.get(type(module)) or _ADAPTERS_BY_NAME.get(
-        (type(module).__module__, type(module).__name__)
-    )
+    factory = _ADAPTERS.get(type(module)) or _by_name(module)
     if factory is None:
         for module_type, candidate in _ADAPTERS.items():
             if isinstance(module, module_type):

@@ -1,4 +1,8 @@
-"""Adapters for ``nn.Linear`` layers sharded by ``parallelize_module``.
+"""Adapters for linear layers sharded over a tensor-parallel group: ``nn.Linear``
+sharded by ``parallelize_module`` and Megatron-core's ``ColumnParallelLinear``
+/ ``RowParallelLinear`` (plain tensors; see :mod:`kaisa.layers.megatron`).
+Both are described by a :class:`Sharding`, so the adapters below and the
+engine do not depend on which framework sharded the layer.
 
 ``ColwiseParallel`` shards a Linear's weight by output rows (``Shard(0)``,
 the bias with it): its input is replicated and its output sharded on the
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -45,6 +50,7 @@ __all__ = [
     "ExactShardedAdapter",
     "ReplicatedBiasAdapter",
     "ShardBlockAdapter",
+    "Sharding",
     "Style",
     "local",
     "shard_range",
@@ -56,6 +62,16 @@ class Style(str, enum.Enum):
 
     COLWISE = "colwise"  #: Shard(0): output rows (and the bias)
     ROWWISE = "rowwise"  #: Shard(1): input columns; the bias replicated
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one linear layer is sharded: the style and the *unsharded* sizes
+    (the local weight's shape is a shard's; only the framework knows the rest)."""
+
+    style: Style
+    in_features: int
+    out_features: int
 
 
 def local(t: Any) -> Any:
@@ -83,10 +99,20 @@ class ExactShardedAdapter(LinearAdapter):
     captured_by_engine = True
     sees_dtensors = True
 
-    def __init__(self, name: str, module: nn.Module, style: Style, primary: int) -> None:
-        super().__init__(name, module)
-        self.style = style
+    def __init__(self, base: LinearAdapter, sharding: Sharding, primary: int) -> None:
+        super().__init__(base.name, base.module)
+        self.call = base.call
+        self.style = sharding.style
+        self.sharding = sharding
         self.primary = primary  #: the tensor-parallel rank that does this layer's K-FAC work
+
+    @property
+    def in_features(self) -> int:
+        return self.sharding.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.sharding.out_features
 
     def input_rows(self, x: Tensor) -> Tensor:
         return self._canonical(local(x))
@@ -109,16 +135,17 @@ class ShardBlockAdapter(LinearAdapter):
 
     sees_dtensors = True
 
-    def __init__(self, name: str, module: nn.Module, style: Style, tp_size: int, tp_rank: int):
-        super().__init__(name, module)
-        self.style = style
-        lin: nn.Linear = module  # type: ignore[assignment]
+    def __init__(self, base: LinearAdapter, sharding: Sharding, tp_size: int, tp_rank: int):
+        super().__init__(base.name, base.module)
+        self.call = base.call
+        self.style = style = sharding.style
+        full_in, full_out = sharding.in_features, sharding.out_features
         if style is Style.COLWISE:
-            rows = shard_range(int(lin.out_features), tp_size, tp_rank)
-            self._in, self._out = int(lin.in_features), rows.stop - rows.start
+            rows = shard_range(full_out, tp_size, tp_rank)
+            self._in, self._out = full_in, rows.stop - rows.start
         else:
-            cols = shard_range(int(lin.in_features), tp_size, tp_rank)
-            self._in, self._out = cols.stop - cols.start, int(lin.out_features)
+            cols = shard_range(full_in, tp_size, tp_rank)
+            self._in, self._out = cols.stop - cols.start, full_out
             self.has_bias = False
         self.tp_rank = tp_rank
 
@@ -168,9 +195,11 @@ class ReplicatedBiasAdapter(LayerAdapter):
 
     sees_dtensors = True
 
-    def __init__(self, name: str, module: nn.Module) -> None:
-        super().__init__(f"{name}.bias", module)
-        self.layer_name = name
+    def __init__(self, base: LinearAdapter, sharding: Sharding) -> None:
+        super().__init__(f"{base.name}.bias", base.module)
+        self.layer_name = base.name
+        self.call = base.call
+        self._out = sharding.out_features
         self.has_bias = True  # the constant-1 input column
 
     @property
@@ -179,7 +208,13 @@ class ReplicatedBiasAdapter(LayerAdapter):
 
     @property
     def out_features(self) -> int:
-        return int(self.module.out_features)  # type: ignore[arg-type]
+        return self._out
+
+    def batch_size(self, x: Tensor) -> int:  # type: ignore[override]
+        return self.call.batch_size(x)
+
+    def output_tensor(self, output: Any) -> Tensor | None:
+        return self.call.output(output)
 
     @property
     def weight(self) -> nn.Parameter:
@@ -195,10 +230,10 @@ class ReplicatedBiasAdapter(LayerAdapter):
         return [self.weight]
 
     def input_rows(self, x: Tensor) -> Tensor:
-        return LinearAdapter._canonical(local(x))[..., :0]
+        return self.call.rows(local(x))[..., :0]
 
     def grad_output_rows(self, g: Tensor) -> Tensor:
-        return LinearAdapter._canonical(local(g))
+        return self.call.rows(local(g))
 
     def matrix_of(self, full: Sequence[Tensor | None]) -> Tensor | None:
         grad = full[0]
