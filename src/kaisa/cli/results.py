@@ -170,11 +170,17 @@ def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _stat(value: float, spec: str) -> str:
-    return "not reached" if math.isinf(value) else format(value, spec)
+    return "inf" if math.isinf(value) else format(value, spec)
 
 
 def _spread(spread: Mapping[str, float], spec: str) -> str:
-    """``median [min-max]``, plus ``IQR q1-q3`` when the quartiles are there."""
+    """``median [min-max]``, plus ``IQR q1-q3`` when the quartiles are there.
+
+    Missed targets are infinite: shown as ``inf``, or as ``not reached`` when
+    every seed missed (the minimum is infinite too).
+    """
+    if math.isinf(spread["min"]) and math.isinf(spread["max"]) and spread["min"] > 0:
+        return "not reached"
     text = f"{_stat(spread['median'], spec)} [{_stat(spread['min'], spec)}-"
     text += f"{_stat(spread['max'], spec)}]"
     if "q1" in spread:
@@ -223,6 +229,6 @@ def format_seed_table(arms: Sequence[Mapping[str, Any]]) -> str:
     out += [
         TIMING_NOTE,
         "Cells: median [min-max] over seeds (IQR from 4 seeds); a run that misses the target "
-        "counts as infinitely slow, so a median is 'not reached' when the middle run(s) missed.",
+        "counts as infinitely slow (inf), so a median is inf when the middle run(s) missed.",
     ]
     return "\n".join(out)
