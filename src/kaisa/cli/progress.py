@@ -48,6 +48,7 @@ class Progress:
             self._runs.update(1)
 
     def close_runs(self) -> None:
+        """Close the runs bar (a no-op without one), e.g. before the final table."""
         if self._runs is not None:
             self._runs.close()
             self._runs = None
@@ -56,8 +57,8 @@ class Progress:
         """Print a line (without breaking a bar that is on screen)."""
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(message, file=self.stream)
+        if self._bar is not None or self._runs is not None:
+            tqdm.write(message, file=self.stream)  # clears and redraws every bar
         else:
             print(message, file=self.stream, flush=True)
 
