@@ -135,3 +135,20 @@ def test_bad_seeds_is_refused_naming_the_option(
     assert exc.value.code == 2
     assert "argument --seeds" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_bands_of_uneven_curves_use_the_seeds_that_evaluated_each_epoch() -> None:
+    """Seeds stopped early (--stop-at-target) or diverged (null metric) drop out of an epoch."""
+
+    def seed(metrics: list[float | None]) -> dict[str, Any]:
+        curve = [
+            {"epoch": e, "wall_time_s": float(e), "metric": m} for e, m in enumerate(metrics, 1)
+        ]
+        return {"curve": curve}
+
+    seeds = [seed([0.1, 0.5]), seed([0.2]), seed([0.3, None, 0.9]), seed([0.4, 0.7])]
+    bands = seed_bands(seeds)
+    assert bands["epoch"] == [1, 2, 3]
+    assert bands["median"] == pytest.approx([0.25, 0.6, 0.9])
+    assert bands["min"] == [0.1, 0.5, 0.9] and bands["max"] == [0.4, 0.7, 0.9]
+    assert bands["q1"][0] == pytest.approx(0.175) and bands["q3"][0] == pytest.approx(0.325)
