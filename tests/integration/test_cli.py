@@ -92,6 +92,21 @@ def test_compare_writes_both_runs_with_all_fields(
     assert_valid_png(out / "results.png")
 
 
+def test_one_seed_keeps_the_original_fields_and_table(
+    compared: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """--seeds defaults to 1: the original fields are that seed's run; seeds/summary are extra."""
+    _, runs = compared
+    for run in runs:
+        (seed,) = run["seeds"]
+        assert seed["seed"] == run["config"]["seed"] == 0
+        for key in ("time_to_target_s", "steps_to_target", "final_metric", "curve"):
+            assert run[key] == seed[key]
+        summary = run["summary"]
+        assert summary["n_seeds"] == 1 and summary["reached"] == 1
+        assert summary["time_to_target_s"]["median"] == run["time_to_target_s"]
+
+
 def test_compare_runs_share_hyperparameters_and_record_kfac_config(
     compared: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -118,6 +133,7 @@ def test_compare_prints_a_table_saying_evaluation_is_excluded(
     text = capsys.readouterr().out
     assert "evaluation at the end of each epoch is excluded" in text
     assert "sgd+kfac" in text and "[sgd] epoch 1/1" in text
+    assert "median" not in text and "seed 0" not in text  # one seed: the table as before
     for run in runs:  # accuracy can never reach 1.01
         assert run["time_to_target_s"] is None
         assert run["steps_to_target"] is None and run["epochs_to_target"] is None

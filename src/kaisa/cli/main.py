@@ -3,11 +3,13 @@
 ``kaisa train`` trains one configuration; ``kaisa compare`` trains the
 first-order optimizer and the same optimizer preconditioned by K-FAC, from the
 same initial weights and batches, and reports time and steps to a target
-metric. Both write ``results.json`` and ``results.png`` into ``--out``.
+metric; ``--seeds N`` repeats that on N seeds and reports medians and spreads.
+Both write ``results.json`` and ``results.png`` into ``--out``.
 
 This module only parses arguments and dispatches; see :mod:`kaisa.cli.spec`
-(defaults), :mod:`kaisa.cli.train` (the loop), :mod:`kaisa.cli.results` and
-:mod:`kaisa.cli.plot` (outputs), :mod:`kaisa.cli.distributed` (torchrun).
+(defaults), :mod:`kaisa.cli.train` (the loop), :mod:`kaisa.cli.sweep` (seeds),
+:mod:`kaisa.cli.results`, :mod:`kaisa.cli.summary` and :mod:`kaisa.cli.plot`
+(outputs), :mod:`kaisa.cli.distributed` (torchrun).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from kaisa.cli.options import add_kfac_arguments
 from kaisa.cli.plan import add_plan_parser, run_plan
 from kaisa.cli.plot import plot_runs
 from kaisa.cli.progress import Progress
-from kaisa.cli.results import format_table, run_to_dict, write_results
+from kaisa.cli.results import arms_to_dicts, format_seed_table, format_table, write_results
 from kaisa.cli.spec import build_specs
-from kaisa.cli.train import RunResult, train_run, warm_up
+from kaisa.cli.sweep import run_seeds
+from kaisa.cli.train import RunResult, warm_up
 from kaisa.config import DistributedStrategy
 from kaisa.plan import grad_workers_for
 from kaisa.tasks.base import OPTIMIZERS
@@ -105,6 +108,15 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument(
         "--seed", type=int, default=0, help="seed of init and data order (default 0)"
     )
+    training.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="train each configuration on N seeds (--seed, --seed+1, ...) and report the "
+        "median and spread of time, steps and epochs to target and of the final metric; "
+        "a run that misses the target counts as infinitely slow (default 1)",
+    )
     run = parser.add_argument_group("environment")
     run.add_argument(
         "--device", choices=distributed.DEVICES, default="auto", help="auto: cuda if available"
@@ -154,7 +166,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description=(
             "Train the first-order optimizer and the same optimizer with K-FAC (same seed, "
             "batch size, initial weights and data order) and report time, steps and epochs "
-            "to the target metric. Times exclude evaluation."
+            "to the target metric. Times exclude evaluation. With --seeds N, both are "
+            "trained on N seeds and the table gives median [min-max] per run."
         ),
     )
     for sub in (train, compare):
@@ -167,8 +180,12 @@ def _default_out(task: str) -> Path:
     return Path("runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _write_outputs(results: list[RunResult], ctx: distributed.DistContext, out: Path) -> None:
-    """results.json, results.png and the table on stdout (main rank only)."""
+def _write_outputs(arms: list[list[RunResult]], ctx: distributed.DistContext, out: Path) -> None:
+    """results.json, results.png and the table on stdout (main rank only).
+
+    With one seed the table is today's one row per run; with more, one row of
+    medians and spreads per arm.
+    """
     environment = {
         "device": str(ctx.device),
         "world_size": ctx.world_size,
@@ -176,10 +193,11 @@ def _write_outputs(results: list[RunResult], ctx: distributed.DistContext, out: 
         "torch": torch.__version__,
         "kaisa": __version__,
     }
-    runs = [run_to_dict(r, environment) for r in results]
+    runs = arms_to_dicts(arms, environment)
     write_results(out / RESULTS_JSON, runs)
     plot_runs(runs, out / RESULTS_PNG)
-    print(format_table(runs), flush=True)
+    several_seeds = any(len(arm) > 1 for arm in arms)
+    print(format_seed_table(runs) if several_seeds else format_table(runs), flush=True)
     print(f"wrote {out / RESULTS_JSON} and {out / RESULTS_PNG}", flush=True)
 
 
@@ -221,9 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         progress = Progress(enabled=ctx.is_main, bars=not args.quiet)
         warm_up(specs, task, data, ctx)
-        results = [train_run(spec, task, data, ctx, progress) for spec in specs]
+        arms = run_seeds(specs, args.seeds, task, data, ctx, progress)
         if ctx.is_main:
-            _write_outputs(results, ctx, args.out or _default_out(task.name))
+            _write_outputs(arms, ctx, args.out or _default_out(task.name))
     finally:
         distributed.shutdown(ctx)
     return 0

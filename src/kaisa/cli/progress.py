@@ -2,6 +2,9 @@
 
 Bars suit a terminal; ``--quiet`` gives one line per epoch, which suits logs and
 CI. Ranks other than 0 print nothing, so a ``torchrun`` job shows one bar.
+With several seeds a second bar counts finished runs (seeds x arms); the epoch
+bars then vanish when done and leave one summary line each, so the screen
+keeps the runs bar and a readable log instead of a stack of finished bars.
 """
 
 from __future__ import annotations
@@ -28,14 +31,34 @@ class Progress:
         self.bars = bars and enabled
         self.stream = stream if stream is not None else sys.stdout
         self._bar: tqdm[object] | None = None
+        self._runs: tqdm[object] | None = None
         self._steps = 0
+
+    def start_runs(self, total: int) -> None:
+        """Show a bar over ``total`` runs (call only when there is more than one seed)."""
+        if self.bars:
+            self._runs = tqdm(
+                total=total, desc="runs", unit="run", file=self.stream, leave=True, position=0,
+                dynamic_ncols=True,
+            )  # fmt: skip
+
+    def end_run(self) -> None:
+        """Count a finished run on the runs bar (if shown)."""
+        if self._runs is not None:
+            self._runs.update(1)
+
+    def close_runs(self) -> None:
+        """Close the runs bar (a no-op without one), e.g. before the final table."""
+        if self._runs is not None:
+            self._runs.close()
+            self._runs = None
 
     def log(self, message: str) -> None:
         """Print a line (without breaking a bar that is on screen)."""
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(message, file=self.stream)
+        if self._bar is not None or self._runs is not None:
+            tqdm.write(message, file=self.stream)  # clears and redraws every bar
         else:
             print(message, file=self.stream, flush=True)
 
@@ -43,7 +66,11 @@ class Progress:
         self._steps = 0
         if self.bars:
             self._bar = tqdm(
-                total=total, desc=description, file=self.stream, leave=True, dynamic_ncols=True
+                total=total,
+                desc=description,
+                file=self.stream,
+                leave=self._runs is None,
+                dynamic_ncols=True,
             )
 
     def step(self, loss: torch.Tensor) -> None:
@@ -61,5 +88,7 @@ class Progress:
             self._bar.set_postfix({k: f"{v:.4f}" for k, v in values.items()}, refresh=False)
             self._bar.close()
             self._bar = None
+            if self._runs is not None:  # the epoch bar vanished: keep its result
+                self.log(summary)
         elif self.enabled:
             self.log(summary)

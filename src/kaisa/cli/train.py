@@ -187,14 +187,21 @@ def warm_up(
 
 
 def train_run(
-    spec: RunSpec, task: Task, data: TaskData, ctx: DistContext, progress: Progress
+    spec: RunSpec,
+    task: Task,
+    data: TaskData,
+    ctx: DistContext,
+    progress: Progress,
+    label: str | None = None,
 ) -> RunResult:
     """Train ``spec`` from a fresh, seeded model; evaluate after every epoch.
 
     The model is initialised from ``spec.seed`` and the data order depends only
     on ``spec.seed`` and the epoch, so two specs that differ only in the
-    optimizer see the same initial weights and the same batches.
+    optimizer see the same initial weights and the same batches. ``label``
+    names the run in progress lines (default: ``spec.name``).
     """
+    label = spec.name if label is None else label
     sampler = train_sampler(data.train, ctx, spec.seed)
     steps_per_epoch = math.ceil(len(sampler) / spec.batch_size)
     if spec.steps_per_epoch is not None:
@@ -203,7 +210,7 @@ def train_run(
     clock = _Clock(ctx.device)
     step = 0
     progress.log(
-        f"[{spec.name}] {spec.task}: {spec.epochs} epochs x {steps_per_epoch} steps, "
+        f"[{label}] {spec.task}: {spec.epochs} epochs x {steps_per_epoch} steps, "
         f"batch {spec.batch_size}/rank x {ctx.world_size} rank(s), lr {spec.lr:g}, "
         f"device {ctx.device}"
     )
@@ -211,7 +218,7 @@ def train_run(
         for epoch in range(1, spec.epochs + 1):
             sampler.set_epoch(epoch)
             trainer.model.train()
-            progress.start_epoch(f"[{spec.name}] epoch {epoch}/{spec.epochs}", steps_per_epoch)
+            progress.start_epoch(f"[{label}] epoch {epoch}/{spec.epochs}", steps_per_epoch)
             loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
             epoch_steps = 0
             clock.start()
@@ -234,13 +241,13 @@ def train_run(
                 result.steps_to_target = step
                 result.epochs_to_target = epoch
             progress.end_epoch(
-                f"[{spec.name}] epoch {epoch}/{spec.epochs} step {step} "
+                f"[{label}] epoch {epoch}/{spec.epochs} step {step} "
                 f"train_loss {train_loss:.4f} {task.metric.name} {record.metric:.4f} "
                 f"train_time {elapsed:.2f}s" + (" (target reached)" if reached else ""),
                 {"loss": train_loss, task.metric.name: record.metric},
             )
             if not math.isfinite(train_loss):
-                progress.log(f"[{spec.name}] training loss is not finite; stopping this run")
+                progress.log(f"[{label}] training loss is not finite; stopping this run")
                 break
             if spec.stop_at_target and result.steps_to_target is not None:
                 break
