@@ -36,8 +36,8 @@ bench: venv
 	$(PY) benchmarks/step_time.py --out runs/bench
 	$(PY) benchmarks/plan_scale.py --out runs/bench
 	$(PY) benchmarks/plan_paper.py --models resnet50 --out runs/bench
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 \
-		benchmarks/strategies.py --out runs/bench
+	for w in 1 2 4; do OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone \
+		--nproc_per_node=$$w benchmarks/strategies.py --out runs/bench || exit 1; done
 	OMP_NUM_THREADS=1 $(PY) benchmarks/tensor_parallel_comm.py --out runs/bench
 
 clean:

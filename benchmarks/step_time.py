@@ -5,15 +5,30 @@ measured 7.2x and 3.9x a plain SGD step): a 784-512-512-10 MLP and a small
 CNN, batch 128, factors every step, inverses every 10 steps.  Also measured:
 factors every 10 steps (the CLI's default) and the inverse compute method.
 
+With ``--reference-src PATH`` (a checkout of kfac-pytorch, whose ``kfac``
+package is imported from PATH; never vendored here) every K-FAC variant is
+also timed with ``kfac.preconditioner.KFACPreconditioner`` under the same
+keywords, side by side.
+
+Batches are drawn fresh from a small pool: a step repeated on one fixed batch
+drives the gradients into denormal floats, which make CPU matrix products
+10–20× slower and would inflate every K-FAC row.
+
 Prints a table, writes ``step_time.json`` and ``step_time.png`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +51,20 @@ def mlp() -> nn.Module:
 
 
 def cnn() -> nn.Module:
+    # activations not in place: kfac-pytorch's full backward hooks refuse an
+    # in-place op right after a layer, and both libraries must time one model
     return nn.Sequential(
         nn.Conv2d(1, 32, 3, padding=1),
-        nn.ReLU(inplace=True),
+        nn.ReLU(),
         nn.Conv2d(32, 32, 3, padding=1),
-        nn.ReLU(inplace=True),
+        nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(inplace=True),
+        nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
         nn.Linear(64 * 7 * 7, 128),
-        nn.ReLU(inplace=True),
+        nn.ReLU(),
         nn.Linear(128, 10),
     )
 
@@ -63,16 +80,25 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 
 
+Preconditioner = Callable[..., Any]
+POOL = 8  # distinct batches cycled through (no denormal drift, no data loading cost)
+
+
 def time_steps(
-    model_name: str, kfac: dict[str, Any] | None, steps: int, batch: int, device: str = "cpu"
+    model_name: str,
+    kfac: dict[str, Any] | None,
+    steps: int,
+    batch: int,
+    device: str = "cpu",
+    preconditioner: Preconditioner = KFACPreconditioner,
 ) -> float:
     torch.manual_seed(0)
     model = MODELS[model_name]().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    precond = KFACPreconditioner(model, optimizer=opt, **kfac) if kfac is not None else None
-    x = torch.randn(batch, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    precond = preconditioner(model, **_keywords(preconditioner, kfac, opt)) if kfac else None
+    xs = torch.randn(POOL, batch, 1, 28, 28, device=device)
+    ys = torch.randint(0, 10, (POOL, batch), device=device)
+    sync = torch.cuda.synchronize if xs.is_cuda else (lambda: None)
     warmup = 3
     start = 0.0
     for i in range(steps + warmup):
@@ -80,12 +106,45 @@ def time_steps(
             sync()
             start = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(xs[i % POOL]), ys[i % POOL]).backward()
         if precond is not None:
             precond.step()
         opt.step()
     sync()
     return (time.perf_counter() - start) / steps
+
+
+def _keywords(
+    preconditioner: Preconditioner, kfac: dict[str, Any], opt: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """kaisa reads the learning rate from the optimizer; kfac-pytorch takes ``lr``."""
+    if preconditioner is KFACPreconditioner:
+        return kfac | {"optimizer": opt}
+    return kfac | {"lr": opt.param_groups[0]["lr"]}
+
+
+def reference_preconditioner(src: Path) -> Preconditioner:
+    """kfac-pytorch's ``KFACPreconditioner`` from a checkout at ``src``.
+
+    A source checkout that was never pip-installed has no package metadata,
+    which its ``kfac/__init__.py`` reads for ``__version__``; then the package
+    is entered without running that file (its submodules import as usual)."""
+    sys.path.insert(0, str(src))
+    try:
+        module = importlib.import_module("kfac.preconditioner")
+    except importlib.metadata.PackageNotFoundError:
+        for name in [n for n in sys.modules if n == "kfac" or n.startswith("kfac.")]:
+            del sys.modules[name]
+        package = importlib.util.module_from_spec(
+            importlib.machinery.ModuleSpec("kfac", None, is_package=True)
+        )
+        package.__path__ = [str(src / "kfac")]
+        sys.modules["kfac"] = package
+        module = importlib.import_module("kfac.preconditioner")
+    except ImportError as exc:
+        message = f"--reference-src {src}: cannot import kfac.preconditioner ({exc})"
+        raise SystemExit(message) from exc
+    return module.KFACPreconditioner
 
 
 def main() -> None:
@@ -96,31 +155,50 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (TF32 stays off)")
+    parser.add_argument(
+        "--reference-src",
+        type=Path,
+        default=None,
+        help="a kfac-pytorch checkout: time its KFACPreconditioner beside kaisa's",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    libraries: dict[str, Preconditioner] = {"kaisa": KFACPreconditioner}
+    if args.reference_src is not None:
+        libraries["kfac-pytorch"] = reference_preconditioner(args.reference_src)
     rows = []
     for model_name in MODELS:
         base = None
         for variant, kfac in VARIANTS.items():
-            t = statistics.median(
-                time_steps(model_name, kfac, args.steps, args.batch, args.device)
-                for _ in range(args.repeats)
-            )
-            base = t if kfac is None else base
-            rows.append(
-                {
-                    "model": model_name,
-                    "variant": variant,
-                    "step_ms": 1e3 * t,
-                    "ratio_to_sgd": t / base if base else 1.0,
-                }
-            )
-            print(
-                f"{model_name:<20} {variant:<26} {1e3 * t:8.2f} ms  "
-                f"{rows[-1]['ratio_to_sgd']:5.2f}x",
-                flush=True,
-            )
+            for library, preconditioner in libraries.items():
+                if kfac is None and library != "kaisa":
+                    continue  # one SGD baseline
+                try:
+                    t = statistics.median(
+                        time_steps(
+                            model_name, kfac, args.steps, args.batch, args.device, preconditioner
+                        )
+                        for _ in range(args.repeats)
+                    )
+                except Exception as exc:  # the reference's own failure, reported
+                    print(f"{model_name:<20} {variant:<26} {library:<13} failed: {exc}")
+                    continue
+                base = t if kfac is None else base
+                rows.append(
+                    {
+                        "model": model_name,
+                        "variant": variant,
+                        "library": library if kfac is not None else "torch",
+                        "step_ms": 1e3 * t,
+                        "ratio_to_sgd": t / base if base else 1.0,
+                    }
+                )
+                print(
+                    f"{model_name:<20} {variant:<26} {rows[-1]['library']:<13} {1e3 * t:8.2f} ms  "
+                    f"{rows[-1]['ratio_to_sgd']:5.2f}x",
+                    flush=True,
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "torch": torch.__version__,
@@ -128,6 +206,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "batch": args.batch,
         "steps": args.steps,
+        "reference_src": str(args.reference_src) if args.reference_src else None,
     }
     (args.out / "step_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:
@@ -137,8 +216,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['model']}\n{r['variant']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.35 * len(rows)))
+    labels = [f"{r['model']} {r['variant']} ({r['library']})" for r in rows]
     ax.barh(range(len(rows)), [r["ratio_to_sgd"] for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_xlabel("step time / SGD step time")

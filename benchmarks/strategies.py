@@ -191,6 +191,7 @@ def report(results: list[dict[str, Any]], timing: dict[str, float], world: int, 
         "raw": results,
     }
     (args.out / "strategies.json").write_text(json.dumps(payload, indent=2, default=str))
+    (args.out / f"strategies_w{world}.json").write_text(json.dumps(payload, default=str))
     try:
         import matplotlib
 
@@ -209,6 +210,43 @@ def report(results: list[dict[str, Any]], timing: dict[str, float], world: int, 
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "strategies.png", dpi=120)
+    plt.close(fig)
+    memory_vs_traffic(args.out, plt)
+
+
+def memory_vs_traffic(out: Path, plt: Any) -> None:
+    """Per-rank memory against bytes per step, one line per world size run so
+    far into ``out`` (``strategies_w*.json``), each point a fraction: the
+    trade-off of the SC'21 paper's Fig. 6.3."""
+    runs = sorted(
+        (json.loads(p.read_text()) for p in out.glob("strategies_w*.json")),
+        key=lambda r: r["world_size"],
+    )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in runs:
+        rows = sorted(run["rows"], key=lambda r: r["fraction"])
+        steps = max(1, int(run["args"].get("inv_update_steps", 1)))
+        # bytes per step averaged over an inverse-update interval
+        traffic = [
+            (r["mb_per_inverse_step"] + (steps - 1) * r["mb_per_plain_step"]) / steps for r in rows
+        ]
+        memory = [r["max_rank_memory_mb"] for r in rows]
+        ax.plot(traffic, memory, "o-", label=f"W = {run['world_size']}")
+        for x, y, r in zip(traffic, memory, rows):
+            ax.annotate(
+                f"f={r['fraction']:g}",
+                (x, y),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 4),
+            )
+    ax.set_xlabel("MB sent per rank per step (averaged over an inverse interval)")
+    ax.set_ylabel("K-FAC memory per rank (MB)")
+    ax.set_title("KAISA: memory vs communication across grad_worker_fraction")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "strategies-memory-vs-comm.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
