@@ -235,7 +235,7 @@ def _instrument_adapter(layer: KFACLayer, clock: Clock) -> None:
         return out
 
     adapter.rows_for = timed_rows  # type: ignore[method-assign]
-    adapter.factor_term = timed_term  # type: ignore[method-assign]
+    adapter.factor_term = timed_term  # type: ignore[method-assign,assignment]
 
     fold = layer.fold
 
@@ -271,7 +271,7 @@ def _instrument_method(precond: KFACPreconditioner, clock: Clock) -> None:
         clock.need("KL clip + write-back", ("copy", tuple(grad.shape)))
         return out
 
-    method.decompose = logged_decompose  # type: ignore[method-assign]
+    method.decompose = logged_decompose  # type: ignore[method-assign,assignment]
     method.apply = timed_apply  # type: ignore[method-assign]
 
 
@@ -289,7 +289,7 @@ def instrument(precond: KFACPreconditioner) -> Clock:
     def timed_grad_hook(*args: Any) -> Callable[[Tensor], None]:
         return _timed(grad_hook(*args), clock, CAPTURE)
 
-    capture._grad_hook = timed_grad_hook  # type: ignore[method-assign]
+    capture._grad_hook = timed_grad_hook  # type: ignore[method-assign,assignment]
     pipeline = parts.pipeline
     for attr, stage in PHASES.items():
         setattr(pipeline, attr, _timed(getattr(pipeline, attr), clock, stage))
@@ -457,11 +457,17 @@ FIXED_STAGES = (
 )
 
 
+def _capture_order(stage: str) -> tuple[str, int]:
+    """Capture stages by layer type, then rows, A Gram, G Gram (the order they run)."""
+    part, _, kind = stage.removeprefix("capture: ").partition(" (")
+    return kind, ("A rows", "A Gram", "G Gram").index(part)
+
+
 def stage_seconds(clock: Clock) -> dict[str, float]:
     """Seconds per stage over the window, the remainders formed from the totals."""
     s = clock.seconds
     capture = {k: v for k, v in s.items() if k.startswith("capture: ")}
-    out = dict(sorted(capture.items()))
+    out = dict(sorted(capture.items(), key=lambda kv: _capture_order(kv[0])))
     out["capture: hooks and sums"] = s[CAPTURE] - sum(capture.values())
     out["running average"] = s["running average"]
     out["decomposition"] = s["decomposition"]
@@ -471,13 +477,21 @@ def stage_seconds(clock: Clock) -> dict[str, float]:
     return out
 
 
+#: derived stages count the calls of the timer they are a remainder of
+CALLS_FROM = {
+    "capture: hooks and sums": CAPTURE,
+    "KL clip + write-back": "apply phase",
+    "step() bookkeeping": STEP,
+}
+
+
 def summarise(clock: Clock, win: Window, cache: dict[Kernel, float]) -> dict[str, Any]:
     """Per-step figures (ms) of one run: every stage with its floor, and the totals."""
     floors: dict[str, float] = defaultdict(float)
     for stage, kernel in clock.kernels:
         floors[stage] += kernel_seconds(kernel, cache)
     per_step = 1e3 / win.steps
-    stages = []
+    stages: list[dict[str, Any]] = []
     for stage, seconds in stage_seconds(clock).items():
         ms, floor = seconds * per_step, floors.get(stage, 0.0) * per_step
         stages.append(
@@ -486,7 +500,7 @@ def summarise(clock: Clock, win: Window, cache: dict[Kernel, float]) -> dict[str
                 "ms": ms,
                 "floor_ms": floor,
                 "ratio": ms / floor if floor > 0 else None,
-                "calls": clock.calls.get(stage, 0),
+                "calls": clock.calls.get(CALLS_FROM.get(stage, stage), 0),
             }
         )
     total = sum(st["ms"] for st in stages)
@@ -536,7 +550,8 @@ def print_table(run: dict[str, Any]) -> None:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    """Stacked bars per model x setting: the stages (solid) and their floors (hatched)."""
+    """Stacked bars per model x setting, one panel per model (linear scale, so
+    segment widths compare): the stages (solid) and their floors (hatched)."""
     try:
         import matplotlib
 
@@ -547,31 +562,34 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     names = list(dict.fromkeys(st["stage"] for r in runs for st in r["stages"]))
     cmap = plt.get_cmap("tab20")
     colors = {n: cmap(i % 20) for i, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(9, 0.55 * 2 * len(runs) + 1.5))
-    ticks, ticklabels = [], []
-    for i, run in enumerate(runs):
-        for j, key in enumerate(("ms", "floor_ms")):
-            y, left = 2.2 * i + 0.8 * j, 0.0
-            for st in run["stages"]:
-                ax.barh(
-                    y,
-                    st[key],
-                    left=left,
-                    height=0.75,
-                    color=colors[st["stage"]],
-                    hatch="//" if j else None,
-                    edgecolor="white" if j else None,
-                    label=st["stage"] if i == 0 and j == 0 else None,
-                )
-                left += st[key]
-            ticks.append(y)
-            ticklabels.append(f"{run['model']} {label(run)}" if j == 0 else "floor")
-    ax.set_yticks(ticks, ticklabels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("symlog", linthresh=0.1)
-    ax.set_xlabel("ms per step (amortised); hatched: the floor of each stage")
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    fig, axes = plt.subplots(len(models), 1, figsize=(9, 2.6 * len(models) + 0.6), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
+        mine = [r for r in runs if r["model"] == model]
+        ticks, ticklabels = [], []
+        for i, run in enumerate(mine):
+            for j, key in enumerate(("ms", "floor_ms")):
+                y, left = 2.2 * i + 0.8 * j, 0.0
+                for st in run["stages"]:
+                    ax.barh(
+                        y,
+                        st[key],
+                        left=left,
+                        height=0.75,
+                        color=colors[st["stage"]],
+                        hatch="//" if j else None,
+                        edgecolor="white" if j else None,
+                    )
+                    left += st[key]
+                ticks.append(y)
+                ticklabels.append(label(run) if j == 0 else "floor")
+        ax.set_yticks(ticks, ticklabels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("ms per step (amortised); hatched: the floor of each stage", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
+    fig.legend(handles, names, fontsize=6, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.72, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
