@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +150,7 @@ SETTINGS = (("eigen", 1, 10), ("eigen", 10, 100), ("inverse", 1, 10), ("inverse"
 
 
 def loss_of(out: Tensor, y: Tensor) -> Tensor:
+    """Cross-entropy over every position (the Transformer's logits are [N, T, V])."""
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
@@ -453,15 +454,6 @@ def run_config(
     return clock, win
 
 
-FIXED_STAGES = (
-    "running average",
-    "decomposition",
-    "preconditioning products",
-    "KL clip + write-back",
-    "step() bookkeeping",
-)
-
-
 def _capture_order(stage: str) -> tuple[str, int]:
     """Capture stages by layer type, then rows, A Gram, G Gram (the order they run)."""
     part, _, kind = stage.removeprefix("capture: ").partition(" (")
@@ -674,11 +666,6 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "stages.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
     plot(runs, args.out / "stages.png")
     print(f"\nload: {meta['uptime']}\nwrote {args.out / 'stages.json'}, {args.out / 'stages.png'}")
-
-
-def _iter_runs(path: Path) -> Iterator[dict[str, Any]]:
-    """The runs of a ``stages.json`` (for tests and notebooks)."""
-    yield from json.loads(path.read_text())["runs"]
 
 
 if __name__ == "__main__":
