@@ -34,6 +34,7 @@ lint: venv
 ## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).
 bench: venv
 	$(PY) benchmarks/step_time.py --out runs/bench
+	$(PY) benchmarks/stages.py --out runs/bench
 	$(PY) benchmarks/plan_scale.py --out runs/bench
 	$(PY) benchmarks/plan_paper.py --models resnet50 --out runs/bench
 	for w in 1 2 4; do OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone \

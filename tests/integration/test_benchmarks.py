@@ -1,0 +1,70 @@
+"""``benchmarks/stages.py --quick`` runs and its JSON is complete and consistent.
+
+No assertion on speed: the machine is shared.  What is checked is that every
+stage is there with its floor, that every timed stage was actually timed (a
+wrapper that kaisa stopped calling would read 0), and that the stages add up
+to about the K-FAC overhead measured independently (the K-FAC model's step
+time less its plain twin's), so a stage dropped from the split shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXED = (
+    "capture: hooks and sums",
+    "running average",
+    "decomposition",
+    "preconditioning products",
+    "KL clip + write-back",
+    "step() bookkeeping",
+)
+NO_FLOOR = {"capture: hooks and sums", "step() bookkeeping"}  # bookkeeping: no kernel
+
+
+def test_stages_quick_json_has_every_stage_with_a_floor(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    script = ROOT / "benchmarks" / "stages.py"
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--threads", "1", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    data = json.loads((tmp_path / "stages.json").read_text())
+    runs = data["runs"]
+    assert {(r["method"], r["factor_steps"], r["inv_steps"]) for r in runs} == {
+        ("eigen", 1, 10),
+        ("eigen", 10, 100),
+        ("inverse", 1, 10),
+        ("inverse", 10, 100),
+    }
+    stage_sums, overheads = 0.0, 0.0
+    for run in runs:
+        stages = {st["stage"]: st for st in run["stages"]}
+        for part in ("A rows", "A Gram", "G Gram"):
+            assert f"capture: {part} (Linear)" in stages, sorted(stages)
+        assert set(FIXED) <= set(stages), sorted(stages)
+        for name, st in stages.items():
+            assert st["ms"] > 0, (run["method"], name, st)
+            assert st["floor_ms"] >= 0, (name, st)
+            if name not in NO_FLOOR:
+                assert st["floor_ms"] > 0 and st["ratio"] > 0, (name, st)
+                assert st["calls"] > 0, (name, st)
+        total = sum(st["ms"] for st in stages.values())
+        assert abs(total - run["stage_sum_ms"]) < 1e-6
+        # every timer sits inside the K-FAC model's step
+        assert run["stage_sum_ms"] <= run["kfac_step_ms"]
+        stage_sums += run["stage_sum_ms"]
+        overheads += run["overhead_ms"]
+    # summed over the settings, so one noisy window does not decide
+    assert 0.4 * overheads <= stage_sums <= 2.5 * overheads, (stage_sums, overheads)
+    assert (tmp_path / "stages.png").exists()
