@@ -212,20 +212,16 @@ class CostModel:
 
     def describe_links(self) -> str:
         """The link figures in the units links are rated in (Gb/s, µs)."""
-        inter = f"{self.bandwidth * 8 / 1e9:g} Gb/s, {self.latency * 1e6:g} µs"
+        inter = f"{self.bandwidth * 8 / 1e9:g} Gb/s per rank, {self.latency * 1e6:g} µs per hop"
         if self.ranks_per_node is None:
-            return f"one level: {inter} per rank"
-        assert self.intra_bandwidth is not None or self.ranks_per_node == 1
+            return f"one level: {inter}"
         intra_latency = self.latency if self.intra_latency is None else self.intra_latency
         intra = (
-            f"{self.intra_bandwidth * 8 / 1e9:g} Gb/s, {intra_latency * 1e6:g} µs"
+            f"{self.intra_bandwidth * 8 / 1e9:g} Gb/s per rank, {intra_latency * 1e6:g} µs per hop"
             if self.intra_bandwidth is not None
             else "-"
         )
-        return (
-            f"{self.ranks_per_node} ranks per node: inside {intra} per rank; "
-            f"between nodes {inter} per rank"
-        )
+        return f"{self.ranks_per_node} ranks per node: inside {intra}; between nodes {inter}"
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
