@@ -103,14 +103,15 @@ class Links:
         return f"{self.gpus_per_node} GPUs/node, {self.link_gbit:g} Gb/s/rank between"
 
 
-def gpu_costs(links: Links) -> CostModel:
+def gpu_costs(links: Links, tflops: float = 14.0) -> CostModel:
     """A GPU-like cost model, given (not measured here; no GPU on this machine).
 
     * eigh: 5e-12 s·n³ + 5 ms (cuSOLVER syevd in float32: about 10 ms at
       n = 1024 and 0.35 s at n = 4096; its fixed cost is large because the
       tridiagonalisation is partly host-driven);
     * Cholesky inverse: 1e-12 s·n³ + 1 ms;
-    * matrix products: 14 TFLOP/s (float32, no TF32: V100 peak 15.7, A100 19.5);
+    * matrix products: ``tflops`` TFLOP/s (14: float32, no TF32: V100 peak 15.7,
+      A100 19.5; ``--tflops 100`` for TF32-class products);
     * device memory: 750 GB/s moved (read + write) in a copy;
     * between nodes (or every link, one level): ``links.link_gbit`` Gb/s per
       rank, 10 µs per collective hop;
@@ -123,11 +124,11 @@ def gpu_costs(links: Links) -> CostModel:
         eigh_fixed=5e-3,
         inverse_n3=1e-12,
         inverse_fixed=1e-3,
-        flops=14e12,
+        flops=tflops * 1e12,
         memory_bandwidth=750e9,
         bandwidth=links.link_gbit * 1e9 / 8,
         latency=10e-6,
-        device=f"given: V100/A100-like; {links.label}",
+        device=f"given: V100/A100-like, {tflops:g} TFLOP/s products; {links.label}",
         ranks_per_node=links.gpus_per_node if two_level else None,
         intra_bandwidth=links.intra_gbit * 1e9 / 8 if two_level else None,
         intra_latency=links.intra_latency_us * 1e-6 if two_level else None,
@@ -341,7 +342,7 @@ def run_scenario(
     key: str, layers: list[LayerCost], links: Links, args: argparse.Namespace, first: bool
 ) -> tuple[CostModel, list[dict], dict[int, dict[str, float]]]:
     """Plan one model under one link scenario; print the full tables for the first."""
-    cost = gpu_costs(links)
+    cost = gpu_costs(links, args.tflops)
     rows, choices = plan_model(key, layers, cost, tuple(args.world_size))
     for r in rows:
         r["links"] = links.key
@@ -411,6 +412,9 @@ def parse_args() -> argparse.Namespace:
         "--intra-gbit", type=float, default=1200.0, help="Gb/s per rank inside a node (NVLink)"
     )
     parser.add_argument("--intra-latency-us", type=float, default=3.0, help="µs per hop inside")
+    parser.add_argument(
+        "--tflops", type=float, default=14.0, help="matrix-product rate (float32 without TF32: 14)"
+    )
     return parser.parse_args()
 
 
