@@ -67,7 +67,9 @@ def placement(ranks: int | Sequence[int], ranks_per_node: int | None) -> Placeme
     if not isinstance(group, range):  # an even stride is a range: cached
         members = sorted(set(group))
         step = members[1] - members[0] if len(members) > 1 else 1
-        if members == list(range(members[0] if members else 0, members[-1] + 1, step)):
+        if not members:
+            group = range(0)
+        elif members == list(range(members[0], members[-1] + 1, step)):
             group = range(members[0], members[-1] + 1, step)
         else:
             group = members

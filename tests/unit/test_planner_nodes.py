@@ -51,6 +51,7 @@ def test_placement_of_rows_columns_and_uneven_groups() -> None:
     uneven = placement([3, 4, 5], 4)  # node 0 holds 3, node 1 holds 4 and 5
     assert (uneven.nodes, uneven.most_per_node, uneven.least_per_node) == (2, 2, 1)
     assert placement(16, None) == placement(range(0, 64, 4), None)  # one level: a count
+    assert placement([], 4).ranks == 0 and two_level().collective(10, [], 1) == 0.0
 
 
 def test_a_row_inside_a_node_is_charged_the_intra_node_rate() -> None:
