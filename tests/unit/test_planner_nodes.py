@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from kaisa import KFACPreconditioner
 from kaisa.cli.main import main
+from kaisa.config import KFACConfig
 from kaisa.costs import CostModel, placement
-from kaisa.forecast import choose_fraction, forecast, layer_costs
+from kaisa.forecast import auto_fraction, choose_fraction, forecast, layer_costs
 
 INTER, INTRA = 1e9, 1e11  # bytes/s per rank
 
@@ -116,17 +118,24 @@ def test_forecast_charges_rows_inside_nodes_and_columns_across() -> None:
     assert mem_opt.seconds["factor_comm"] == pytest.approx(expected)
 
 
-def test_node_aware_costs_can_change_the_choice() -> None:
+def test_node_aware_costs_can_change_the_choice(tmp_path: Path) -> None:
     """With a slow link between nodes and slow products, the one-level model
     avoids every per-step broadcast (COMM-OPT); knowing that the rows of
     f = 1/2 (pairs of ranks) stay inside a node, the two-level one takes it:
-    half the preconditioning, and the same inverse traffic per rank."""
+    half the preconditioning, and the same inverse traffic per rank.
+    ``grad_worker_fraction='auto'`` reads the node fields from plan_costs."""
     layers = layer_costs(mlp(64, 6))
     slow = dict(bandwidth=1e6, latency=0.0, flops=3e8)
     one_level, _ = choose_fraction(layers, 8, CostModel(**slow), inv_update_steps=100)
     nodes = CostModel(**slow, ranks_per_node=2, intra_bandwidth=1e15, intra_latency=0.0)
     two_levels, _ = choose_fraction(layers, 8, nodes, inv_update_steps=100)
     assert one_level == 1.0 and two_levels == 0.5
+    nodes.save(tmp_path / "nodes.json")
+    config = KFACConfig(
+        grad_worker_fraction="auto", inv_update_steps=100, plan_costs=str(tmp_path / "nodes.json")
+    )
+    registered = list(KFACPreconditioner(mlp(64, 6)).layers.values())
+    assert auto_fraction(registered, 8, config) == 0.5
 
 
 def test_node_fields_are_checked_and_saved(tmp_path: Path) -> None:
