@@ -2,32 +2,37 @@
 
 ResNet-50 (ImageNet, 224x224, 32 images per GPU) and BERT-Large
 (pre-training phase 2: sequences of 512 tokens, 8 per GPU), each at
-W = 8 ... 1024 ranks and grad_worker_fraction 1/W (MEM-OPT), 1/8, 1/2
+W = 8 ... 1024 ranks and grad_worker_fraction 1/W (MEM-OPT), 1/8, 1/4, 1/2
 (HYBRID-OPT) and 1 (COMM-OPT): per-rank K-FAC memory, bytes per step
 (averaged over the update intervals) and per factor and inverse update, the
-predicted overhead per step, and the fraction ``grad_worker_fraction='auto'``
-would pick (all power-of-two fractions compared, with and without a memory
-budget).
+predicted overhead per step by stage, and the fraction
+``grad_worker_fraction='auto'`` would pick (all power-of-two fractions
+compared, with and without a memory budget).
 
 Nothing here is measured on a GPU: the cost model is *given* (see
-``gpu_costs``: figures representative of a V100/A100 and an InfiniBand link
-of ``--link-gbit`` Gb/s), and written next to the results as JSON so that
-``kaisa plan --costs`` reproduces any row.  Memory and bytes do not depend
-on the cost model; they are what ``memory_usage()`` and ``comm_stats()``
-would report (equal at W = 1, 2, 4 in tests/distributed).
+``gpu_costs``: kernel figures representative of a V100/A100), and its links
+are a grid of scenarios: ``--gpus-per-node`` ranks per node (0: one level,
+every collective at the inter-node figure) with NVLink-class
+``--intra-gbit`` inside a node, times ``--link-gbit`` Gb/s per rank between
+nodes.  Every scenario's cost model is written next to the results as JSON,
+so ``kaisa plan --costs`` reproduces any row.  Memory and bytes do not
+depend on the cost model; they are what ``memory_usage()`` and
+``comm_stats()`` would report (equal at W = 1, 2, 4 in tests/distributed).
 
 Writes ``plan_paper.json``, ``plan_paper.png`` (memory against bytes per
-step, one line per W, as Fig. 6.3 of the SC'21 paper / the thesis) and
+step, one line per W, as Fig. 6.3 of the SC'21 paper / the thesis),
 ``plan_paper_scaling.png`` (predicted overhead per step against W, one line
 per fraction) and ``plan_paper_fig63.png`` (at W = 64, every power-of-two
 fraction: overhead and memory, the layout of the thesis' Fig. 6.3) to
-``--out``; prints the tables.
+``--out`` (the tables and plots use the first scenario); ``--docs DIR``
+copies them under the names docs/planning.md shows.  Prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -77,33 +82,63 @@ MODELS = {
 }
 
 
-def gpu_costs(link_gbit: float) -> CostModel:
+@dataclass(frozen=True)
+class Links:
+    """One link scenario: ranks per node (None: one level) and the figures."""
+
+    gpus_per_node: int | None
+    link_gbit: float  #: per rank between nodes (per rank, everywhere, in one level)
+    intra_gbit: float  #: per rank inside a node
+    intra_latency_us: float
+
+    @property
+    def key(self) -> str:
+        nodes = f"{self.gpus_per_node}gpn" if self.gpus_per_node else "1level"
+        return f"{nodes}_{self.link_gbit:g}gbit"
+
+    @property
+    def label(self) -> str:
+        if not self.gpus_per_node:
+            return f"one level, {self.link_gbit:g} Gb/s"
+        return f"{self.gpus_per_node} GPUs/node, {self.link_gbit:g} Gb/s/rank between"
+
+
+def gpu_costs(links: Links, tflops: float = 14.0) -> CostModel:
     """A GPU-like cost model, given (not measured here; no GPU on this machine).
 
     * eigh: 5e-12 s·n³ + 5 ms (cuSOLVER syevd in float32: about 10 ms at
       n = 1024 and 0.35 s at n = 4096; its fixed cost is large because the
       tridiagonalisation is partly host-driven);
     * Cholesky inverse: 1e-12 s·n³ + 1 ms;
-    * matrix products: 14 TFLOP/s (float32, no TF32: V100 peak 15.7, A100 19.5);
+    * matrix products: ``tflops`` TFLOP/s (14: float32, no TF32: V100 peak 15.7,
+      A100 19.5; ``--tflops 100`` for TF32-class products);
     * device memory: 750 GB/s moved (read + write) in a copy;
-    * link: ``link_gbit`` Gb/s per rank, 10 µs per collective hop.
+    * between nodes (or every link, one level): ``links.link_gbit`` Gb/s per
+      rank, 10 µs per collective hop;
+    * inside a node (two levels): ``links.intra_gbit`` Gb/s per rank and
+      ``links.intra_latency_us`` µs per hop.
     """
+    two_level = links.gpus_per_node is not None and links.gpus_per_node > 0
     return CostModel(
         eigh_n3=5e-12,
         eigh_fixed=5e-3,
         inverse_n3=1e-12,
         inverse_fixed=1e-3,
-        flops=14e12,
+        flops=tflops * 1e12,
         memory_bandwidth=750e9,
-        bandwidth=link_gbit * 1e9 / 8,
+        bandwidth=links.link_gbit * 1e9 / 8,
         latency=10e-6,
-        device=f"given: V100/A100-like, {link_gbit:g} Gb/s link",
+        device=f"given: V100/A100-like, {tflops:g} TFLOP/s products; {links.label}",
+        ranks_per_node=links.gpus_per_node if two_level else None,
+        intra_bandwidth=links.intra_gbit * 1e9 / 8 if two_level else None,
+        intra_latency=links.intra_latency_us * 1e-6 if two_level else None,
     )
 
 
 def paper_fractions(world: int) -> list[float]:
-    """MEM-OPT (1/W), 1/8, HYBRID-OPT (1/2) and COMM-OPT (1), once each."""
-    return sorted({1.0 / world, 1.0 / 8, 0.5, 1.0})
+    """MEM-OPT (1/W), 1/8, 1/4, HYBRID-OPT (1/2) and COMM-OPT (1), once each
+    (1/4 and 1/8: the receiver rows are exactly a node of 4 or 8 GPUs)."""
+    return sorted({1.0 / world, 1.0 / 8, 0.25, 0.5, 1.0})
 
 
 def model_layers(model: PaperModel) -> tuple[list[LayerCost], float]:
@@ -142,7 +177,7 @@ def plan_model(
     model = MODELS[key]
     budget = model.budget_mib * MIB
     rows, choices = [], {}
-    for world in tqdm(worlds, desc=f"{key} @ {cost.bandwidth * 8 / 1e9:g} Gb/s", leave=False):
+    for world in tqdm(worlds, desc=f"{key} @ {cost.describe_links()}", leave=False):
         free, _ = choose_fraction(layers, world, cost, None, **INTERVALS)
         within, _ = choose_fraction(layers, world, cost, budget, **INTERVALS)
         choices[world] = {"auto": free, "auto_within_budget": within}
@@ -187,7 +222,7 @@ def print_table(key: str, rows: list[dict], choices: dict[int, dict[str, float]]
     )
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def plot(rows: list[dict], out: Path, links: str) -> None:
     try:
         import matplotlib
 
@@ -218,7 +253,7 @@ def plot(rows: list[dict], out: Path) -> None:
                     xytext=(2, 2),
                     textcoords="offset points",
                 )
-        ax.set_title(f"{MODELS[key].name}: K-FAC memory vs communication (predicted)")
+        ax.set_title(f"{MODELS[key].name}: K-FAC memory vs communication (predicted)", fontsize=10)
         ax.set_xscale("log")
         ax.set_xlabel("K-FAC memory per rank (MiB, max over ranks; log scale)")
         ax.set_ylabel("MB moved per step per rank (averaged)")
@@ -233,6 +268,7 @@ def plot(rows: list[dict], out: Path) -> None:
         for label, pick in (
             ("MEM-OPT 1/W", lambda r: r["grad_workers"] == 1),
             ("1/8", lambda r: r["grad_worker_fraction"] == 1 / 8 and r["grad_workers"] > 1),
+            ("1/4", lambda r: r["grad_worker_fraction"] == 1 / 4 and r["grad_workers"] > 1),
             ("HYBRID-OPT 1/2", lambda r: r["grad_worker_fraction"] == 0.5),
             ("COMM-OPT 1", lambda r: r["grad_worker_fraction"] == 1.0),
         ):
@@ -244,7 +280,7 @@ def plot(rows: list[dict], out: Path) -> None:
                 label=label,
             )
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{MODELS[key].name}: predicted K-FAC overhead per step")
+        ax.set_title(f"{MODELS[key].name}: predicted K-FAC overhead per step\n{links}", fontsize=10)
         ax.set_xlabel("GPUs (W)")
         ax.set_ylabel("ms per step (amortised)")
         ax.legend(fontsize=7)
@@ -253,7 +289,7 @@ def plot(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def plot_fig63(sweeps: dict[str, list[dict]], out: Path) -> None:
+def plot_fig63(sweeps: dict[str, list[dict]], out: Path, links: str) -> None:
     """As the thesis' Fig. 6.3: per fraction at one W, overhead (bars) and memory (line)."""
     try:
         import matplotlib
@@ -272,27 +308,124 @@ def plot_fig63(sweeps: dict[str, list[dict]], out: Path) -> None:
         mem = ax.twinx()
         mem.plot(range(len(rows)), [r["memory_mib"] / 1024 for r in rows], "o-", color="tab:red")
         mem.set_ylabel("K-FAC memory per rank (GiB)", color="tab:red")
-        ax.set_title(f"{MODELS[key].name}: overhead and memory per fraction (predicted)")
+        ax.set_title(
+            f"{MODELS[key].name}: overhead and memory per fraction (predicted)\n{links}",
+            fontsize=10,
+        )
     fig.tight_layout()
     fig.savefig(out / "plan_paper_fig63.png", dpi=120)
     plt.close(fig)
 
 
-def main() -> None:
+STAGE_ORDER = (
+    "capture",
+    "factor_comm",
+    "factor_fold",
+    "decompose",
+    "inverse_comm",
+    "precondition",
+    "grad_comm",
+)
+
+
+def print_stages(rows: list[dict], world: int) -> None:
+    """Where each fraction's overhead goes at one W (ms per step, amortised)."""
+    print(f"stages at W={world} (ms/step): " + " ".join(f"{k:>12}" for k in STAGE_ORDER))
+    for r in rows:
+        if r["world_size"] == world:
+            label = fraction_label(r["grad_worker_fraction"], world)
+            stages = " ".join(f"{r['stages_ms'][k]:>12.2f}" for k in STAGE_ORDER)
+            print(f"{label:>22}: {stages}  = {r['overhead_ms']:.1f}")
+
+
+def run_scenario(
+    key: str, layers: list[LayerCost], links: Links, args: argparse.Namespace, first: bool
+) -> tuple[CostModel, list[dict], dict[int, dict[str, float]]]:
+    """Plan one model under one link scenario; print the full tables for the first."""
+    cost = gpu_costs(links, args.tflops)
+    rows, choices = plan_model(key, layers, cost, tuple(args.world_size))
+    for r in rows:
+        r["links"] = links.key
+    if first:
+        print(f"\nlinks: {cost.describe_links()}")
+        print_table(key, rows, choices)
+        print_stages(rows, FIG63_WORLD)
+    else:
+        print(
+            f"{MODELS[key].name}, {cost.describe_links()}: auto picks "
+            + ", ".join(f"W={w}: {fraction_label(c['auto'], w)}" for w, c in choices.items())
+        )
+    return cost, rows, choices
+
+
+def fig63_sweep(key: str, layers: list[LayerCost], cost: CostModel, auto: float) -> list[dict]:
+    """Every power-of-two fraction at the W of the thesis' Fig. 6.3."""
+    sweep = [
+        row(key, fc, auto, -1.0, 0.0)
+        for fc in (
+            forecast(layers, FIG63_WORLD, cost, grad_worker_fraction=f, **INTERVALS)
+            for f in fractions_for(FIG63_WORLD)
+        )
+    ]
+    print(
+        f"W={FIG63_WORLD}, every fraction: "
+        + ", ".join(
+            f"{fraction_label(r['grad_worker_fraction'], FIG63_WORLD)}: "
+            f"{r['overhead_ms']:.1f} ms {r['memory_mib']:.0f} MiB"
+            for r in sweep
+        )
+    )
+    return sweep
+
+
+#: the outputs, and the names docs/planning.md shows them under (``--docs``)
+DOC_NAMES = {
+    "plan_paper.json": "plan-paper.json",
+    "plan_paper.png": "plan-paper-memory-vs-comm.png",
+    "plan_paper_scaling.png": "plan-paper-scaling.png",
+    "plan_paper_fig63.png": "plan-paper-fig63.png",
+}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--docs", type=Path, default=None, help="also copy the outputs here")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--world-size", type=int, nargs="+", default=list(WORLDS))
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        nargs="+",
+        default=[4, 8, 0],
+        help="ranks per node of each scenario (0: one level, every collective at --link-gbit)",
+    )
     parser.add_argument(
         "--link-gbit",
         type=float,
         nargs="+",
-        default=[100.0, 200.0, 25.0],
-        help="link speeds (Gb/s per rank; 25 = a 100 Gb/s NIC shared by 4 GPUs); the tables "
-        "and plots use the first",
+        default=[25.0, 100.0, 200.0],
+        help="Gb/s per rank between nodes (25 = a 100 Gb/s NIC shared by 4 GPUs); the tables "
+        "and plots use the first, with the first --gpus-per-node",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--intra-gbit", type=float, default=1200.0, help="Gb/s per rank inside a node (NVLink)"
+    )
+    parser.add_argument("--intra-latency-us", type=float, default=3.0, help="µs per hop inside")
+    parser.add_argument(
+        "--tflops", type=float, default=14.0, help="matrix-product rate (float32 without TF32: 14)"
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    scenarios = [
+        Links(gpn or None, gbit, args.intra_gbit, args.intra_latency_us)
+        for gpn in args.gpus_per_node
+        for gbit in args.link_gbit
+    ]
     report: dict[str, Any] = {
         "intervals": INTERVALS,
         "models": {},
@@ -308,49 +441,27 @@ def main() -> None:
             "layers": len(layers),
             "probe_seconds": probe_s,
         }
-        for i, gbit in enumerate(args.link_gbit):
-            cost = gpu_costs(gbit)
-            costs_path = args.out / f"plan_paper_costs_{gbit:g}gbit.json"
+        for i, links in enumerate(scenarios):
+            cost, rows, choices = run_scenario(key, layers, links, args, first=i == 0)
+            costs_path = args.out / f"plan_paper_costs_{links.key}.json"
             cost.save(costs_path)
-            report["cost_models"][f"{gbit:g}"] = {"file": str(costs_path), **asdict(cost)}
-            rows, choices = plan_model(key, layers, cost, tuple(args.world_size))
-            for r in rows:
-                r["link_gbit"] = gbit
+            report["cost_models"][links.key] = {"file": costs_path.name, **asdict(cost)}
             report["rows"] += rows
-            report["auto"][f"{key}@{gbit:g}"] = {str(w): c for w, c in choices.items()}
+            report["auto"][f"{key}@{links.key}"] = {str(w): c for w, c in choices.items()}
             if i == 0:
-                print_table(key, rows, choices)
-                sweep = [
-                    row(key, fc, choices.get(FIG63_WORLD, {}).get("auto", -1.0), -1.0, 0.0)
-                    for fc in (
-                        forecast(layers, FIG63_WORLD, cost, grad_worker_fraction=f, **INTERVALS)
-                        for f in fractions_for(FIG63_WORLD)
-                    )
-                ]
-                report["fig63"][key] = sweep
-                print(
-                    f"W={FIG63_WORLD}, every fraction: "
-                    + ", ".join(
-                        f"{fraction_label(r['grad_worker_fraction'], FIG63_WORLD)}: "
-                        f"{r['overhead_ms']:.1f} ms {r['memory_mib']:.0f} MiB"
-                        for r in sweep
-                    )
-                )
-            else:
-                print(
-                    f"{MODELS[key].name} at {gbit:g} Gb/s, auto picks: "
-                    + ", ".join(
-                        f"W={w}: {fraction_label(c['auto'], w)}" for w, c in choices.items()
-                    )
-                )
+                auto = choices.get(FIG63_WORLD, {}).get("auto", -1.0)
+                report["fig63"][key] = fig63_sweep(key, layers, cost, auto)
     (args.out / "plan_paper.json").write_text(json.dumps(report, indent=2) + "\n")
-    first = args.link_gbit[0]
-    plot([r for r in report["rows"] if r["link_gbit"] == first], args.out)
-    plot_fig63(report["fig63"], args.out)
-    print(
-        f"wrote {args.out / 'plan_paper.json'}, plan_paper.png, plan_paper_scaling.png, "
-        "plan_paper_fig63.png"
-    )
+    first = scenarios[0]
+    plot([r for r in report["rows"] if r["links"] == first.key], args.out, first.label)
+    plot_fig63(report["fig63"], args.out, first.label)
+    print(f"wrote {args.out}: " + ", ".join(DOC_NAMES) + ", plan_paper_costs_*.json")
+    if args.docs is not None:
+        args.docs.mkdir(parents=True, exist_ok=True)
+        for name, doc_name in DOC_NAMES.items():
+            if (args.out / name).exists():
+                shutil.copyfile(args.out / name, args.docs / doc_name)
+        print(f"copied to {args.docs}")
 
 
 if __name__ == "__main__":

@@ -7,21 +7,78 @@ collectives over a link with a bandwidth and a latency.  :class:`CostModel`
 holds those few numbers; :func:`measure_costs` times them on a device, so a
 plan made for a GPU cluster can use figures measured on one of its GPUs
 (``kaisa plan --measure-costs`` writes them as JSON).
+
+Links come in one level (every collective at ``bandwidth``, the default) or
+two, when ``ranks_per_node`` is given: consecutive data-parallel ranks share
+a node, a collective whose ranks stay inside one node runs at
+``intra_bandwidth``, and one that spans nodes pays an intra-node stage and an
+inter-node stage among the nodes (:meth:`CostModel.collective`).  KAISA's
+grid puts the per-step gradient broadcast inside a node and the inverse
+broadcast across nodes, so which fraction is cheapest depends on this.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["CostModel", "measure_costs"]
+__all__ = ["CostModel", "Placement", "measure_costs", "placement"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's ranks sit: how many, on how many nodes, how many per node.
+
+    ``most_per_node`` sets the depth of the intra-node stage; ``least_per_node``
+    the share of a node's network link the group holds (the bottleneck node).
+    """
+
+    ranks: int
+    nodes: int
+    most_per_node: int
+    least_per_node: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _place_range(ranks: range, ranks_per_node: int) -> Placement:
+    if len(ranks) == 0:
+        return Placement(0, 0, 0, 0)
+    if abs(ranks.step) >= ranks_per_node:  # every member on its own node
+        return Placement(len(ranks), len(ranks), 1, 1)
+    _, counts = np.unique(np.asarray(ranks) // ranks_per_node, return_counts=True)
+    return Placement(len(ranks), len(counts), int(counts.max()), int(counts.min()))
+
+
+def placement(ranks: int | Sequence[int], ranks_per_node: int | None) -> Placement:
+    """The placement of a group given as its data-parallel ranks (an int p
+    means ranks 0 … p−1).  Rank r is on node ``r // ranks_per_node``:
+    consecutive ranks share a node, as launchers number them; ``None`` puts
+    every rank on its own node (one level)."""
+    group = range(ranks) if isinstance(ranks, int) else ranks
+    if not isinstance(group, range):  # an even stride is a range: cached
+        members = sorted(set(group))
+        step = members[1] - members[0] if len(members) > 1 else 1
+        if not members:
+            group = range(0)
+        elif members == list(range(members[0], members[-1] + 1, step)):
+            group = range(members[0], members[-1] + 1, step)
+        else:
+            group = members
+    if ranks_per_node is None:
+        return Placement(len(group), len(group), 1, 1)
+    if isinstance(group, range):
+        return _place_range(group, ranks_per_node)
+    _, counts = np.unique(np.asarray(group) // ranks_per_node, return_counts=True)
+    return Placement(len(group), len(counts), int(counts.max()), int(counts.min()))
 
 
 @dataclass(frozen=True)
@@ -35,9 +92,17 @@ class CostModel:
         flops: dense matrix-product rate (FLOP/s) for Grams and preconditioning.
         memory_bandwidth: bytes/s of a large device-memory copy: building a
             factor's rows (a conv's unfolded patches) is bound by it.
-        bandwidth: bytes per second a rank moves over the data-parallel link.
-        latency: seconds per collective hop.
+        bandwidth: bytes per second a rank moves over the data-parallel link;
+            with ``ranks_per_node``, between nodes: a node's network link
+            divided by its ranks (a 100 Gb/s NIC shared by 4 GPUs: 25 Gb/s).
+        latency: seconds per collective hop (between nodes, two levels).
         device: where the kernel figures were measured (or "given").
+        ranks_per_node: None: one level, every collective at ``bandwidth``.
+            Else ranks ``r`` and ``s`` share a node when ``r // ranks_per_node
+            == s // ranks_per_node`` (consecutive ranks, as launchers number them).
+        intra_bandwidth: bytes per second a rank moves inside a node (NVLink);
+            required when ``ranks_per_node`` > 1, ignored in one level.
+        intra_latency: seconds per hop inside a node (None: ``latency``).
     """
 
     eigh_n3: float = 2e-10
@@ -49,14 +114,28 @@ class CostModel:
     bandwidth: float = 1e9
     latency: float = 5e-5
     device: str = "given"
+    ranks_per_node: int | None = None
+    intra_bandwidth: float | None = None
+    intra_latency: float | None = None
 
     def __post_init__(self) -> None:
+        optional = ("ranks_per_node", "intra_bandwidth", "intra_latency")
         for name, value in asdict(self).items():
-            if name != "device" and not (isinstance(value, (int, float)) and value >= 0):
+            if name == "device" or (name in optional and value is None):
+                continue
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"cost model field {name} must be a number >= 0; got {value!r}")
-        for name in ("flops", "bandwidth", "memory_bandwidth"):
-            if getattr(self, name) <= 0:
+        for name in ("flops", "bandwidth", "memory_bandwidth", "intra_bandwidth"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"cost model field {name} must be > 0")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(f"cost model field ranks_per_node must be an int >= 1; got {rpn!r}")
+        if rpn is not None and rpn > 1 and self.intra_bandwidth is None:
+            raise ValueError(
+                f"ranks_per_node={rpn} needs intra_bandwidth (bytes/s per rank inside "
+                "a node; kaisa plan --intra-node-bandwidth-gbps)"
+            )
 
     def decompose(self, n: int, method: str, dense: bool = True) -> float:
         """Seconds to decompose one factor of size ``n``; a diagonal is elementwise."""
@@ -73,20 +152,78 @@ class CostModel:
         """Seconds to move ``nbytes`` through device memory."""
         return nbytes / self.memory_bandwidth
 
-    def collective(self, nbytes: int, ranks: int, calls: int, allreduce: bool = False) -> float:
-        """Tree/ring estimate: ``calls·latency·⌈log2 p⌉ + (2 if all-reduce)·bytes/bandwidth``."""
-        if ranks <= 1 or nbytes == 0:
-            return 0.0
-        hops = math.ceil(math.log2(ranks))
-        return calls * self.latency * hops + (2 if allreduce else 1) * nbytes / self.bandwidth
+    def collective(
+        self,
+        nbytes: float,
+        ranks: int | Sequence[int],
+        calls: int,
+        allreduce: bool = False,
+    ) -> float:
+        """Seconds for ``calls`` collectives moving ``nbytes`` in all over the
+        group ``ranks`` (data-parallel positions; an int p: ranks 0 … p−1).
 
-    def with_link(self, bandwidth: float | None, latency: float | None) -> CostModel:
-        fields = asdict(self)
-        if bandwidth is not None:
-            fields["bandwidth"] = bandwidth
-        if latency is not None:
-            fields["latency"] = latency
-        return CostModel(**fields)
+        One level: ``calls·latency·⌈log2 p⌉ + v/bandwidth``, where ``v`` is the
+        bytes, twice them for an all-reduce.  Two levels (``ranks_per_node``):
+        a group inside one node costs ``calls·intra_latency·⌈log2 p⌉ +
+        v/intra_bandwidth``; a group on k > 1 nodes, with at most ``l`` and at
+        least ``s`` of its ranks on a node, adds the intra-node stage (when
+        ``l`` > 1) to an inter-node stage ``calls·latency·⌈log2 k⌉ +
+        v/(s·bandwidth)``: a hierarchical (or ring) collective carries the
+        bytes across each node's link once, not once per rank, and the group
+        holds ``s`` ranks' shares of the slowest node's link (the other
+        groups running at the same time hold the rest).  Stages are added, not
+        overlapped.  ``ranks_per_node=1`` gives the one-level cost.
+        """
+        if nbytes == 0:
+            return 0.0
+        group = placement(ranks, self.ranks_per_node)
+        if group.ranks <= 1:
+            return 0.0
+        volume = (2 if allreduce else 1) * nbytes
+        if self.ranks_per_node is None:
+            return calls * self.latency * _hops(group.ranks) + volume / self.bandwidth
+        seconds = 0.0
+        if group.most_per_node > 1:
+            assert self.intra_bandwidth is not None  # checked in __post_init__
+            latency = self.latency if self.intra_latency is None else self.intra_latency
+            seconds += calls * latency * _hops(group.most_per_node)
+            seconds += volume / self.intra_bandwidth
+        if group.nodes > 1:
+            seconds += calls * self.latency * _hops(group.nodes)
+            seconds += volume / (group.least_per_node * self.bandwidth)
+        return seconds
+
+    def with_link(
+        self,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        *,
+        ranks_per_node: int | None = None,
+        intra_bandwidth: float | None = None,
+        intra_latency: float | None = None,
+    ) -> CostModel:
+        """This model with the link figures that are given (None: kept)."""
+        given: dict[str, Any] = {
+            "bandwidth": bandwidth,
+            "latency": latency,
+            "ranks_per_node": ranks_per_node,
+            "intra_bandwidth": intra_bandwidth,
+            "intra_latency": intra_latency,
+        }
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
+    def describe_links(self) -> str:
+        """The link figures in the units links are rated in (Gb/s, µs)."""
+        inter = f"{self.bandwidth * 8 / 1e9:g} Gb/s per rank, {self.latency * 1e6:g} µs per hop"
+        if self.ranks_per_node is None:
+            return f"one level: {inter}"
+        intra_latency = self.latency if self.intra_latency is None else self.intra_latency
+        intra = (
+            f"{self.intra_bandwidth * 8 / 1e9:g} Gb/s per rank, {intra_latency * 1e6:g} µs per hop"
+            if self.intra_bandwidth is not None
+            else "-"
+        )
+        return f"{self.ranks_per_node} ranks per node: inside {intra}; between nodes {inter}"
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -98,6 +235,11 @@ class CostModel:
         if unknown:
             raise ValueError(f"cost model {path} has unknown fields {sorted(unknown)}")
         return cls(**data)
+
+
+def _hops(ranks: int) -> int:
+    """Depth of a binomial tree over ``ranks``: the latency a collective pays."""
+    return math.ceil(math.log2(ranks))
 
 
 def _best_of(fn: Any, sync: Any, repeats: int, clock: Callable[[], float]) -> float:

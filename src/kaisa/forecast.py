@@ -31,7 +31,7 @@ from kaisa.factors import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.registry import register_layers
 from kaisa.methods import method_for
 from kaisa.methods.base import HeldTensor
-from kaisa.plan import LayerSpec, allowed_fractions, grad_workers_for, make_plan
+from kaisa.plan import LayerSpec, WorkPlan, allowed_fractions, grad_workers_for, make_plan
 
 __all__ = [
     "Forecast",
@@ -204,6 +204,75 @@ def _product_flop(layer: LayerCost, method: ComputeMethod) -> float:
     return per * (2 if method is ComputeMethod.EIGEN else 1)
 
 
+@dataclass
+class _Tally:
+    """The per-rank tables a forecast fills (kinds and stages as in :class:`Forecast`)."""
+
+    memory: dict[str, np.ndarray]
+    factor_step: dict[str, np.ndarray]
+    inverse_step: dict[str, np.ndarray]
+    every_step: dict[str, np.ndarray]
+    secs: dict[str, np.ndarray]
+
+    @classmethod
+    def zeros(cls, w: int) -> _Tally:
+        def table(*keys: str) -> dict[str, np.ndarray]:
+            return {k: np.zeros(w) for k in keys}
+
+        return cls(
+            memory=table("factors", "batch_statistics", "second_order"),
+            factor_step=table("factor_reduce", "factor_counts"),
+            inverse_step=table("second_order_broadcast", "allreduce"),
+            every_step=table("grad_broadcast", "agree"),
+            secs=table(
+                "capture",
+                "factor_comm",
+                "factor_fold",
+                "decompose",
+                "inverse_comm",
+                "precondition",
+                "grad_comm",
+            ),
+        )
+
+
+def _add_factors(
+    t: _Tally, layer: LayerCost, owners: Sequence[int], cost: CostModel, sym: bool
+) -> None:
+    """One layer's factors: held by their owners, reduced to them and folded
+    there on factor steps, captured on every rank."""
+    for spec, owner in zip(layer.factors, owners):
+        t.memory["factors"][owner] += spec.numel * layer.factor_itemsize
+        t.factor_step["factor_reduce"] += layer.factor_itemsize * packed_numel(
+            torch.Size(spec.shape), sym and spec.symmetric
+        )
+        # the owner folds the reduced sum into the running average: the
+        # factor is read and written and the sum read (division by the
+        # count, finiteness check and lerp_ measured at about three passes)
+        t.secs["factor_fold"][owner] += cost.traffic(3.0 * spec.numel * layer.factor_itemsize)
+        if layer.rows is not None:
+            # the rows are written and read (memory-bound; a conv's several
+            # times), then their Gram is a product (a diagonal factor only counts)
+            dense = spec.kind is FactorKind.DENSE
+            copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
+            t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
+            t.secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
+    t.factor_step["factor_counts"] += 8 * len(layer.factors)
+
+
+def _add_grad_broadcast(
+    t: _Tally, plan: WorkPlan, grad_bytes: int, calls: int, cost: CostModel
+) -> None:
+    """Every step, one broadcast per layer inside each receiver row (n
+    consecutive ranks: inside a node when n ≤ ranks per node); the cost is
+    affine in bytes and calls, so the layers' bytes are added up first."""
+    t.every_step["grad_broadcast"] += grad_bytes
+    n, w = plan.receivers_per_group, plan.world_size
+    for first in range(0, w, n):
+        row = range(first, first + n)
+        t.secs["grad_comm"][first : first + n] += cost.collective(grad_bytes, row, calls)
+
+
 def forecast(
     layers: Sequence[LayerCost],
     world_size: int,
@@ -215,7 +284,10 @@ def forecast(
     """Predict one configuration (``**kfac``: KFACPreconditioner keywords).
 
     ``gradients_agree``: gradients are averaged by DDP or an engine (no
-    per-step presence vote); False for hand-averaged gradients.
+    per-step presence vote); False for hand-averaged gradients.  Each
+    collective is costed over its own group of ranks (factors: all W; a
+    layer's decompositions: its worker column; gradients: each receiver
+    row), so a node-aware ``cost`` tells the in-node ones from the others.
     """
     config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
     cost = cost or CostModel()
@@ -229,37 +301,14 @@ def forecast(
     method_kind = ComputeMethod(config.compute_method)
     method = method_for(method_kind, config.compute_eigenvalue_outer_product)
     w, sym = world_size, config.symmetry_aware
-    zeros = lambda: np.zeros(w)  # noqa: E731
-    memory = {k: zeros() for k in ("factors", "batch_statistics", "second_order")}
-    factor_step = {k: zeros() for k in ("factor_reduce", "factor_counts")}
-    inverse_step = {k: zeros() for k in ("second_order_broadcast", "allreduce")}
-    every_step = {k: zeros() for k in ("grad_broadcast", "agree")}
-    secs = {k: zeros() for k in ("capture", "factor_comm", "factor_fold")}
-    secs |= {k: zeros() for k in ("decompose", "inverse_comm")}
-    secs |= {k: zeros() for k in ("precondition", "grad_comm")}
-    exchange = 0
+    t = _Tally.zeros(w)
+    exchange, grad_bytes = 0, 0
     for layer in layers:
         lp = plan.layer(layer.name)
         workers, m = lp.worker_slice, len(lp.grad_workers)
-        for spec, owner in zip(layer.factors, lp.owners):
-            memory["factors"][owner] += spec.numel * layer.factor_itemsize
-            factor_step["factor_reduce"] += layer.factor_itemsize * packed_numel(
-                torch.Size(spec.shape), sym and spec.symmetric
-            )
-            # the owner folds the reduced sum into the running average: the
-            # factor is read and written and the sum read (division by the
-            # count, finiteness check and lerp_ measured at about three passes)
-            secs["factor_fold"][owner] += cost.traffic(3.0 * spec.numel * layer.factor_itemsize)
-            if layer.rows is not None:
-                # the rows are written and read (memory-bound; a conv's several
-                # times), then their Gram is a product (a diagonal factor only counts)
-                dense = spec.kind is FactorKind.DENSE
-                copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
-                secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
-                secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
-        factor_step["factor_counts"] += 8 * len(layer.factors)
+        _add_factors(t, layer, lp.owners, cost, sym)
         held = method.held(layer.factors, lp.colocated)
-        memory["second_order"][workers] += sum(t.numel for t in held) * layer.inv_itemsize
+        t.memory["second_order"][workers] += sum(h.numel for h in held) * layer.inv_itemsize
         vector = method.exchange(layer.factors, [None] * len(layer.factors))
         exchange += 0 if vector is None else vector.numel()
         for transfer in method.transfers(layer.factors, lp.colocated):
@@ -267,56 +316,65 @@ def forecast(
             for i in transfer.factors:
                 spec = layer.factors[i]
                 seconds = cost.decompose(spec.dim, method_kind.value, spec.kind is FactorKind.DENSE)
-                secs["decompose"][owner] += seconds
+                t.secs["decompose"][owner] += seconds
             if m > 1:
                 sent = _bytes(transfer.tensors, layer.inv_itemsize, sym)
-                inverse_step["second_order_broadcast"][workers] += sent
-                secs["inverse_comm"][workers] += cost.collective(sent, m, 1)
-        secs["precondition"][workers] += cost.compute(_product_flop(layer, method_kind))
-        if plan.grad_workers < w:
-            g, a = layer.grad_shape
-            sent = (g * a + 1) * layer.grad_itemsize
-            every_step["grad_broadcast"] += sent
-            secs["grad_comm"] += cost.collective(sent, w // plan.grad_workers, 1)
+                t.inverse_step["second_order_broadcast"][workers] += sent
+                # over the layer's worker column {g, g+n, …}: across nodes
+                column = range(w)[workers]
+                t.secs["inverse_comm"][workers] += cost.collective(sent, column, 1)
+        t.secs["precondition"][workers] += cost.compute(_product_flop(layer, method_kind))
+        g, a = layer.grad_shape
+        grad_bytes += (g * a + 1) * layer.grad_itemsize
+    if plan.grad_workers < w:
+        _add_grad_broadcast(t, plan, grad_bytes, len(layers), cost)
     if w == 1:
-        for table in (factor_step, inverse_step, every_step):
+        for table in (t.factor_step, t.inverse_step, t.every_step):
             for v in table.values():
                 v[:] = 0
     else:
         if exchange and not plan.colocate_factors:
-            inverse_step["allreduce"] += 8 * exchange
+            t.inverse_step["allreduce"] += 8 * exchange
         if not gradients_agree:
-            every_step["agree"] += 4 * len(layers)
+            t.every_step["agree"] += 4 * len(layers)
         cap = max(config.allreduce_bucket_cap_mb * 2**20, 1.0)
-        reduce_bytes = float(factor_step["factor_reduce"][0])
+        reduce_bytes = float(t.factor_step["factor_reduce"][0])
         calls = max(len(set(o for la in plan.layers for o in la.owners)), reduce_bytes / cap)
-        secs["factor_comm"] += cost.collective(int(reduce_bytes), w, int(np.ceil(calls)))
-        secs["factor_comm"] += cost.collective(int(factor_step["factor_counts"][0]), w, 1, True)
-        secs["inverse_comm"] += cost.collective(int(inverse_step["allreduce"][0]), w, 1, True)
-    memory["total"] = memory["factors"] + memory["batch_statistics"] + memory["second_order"]
+        everyone = range(w)
+        counts, allreduce = t.factor_step["factor_counts"][0], t.inverse_step["allreduce"][0]
+        t.secs["factor_comm"] += cost.collective(int(reduce_bytes), everyone, int(np.ceil(calls)))
+        t.secs["factor_comm"] += cost.collective(int(counts), everyone, 1, True)
+        t.secs["inverse_comm"] += cost.collective(int(allreduce), everyone, 1, True)
+    return _finish(t, plan, config, method_kind.value, sym)
+
+
+def _finish(t: _Tally, plan: WorkPlan, config: KFACConfig, method: str, sym: bool) -> Forecast:
+    """Total the memory, amortise the stages over their intervals, wrap up."""
+    t.memory["total"] = t.memory["factors"] + t.memory["batch_statistics"]
+    t.memory["total"] = t.memory["total"] + t.memory["second_order"]
     f, i = _interval(config.factor_update_steps), _interval(config.inv_update_steps)
     # every micro-batch of a factor step is captured; ``rows`` are one micro-batch's
-    secs["capture"] *= config.accumulation_steps
+    t.secs["capture"] *= config.accumulation_steps
     for key in ("capture", "factor_comm", "factor_fold"):
-        secs[key] /= f
+        t.secs[key] /= f
     for key in ("decompose", "inverse_comm"):
-        secs[key] /= i
+        t.secs[key] /= i
     return Forecast(
-        world_size=w,
+        world_size=plan.world_size,
         fraction=plan.grad_worker_fraction,
         grad_workers=plan.grad_workers,
         config={
             "factor_update_steps": f,
             "inv_update_steps": i,
-            "compute_method": method_kind.value,
+            "compute_method": method,
             "symmetry_aware": sym,
             "colocate_factors": plan.colocate_factors,
         },
-        memory=memory,
-        bytes_factor_step=factor_step,
-        bytes_inverse_step=inverse_step,
-        bytes_every_step=every_step,
-        seconds=secs,
+        memory=t.memory,
+        bytes_factor_step=t.factor_step,
+        bytes_inverse_step=t.inverse_step,
+        bytes_every_step=t.every_step,
+        seconds=t.secs,
     )
 
 

@@ -64,7 +64,34 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         default=None,
         help="link speed per rank in gigabits per second, as links are rated (100 = 12.5 GB/s)",
     )
-    plan.add_argument("--latency-us", type=float, default=None, help="µs per collective hop")
+    plan.add_argument(
+        "--latency-us", type=float, default=None, help="µs per collective hop (between nodes)"
+    )
+    nodes = plan.add_argument_group(
+        "nodes",
+        "a two-level link: consecutive ranks share a node; a collective inside one node runs at "
+        "the intra-node figures, one spanning nodes adds --bandwidth-gbps between them "
+        "(also read from --costs)",
+    )
+    nodes.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="GPUs (data-parallel ranks) per node; omitted: one level, every collective at "
+        "--bandwidth-gbps",
+    )
+    nodes.add_argument(
+        "--intra-node-bandwidth-gbps",
+        type=float,
+        default=None,
+        help="link speed per rank inside a node, Gb/s (NVLink-class: 1200 = 150 GB/s)",
+    )
+    nodes.add_argument(
+        "--intra-node-latency-us",
+        type=float,
+        default=None,
+        help="µs per hop inside a node (default: --latency-us)",
+    )
     plan.add_argument("--out", type=Path, default=Path("runs/plan"))
     add_kfac_arguments(plan)
     return plan
@@ -89,16 +116,26 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...] | 
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
-    # the cost model counts bytes; links are rated in bits
-    bandwidth = args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps is not None else None
-    latency = args.latency_us * 1e-6 if args.latency_us is not None else None
+    """The cost model of --costs / --measure-costs / the defaults, with the
+    link options that are given on top (the file's figures otherwise)."""
+
+    def scaled(value: float | None, factor: float) -> float | None:
+        return value * factor if value is not None else None
+
     if args.costs:
         cost = CostModel.load(args.costs)
     elif args.measure_costs:
         cost = measure_costs(args.measure_costs)
     else:
         cost = CostModel()
-    cost = cost.with_link(bandwidth, latency)
+    # the cost model counts bytes and seconds; links are rated in bits, hops in µs
+    cost = cost.with_link(
+        scaled(args.bandwidth_gbps, 1e9 / 8),
+        scaled(args.latency_us, 1e-6),
+        ranks_per_node=args.ranks_per_node,
+        intra_bandwidth=scaled(args.intra_node_bandwidth_gbps, 1e9 / 8),
+        intra_latency=scaled(args.intra_node_latency_us, 1e-6),
+    )
     if args.save_costs:
         cost.save(args.save_costs)
     return cost
@@ -110,10 +147,13 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
     kfac = {**(get_task(args.task).defaults.kfac if args.task else {}), **kfac_overrides(args)}
     kfac.pop("grad_worker_fraction", None)
     try:
-        model, example, batch = _load_model(args)
         cost = _cost_model(args)
+    except (ValueError, OSError) as exc:
+        error(f"argument --costs/--ranks-per-node/--intra-node-*: {exc}")
+    try:
+        model, example, batch = _load_model(args)
     except (ImportError, AttributeError, ValueError, OSError) as exc:
-        error(f"argument --model/--costs: {exc}")
+        error(f"argument --model: {exc}")
     rows = probe_rows(model, example, batch / _batch_of(example)) if example else None
     layers = layer_costs(model, rows, **kfac)
     budget = args.memory_budget_mib * MIB if args.memory_budget_mib is not None else None
@@ -136,7 +176,10 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
                 + ("  <- recommended" if s["recommended"] else "")
             )
     intervals = {k: kfac.get(k, 1) for k in ("factor_update_steps", "inv_update_steps")}
-    print(f"{len(layers)} layers, batch {batch} per rank, {intervals}, costs: {cost.device}")
+    print(
+        f"{len(layers)} layers, batch {batch} per rank, {intervals}, costs: {cost.device}; "
+        f"links: {cost.describe_links()}"
+    )
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
