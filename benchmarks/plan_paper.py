@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from kaisa.costs import CostModel
 from kaisa.forecast import (
+    STAGES,
     Forecast,
     LayerCost,
     choose_fraction,
@@ -317,24 +318,13 @@ def plot_fig63(sweeps: dict[str, list[dict]], out: Path, links: str) -> None:
     plt.close(fig)
 
 
-STAGE_ORDER = (
-    "capture",
-    "factor_comm",
-    "factor_fold",
-    "decompose",
-    "inverse_comm",
-    "precondition",
-    "grad_comm",
-)
-
-
 def print_stages(rows: list[dict], world: int) -> None:
     """Where each fraction's overhead goes at one W (ms per step, amortised)."""
-    print(f"stages at W={world} (ms/step): " + " ".join(f"{k:>12}" for k in STAGE_ORDER))
+    print(f"stages at W={world} (ms/step): " + " ".join(f"{k:>12}" for k in STAGES))
     for r in rows:
         if r["world_size"] == world:
             label = fraction_label(r["grad_worker_fraction"], world)
-            stages = " ".join(f"{r['stages_ms'][k]:>12.2f}" for k in STAGE_ORDER)
+            stages = " ".join(f"{r['stages_ms'][k]:>12.2f}" for k in STAGES)
             print(f"{label:>22}: {stages}  = {r['overhead_ms']:.1f}")
 
 

@@ -69,19 +69,10 @@ from kaisa.layer import KFACLayer
 from kaisa.tasks.digits import DigitsCNNTask
 from kaisa.tasks.transformer import CharTransformer
 
+sys.path.insert(0, str(Path(__file__).parent))
+from step_time import mlp  # the 784-512-512-10 MLP of the field notes
+
 # -- models ------------------------------------------------------------------------
-
-
-def mlp() -> nn.Module:
-    """The 784-512-512-10 MLP of the field notes (as in step_time.py)."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 512),
-        nn.ReLU(),
-        nn.Linear(512, 512),
-        nn.ReLU(),
-        nn.Linear(512, 10),
-    )
 
 
 def tiny_mlp() -> nn.Module:

@@ -34,6 +34,7 @@ from kaisa.methods.base import HeldTensor
 from kaisa.plan import LayerSpec, WorkPlan, allowed_fractions, grad_workers_for, make_plan
 
 __all__ = [
+    "STAGES",
     "Forecast",
     "LayerCost",
     "choose_fraction",
@@ -42,6 +43,17 @@ __all__ = [
     "layer_costs",
     "probe_rows",
 ]
+
+#: the stages of a step the time model predicts, in the order the data flows
+STAGES = (
+    "capture",
+    "factor_comm",
+    "factor_fold",
+    "decompose",
+    "inverse_comm",
+    "precondition",
+    "grad_comm",
+)
 
 
 @dataclass(frozen=True)
@@ -224,15 +236,7 @@ class _Tally:
             factor_step=table("factor_reduce", "factor_counts"),
             inverse_step=table("second_order_broadcast", "allreduce"),
             every_step=table("grad_broadcast", "agree"),
-            secs=table(
-                "capture",
-                "factor_comm",
-                "factor_fold",
-                "decompose",
-                "inverse_comm",
-                "precondition",
-                "grad_comm",
-            ),
+            secs=table(*STAGES),
         )
 
 
