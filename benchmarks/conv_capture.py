@@ -172,8 +172,14 @@ def main() -> None:
     if args.before:
         compare(args)
     else:
-        for metric, ms in measure(args.batch, args.steps, args.reps).items():
+        figures = measure(args.batch, args.steps, args.reps)
+        for metric, ms in figures.items():
             print(f"{metric:<28} {ms:10.1f} ms")
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"torch": torch.__version__, "threads": args.threads, "batch": args.batch}
+        (args.out / "conv_capture.json").write_text(
+            json.dumps({"meta": meta | {"steps": args.steps}, "figures": figures}, indent=2)
+        )
 
 
 if __name__ == "__main__":
