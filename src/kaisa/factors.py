@@ -44,6 +44,7 @@ __all__ = [
     "FactorSpec",
     "all_finite",
     "contribution",
+    "contribution_features_first",
     "grad_multiplier",
     "kfac_factors",
     "running_average_",
@@ -172,3 +173,27 @@ def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
     batch.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     running.lerp_(batch, weight)
     return rejected
+
+
+def contribution_features_first(
+    cols: Tensor, kind: FactorKind, dtype: torch.dtype, scale: float | Tensor = 1.0
+) -> Tensor:
+    """:func:`contribution` of the rows ``cols.transpose(1, 2)``, given
+    ``[batch, features, shared]`` columns — the layout a convolution's output
+    gradient ``[N, C, H·W]`` already has.
+
+    Transposing those to rows and flattening them would copy the whole
+    tensor; instead ``Σ_n X_n X_nᵀ`` is accumulated over the data points with
+    one batched product (``addbmm``: ``X_nᵀ`` is a strided view, no copy, and
+    no ``[N, C, C]`` intermediate).  The same sum of the same products, to
+    rounding.
+    """
+    flat = cols.to(dtype)
+    with torch.autocast(flat.device.type, enabled=False):
+        if kind is FactorKind.DENSE:
+            out = flat.new_zeros(flat.shape[1], flat.shape[1]).addbmm_(flat, flat.mT)
+        else:
+            out = (flat * flat).sum((0, 2))
+    if isinstance(scale, Tensor) or scale != 1.0:
+        out.mul_(scale)
+    return out
