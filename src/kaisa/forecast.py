@@ -67,20 +67,10 @@ class LayerCost:
     inv_itemsize: int
     grad_itemsize: int
     rows: int | None = None  #: data rows per factor step (Gram cost), if measured
-    #: times the input rows are written before their Gram: once for a Linear
-    #: (the bias column), pad + unfold + row-major copy for a convolution
+    #: times the input rows are written before their Gram: once (a Linear's
+    #: bias column; a convolution's patches, written once from a strided
+    #: view into a reused buffer, see kaisa.layers.patches)
     input_copies: int = 1
-
-
-def _input_copies(adapter: Any) -> int:
-    """A convolution's rows are materialised two or three times (``F.pad`` when
-    it pads, ``F.unfold``, then ``reshape`` of the transposed patches), which
-    on a CPU costs more than the Gram of narrow patches; a Linear's once."""
-    module = getattr(adapter, "module", None)
-    if not isinstance(module, nn.modules.conv._ConvNd):
-        return 1
-    padded = any(getattr(module, "_reversed_padding_repeated_twice", ()))
-    return 3 if padded else 2
 
 
 def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
@@ -130,7 +120,6 @@ def layer_costs(
                 inv_itemsize=inv.itemsize,
                 grad_itemsize=adapter.weight.dtype.itemsize,
                 rows=None if rows is None else rows.get(adapter.name),
-                input_copies=_input_copies(adapter),
             )
         )
     return out
@@ -255,8 +244,8 @@ def _add_factors(
         # count, finiteness check and lerp_ measured at about three passes)
         t.secs["factor_fold"][owner] += cost.traffic(3.0 * spec.numel * layer.factor_itemsize)
         if layer.rows is not None:
-            # the rows are written and read (memory-bound; a conv's several
-            # times), then their Gram is a product (a diagonal factor only counts)
+            # the rows are written and read (memory-bound), then their Gram
+            # is a product (a diagonal factor only counts)
             dense = spec.kind is FactorKind.DENSE
             copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
             t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
