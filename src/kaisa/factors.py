@@ -136,17 +136,26 @@ def grad_multiplier(
 
 
 def contribution(
-    rows: Tensor, kind: FactorKind, dtype: torch.dtype, scale: float | Tensor = 1.0
+    rows: Tensor,
+    kind: FactorKind,
+    dtype: torch.dtype,
+    scale: float | Tensor = 1.0,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``scale · Σ_r x_r x_rᵀ`` (or its diagonal) of ``[batch, shared, features]`` rows.
 
     K-FAC-expand: every (data point, shared position) pair is a row.  The sum
-    is formed in ``dtype`` with autocast off, whatever precision the forward
-    or backward pass ran in.
+    is formed with autocast off, whatever precision the forward or backward
+    pass ran in: in ``compute_dtype`` when given (``factor_compute_dtype``,
+    e.g. bfloat16 for a faster product) and returned in ``dtype``, in which it
+    is accumulated.  A diagonal factor has no product to speed up and is
+    always formed in ``dtype``.
     """
-    flat = rows.reshape(-1, rows.shape[-1]).to(dtype)
+    compute = dtype if compute_dtype is None or kind is FactorKind.DIAGONAL else compute_dtype
+    flat = rows.reshape(-1, rows.shape[-1]).to(compute)
     with torch.autocast(flat.device.type, enabled=False):
         out = flat.t() @ flat if kind is FactorKind.DENSE else (flat * flat).sum(0)
+    out = out.to(dtype)
     if isinstance(scale, Tensor) or scale != 1.0:
         out.mul_(scale)
     return out
