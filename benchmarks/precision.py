@@ -9,6 +9,12 @@ same start against a float64 run (largest relative error and smallest cosine
 over the layers), and ``memory_usage()['second_order']`` (which counts the
 cast copies ``precondition_dtype`` keeps).
 
+Subnormals are flushed to zero by default (``--denormals keep`` to see
+them): the fixed batch of ``step_time.py`` is memorised within about a dozen
+steps, its gradients then go subnormal, and float32 products with subnormal
+operands run 50-100× slower on x86 while bfloat16 products flush them — a
+comparison that would measure the data, not the products.
+
 Prints a table and writes ``precision.json`` to ``--out``.  A CPU without
 native bfloat16 products (AVX-512 BF16 / AMX) gains nothing from the option.
 """
@@ -74,9 +80,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--denormals", choices=["flush", "keep"], default="flush")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(args.denormals == "flush")
+    load_before = os.getloadavg()
     rows = []
     for model_name in MODELS:
         ref = preconditioned(model_name, {}, torch.float64, args.batch)
@@ -114,7 +123,9 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "settings": BASE,
-        "load_average": os.getloadavg(),
+        "denormals": args.denormals,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     (args.out / "precision.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
