@@ -81,13 +81,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--denormals", choices=["flush", "keep"], default="flush")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(args.denormals == "flush")
     load_before = os.getloadavg()
     rows = []
-    for model_name in MODELS:
+    for model_name in args.models:
         ref = preconditioned(model_name, {}, torch.float64, args.batch)
         base_ms = None
         for variant, kfac in VARIANTS.items():
