@@ -7,8 +7,9 @@ while the stored eigenbases/inverses keep ``inv_dtype`` (so that what is
 decomposed, broadcast and checkpointed does not change), a worker keeps a
 cast copy of each second-order tensor.
 
-Casting a ``d×d`` basis costs about as much memory traffic as one product
-with it, so the copy is made once per inverse update, not once per step: it
+Casting a ``d×d`` basis reads and writes all of it — next to a product with
+a gradient of a few rows, a cost of the same order — so the copy is made
+once per inverse update, not once per step: it
 is cached and remade only when its source tensor is replaced (a new
 decomposition, a broadcast received, a checkpoint loaded) or modified in
 place (its version counter moved).  The cache holds its sources by weak
