@@ -35,6 +35,8 @@ lint: venv
 bench: venv
 	$(PY) benchmarks/step_time.py --out runs/bench
 	$(PY) benchmarks/stages.py --out runs/bench
+	$(PY) benchmarks/precision.py --out runs/bench
+	$(PY) benchmarks/conv_capture.py --out runs/bench
 	$(PY) benchmarks/plan_scale.py --out runs/bench
 	$(PY) benchmarks/plan_paper.py --models resnet50 --out runs/bench
 	for w in 1 2 4; do OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone \

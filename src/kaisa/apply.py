@@ -137,7 +137,7 @@ class GradientApplication:
                 if not self.method.ready(layer.factors, layer.state, lp.colocated):
                     held = self.method.held(layer.factors, lp.colocated)
                     self.second_order.fill_missing(layer, held, damping)
-                v = self.method.apply(layer.factors, layer.state, grad, damping)
+                v = self.method.apply(layer.factors, layer.operands(), grad, damping)
                 results[name] = (v, kl_term(v, grad))
             if self.plan.grad_workers < self.plan.world_size:
                 # this rank's row of the rank grid: the same set for every

@@ -160,6 +160,37 @@ def _as_dtype(name: str, value: Any) -> torch.dtype | None:
     )
 
 
+#: dtypes the products may run in; float16 is refused (see _as_product_dtype)
+_PRODUCT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _as_product_dtype(name: str, value: Any) -> torch.dtype | None:
+    """A dtype for ``factor_compute_dtype``/``precondition_dtype``: None,
+    float32, float64 or bfloat16.
+
+    float16 is refused because of its range, not its precision: its largest
+    value is 65504 and its smallest normal 6e-5, while a preconditioned
+    gradient reaches ``|∇|/γ`` (≥ 65504 for ``|∇| ≥ 65`` at γ = 1e-3) and
+    output gradients of a mean loss are routinely below 1e-5 (their squares
+    far below).  bfloat16 has float32's exponent range and, on CPUs with
+    AVX-512 BF16 and on GPUs, faster matrix products.
+    """
+    try:
+        dtype = _as_dtype(name, value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be None, float32, float64 or bfloat16 (a torch.dtype or its name); "
+            f"got {value!r}"
+        ) from None
+    if dtype is not None and dtype not in _PRODUCT_DTYPES:
+        raise ValueError(
+            f"{name} must be None, float32, float64 or bfloat16; got {dtype} (float16 is "
+            "refused: preconditioned gradients and squared output gradients leave its range; "
+            "bfloat16 has float32's range)"
+        )
+    return dtype
+
+
 def _check_number(
     name: str,
     value: Any,
@@ -232,6 +263,14 @@ class KFACConfig:
     allreduce_bucket_cap_mb: float = 25.0
     factor_dtype: torch.dtype | str | None = None
     inv_dtype: torch.dtype | str | None = None
+    #: dtype of each batch's Gram product ``rowsᵀ rows`` (dense factors); the
+    #: product is cast back and accumulated/stored in ``factor_dtype``.
+    #: None: ``factor_dtype`` (no cast)
+    factor_compute_dtype: torch.dtype | str | None = None
+    #: dtype the preconditioning products run in (``Q_Gᵀ ∇ Q_A``, the divide
+    #: and back; ``G⁻¹ ∇ A⁻¹``); the stored tensors keep ``inv_dtype`` and a
+    #: cast copy is cached per inverse update.  None: ``inv_dtype`` (no copy)
+    precondition_dtype: torch.dtype | str | None = None
     skip_layers: Sequence[str] = field(default_factory=tuple)
     update_factors_in_hook: bool = True
     memory_budget_mb: float | None = None
@@ -289,6 +328,8 @@ class KFACConfig:
                     "inv_dtype must be float32 or float64 (eigh/inverse have no half-precision "
                     f"kernels); got {dt}"
                 )
+        for name in ("factor_compute_dtype", "precondition_dtype"):
+            set_(self, name, _as_product_dtype(name, getattr(self, name)))
         fraction = self.grad_worker_fraction
         if isinstance(fraction, str):
             fraction = _as_enum("grad_worker_fraction", fraction, DistributedStrategy)

@@ -137,17 +137,26 @@ def grad_multiplier(
 
 
 def contribution(
-    rows: Tensor, kind: FactorKind, dtype: torch.dtype, scale: float | Tensor = 1.0
+    rows: Tensor,
+    kind: FactorKind,
+    dtype: torch.dtype,
+    scale: float | Tensor = 1.0,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``scale · Σ_r x_r x_rᵀ`` (or its diagonal) of ``[batch, shared, features]`` rows.
 
     K-FAC-expand: every (data point, shared position) pair is a row.  The sum
-    is formed in ``dtype`` with autocast off, whatever precision the forward
-    or backward pass ran in.
+    is formed with autocast off, whatever precision the forward or backward
+    pass ran in: in ``compute_dtype`` when given (``factor_compute_dtype``,
+    e.g. bfloat16 for a faster product) and returned in ``dtype``, in which it
+    is accumulated.  A diagonal factor has no product to speed up and is
+    always formed in ``dtype``.
     """
-    flat = rows.reshape(-1, rows.shape[-1]).to(dtype)
+    compute = dtype if compute_dtype is None or kind is FactorKind.DIAGONAL else compute_dtype
+    flat = rows.reshape(-1, rows.shape[-1]).to(compute)
     with torch.autocast(flat.device.type, enabled=False):
         out = flat.t() @ flat if kind is FactorKind.DENSE else (flat * flat).sum(0)
+    out = out.to(dtype)
     if isinstance(scale, Tensor) or scale != 1.0:
         out.mul_(scale)
     return out
@@ -176,7 +185,11 @@ def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
 
 
 def contribution_features_first(
-    cols: Tensor, kind: FactorKind, dtype: torch.dtype, scale: float | Tensor = 1.0
+    cols: Tensor,
+    kind: FactorKind,
+    dtype: torch.dtype,
+    scale: float | Tensor = 1.0,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """:func:`contribution` of the rows ``cols.transpose(1, 2)``, given
     ``[batch, features, shared]`` columns — the layout a convolution's output
@@ -186,14 +199,16 @@ def contribution_features_first(
     tensor; instead ``Σ_n X_n X_nᵀ`` is accumulated over the data points with
     one batched product (``addbmm``: ``X_nᵀ`` is a strided view, no copy, and
     no ``[N, C, C]`` intermediate).  The same sum of the same products, to
-    rounding.
+    rounding; ``compute_dtype`` as in :func:`contribution`.
     """
-    flat = cols.to(dtype)
+    compute = dtype if compute_dtype is None or kind is FactorKind.DIAGONAL else compute_dtype
+    flat = cols.to(compute)
     with torch.autocast(flat.device.type, enabled=False):
         if kind is FactorKind.DENSE:
             out = flat.new_zeros(flat.shape[1], flat.shape[1]).addbmm_(flat, flat.mT)
         else:
             out = (flat * flat).sum((0, 2))
+    out = out.to(dtype)
     if isinstance(scale, Tensor) or scale != 1.0:
         out.mul_(scale)
     return out

@@ -301,7 +301,11 @@ def forecast(
         workers, m = lp.worker_slice, len(lp.grad_workers)
         _add_factors(t, layer, lp.owners, cost, sym)
         held = method.held(layer.factors, lp.colocated)
-        t.memory["second_order"][workers] += sum(h.numel for h in held) * layer.inv_itemsize
+        itemsize = layer.inv_itemsize
+        copy = config.precondition_dtype  # a torch.dtype once validated
+        if isinstance(copy, torch.dtype) and copy.itemsize != itemsize:
+            itemsize += copy.itemsize  # cast copies the products run on (kaisa.precision)
+        t.memory["second_order"][workers] += sum(h.numel for h in held) * itemsize
         vector = method.exchange(layer.factors, [None] * len(layer.factors))
         exchange += 0 if vector is None else vector.numel()
         for transfer in method.transfers(layer.factors, lp.colocated):

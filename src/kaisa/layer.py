@@ -8,6 +8,7 @@ change by the step pipeline (:mod:`kaisa.pipeline`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from kaisa.factors import FactorSpec, all_finite, running_average_
 from kaisa.layers.base import LayerAdapter
+from kaisa.precision import CastCopies
 
 __all__ = ["BatchStatistics", "KFACLayer", "PendingCapture"]
 
@@ -79,13 +81,18 @@ class KFACLayer:
         running: the running factors, ``None`` where this rank does not own one.
         state: the curvature method's second-order tensors, keyed by the
             method's own names (this rank holds them only as a gradient worker).
+        cast: their copies in ``precondition_dtype`` (:meth:`operands`).
         captured: statistics exist for the layer somewhere in the data-parallel
             group (the same on every rank: decided from reduced counts).
         decomposed: its second-order tensors were computed at least once.
     """
 
     def __init__(
-        self, adapter: LayerAdapter, factor_dtype: torch.dtype, inv_dtype: torch.dtype
+        self,
+        adapter: LayerAdapter,
+        factor_dtype: torch.dtype,
+        inv_dtype: torch.dtype,
+        precondition_dtype: torch.dtype | None = None,
     ) -> None:
         self.adapter = adapter
         self.name = adapter.name
@@ -96,6 +103,8 @@ class KFACLayer:
         self.pending = PendingCapture()
         self.running: list[Tensor | None] = [None] * len(self.factors)
         self.state: dict[str, Tensor] = {}
+        #: ``state`` in ``precondition_dtype``, cached per inverse update
+        self.cast = CastCopies(precondition_dtype)
         self.captured = False
         self.decomposed = False
         self.failed_decompositions = 0
@@ -130,6 +139,11 @@ class KFACLayer:
             return
         self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
 
+    def operands(self) -> Mapping[str, Tensor]:
+        """What the curvature method applies: :attr:`state`, or its cast copies
+        when ``precondition_dtype`` differs from ``inv_dtype``."""
+        return self.cast.of(self.state)
+
     @property
     def nonfinite_updates(self) -> int:
         """How many batch factors were rejected as non-finite (syncs once)."""
@@ -145,5 +159,6 @@ class KFACLayer:
         return {
             "factors": sum(nbytes(t) for t in self.running),
             "batch_statistics": sum(nbytes(t) for t in self.batch.sums) + pending,
-            "second_order": sum(nbytes(t) for t in self.state.values()),
+            # the cast copies of precondition_dtype are second-order tensors too
+            "second_order": sum(nbytes(t) for t in self.state.values()) + self.cast.nbytes(),
         }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -133,7 +133,11 @@ def build(
         )
     for adapter in adapters:
         adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
-    layers = {a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype)) for a in adapters}
+        adapter.factor_compute_dtype = cast("torch.dtype | None", config.factor_compute_dtype)
+    precondition = cast("torch.dtype | None", config.precondition_dtype)
+    layers = {
+        a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype), precondition) for a in adapters
+    }
     ordered = list(layers.values())
     world = len(group_ranks(topology.dp if topology is not None else None))
     fraction = config.worker_fraction

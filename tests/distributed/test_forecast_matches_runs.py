@@ -39,6 +39,7 @@ CONFIGS: list[dict[str, Any]] = [
     ),
     dict(grad_worker_fraction=1.0, colocate_factors=False, compute_eigenvalue_outer_product=False),
     dict(grad_worker_fraction=0.0, allreduce_bucket_cap_mb=0, factor_dtype=torch.float32),
+    dict(grad_worker_fraction=0.5, precondition_dtype=torch.bfloat16),  # + the cast copies
 ]
 
 

@@ -49,6 +49,10 @@ _HELP: dict[str, str] = {
     "allreduce_bucket_cap_mb": "size of the buckets factors are all-reduced in",
     "factor_dtype": "dtype the factors are accumulated in ('none': the activations' dtype)",
     "inv_dtype": "dtype of the decompositions ('none': float32)",
+    "factor_compute_dtype": "dtype of the factors' Gram products, e.g. bfloat16 "
+    "('none': the factor dtype)",
+    "precondition_dtype": "dtype of the preconditioning products, e.g. bfloat16 "
+    "('none': the decompositions' dtype)",
     "skip_layers": "regexes of module names or types that K-FAC leaves alone",
     "update_factors_in_hook": "accumulate factors inside the hooks rather than in step()",
     "memory_budget_mb": "K-FAC memory per rank grad_worker_fraction='auto' must fit in",

@@ -58,6 +58,10 @@ class LayerAdapter(ABC):
         self.has_bias = getattr(module, "bias", None) is not None
         #: K-FAC-reduce instead of K-FAC-expand (set from ``kfac_approx``)
         self.reduce = False
+        #: dtype of the Gram products of :meth:`factor_term` (set from
+        #: ``factor_compute_dtype``; None: the factor dtype).  An adapter that
+        #: overrides :meth:`factor_term` with its own product should honour it
+        self.factor_compute_dtype: torch.dtype | None = None
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -138,7 +142,8 @@ class LayerAdapter(ABC):
                 rows = rows.mean(1, keepdim=True)
             else:
                 rows = rows.sum(1, keepdim=True)
-        return contribution(rows, spec.kind, dtype, scale), float(rows.shape[0] * rows.shape[1])
+        term = contribution(rows, spec.kind, dtype, scale, self.factor_compute_dtype)
+        return term, float(rows.shape[0] * rows.shape[1])
 
     # -- parameters --------------------------------------------------------
     @property

@@ -74,22 +74,25 @@ class ConvAdapter(LayerAdapter):
         if spec.kind is not FactorKind.DENSE:
             return super().factor_term(spec, tensor, dtype, scale)
         reduce = self.reduce and self.supports_reduce
+        compute = self.factor_compute_dtype
         if spec.source is FactorSource.INPUT:
             view = self.patches(tensor)
             n = int(view.shape[0])
             if not reduce:
                 positions = math.prod(view.shape[1 : 1 + self.spatial_dims])
-                gram = patch_gram(view, self.spatial_dims, self.has_bias, dtype, scale)
+                gram = patch_gram(view, self.spatial_dims, self.has_bias, dtype, scale, compute)
                 return gram, float(n * positions)
             rows = patch_mean(view, self.spatial_dims)
             if self.has_bias:
                 rows = torch.cat([rows, rows.new_ones(n, 1)], dim=1)
-            return contribution(rows.unsqueeze(1), spec.kind, dtype, scale), float(n)
+            return contribution(rows.unsqueeze(1), spec.kind, dtype, scale, compute), float(n)
         cols = self._batched(tensor).flatten(2)  # [N, C_out, L_out]
         n, positions = int(cols.shape[0]), int(cols.shape[2])
         if reduce:
-            return contribution(cols.sum(2).unsqueeze(1), spec.kind, dtype, scale), float(n)
+            term = contribution(cols.sum(2).unsqueeze(1), spec.kind, dtype, scale, compute)
+            return term, float(n)
         if positions > 1 and cols.is_contiguous():
-            return features_first(cols, spec.kind, dtype, scale), float(n * positions)
+            return features_first(cols, spec.kind, dtype, scale, compute), float(n * positions)
         # channels-last (or one position): the rows are already a view
-        return contribution(cols.transpose(1, 2), spec.kind, dtype, scale), float(n * positions)
+        rows = cols.transpose(1, 2)
+        return contribution(rows, spec.kind, dtype, scale, compute), float(n * positions)

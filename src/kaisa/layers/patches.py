@@ -93,6 +93,7 @@ def patch_gram(
     bias: bool,
     dtype: torch.dtype,
     scale: float | Tensor = 1.0,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``scale · Σ p pᵀ`` over all patch rows of ``view`` ``[N, *O, *K, C]``
     (``dims`` spatial dimensions), with a ones column for ``bias``, in the
@@ -114,7 +115,7 @@ def patch_gram(
         rows[:, :features].view(count, *out_shape, *kernel_shape, channels).copy_(
             view[start : start + count]
         )
-        term = contribution(rows.unsqueeze(0), FactorKind.DENSE, dtype, scale)
+        term = contribution(rows.unsqueeze(0), FactorKind.DENSE, dtype, scale, compute_dtype)
         total = term if total is None else total.add_(term)
     if total is None:  # an empty batch
         total = torch.zeros(width, width, dtype=dtype, device=view.device)

@@ -15,7 +15,7 @@ pipeline (:mod:`kaisa.pipeline`) decides who decomposes and who receives.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +104,14 @@ class CurvatureMethod(ABC):
 
     @abstractmethod
     def apply(
-        self, factors: Factors, state: dict[str, Tensor], grad: Tensor, damping: float
+        self, factors: Factors, state: Mapping[str, Tensor], grad: Tensor, damping: float
     ) -> Tensor:
-        """The preconditioned gradient, in the gradient's dtype."""
+        """The preconditioned gradient, in the gradient's dtype.
+
+        The products run in the dtype of ``state``'s tensors: a worker hands
+        its state itself, or its cached copies in ``precondition_dtype``
+        (:mod:`kaisa.precision`), so a method never casts its own operands.
+        """
 
     def ready(self, factors: Factors, state: dict[str, Tensor], colocated: bool) -> bool:
         return all(t.key in state for t in self.held(factors, colocated))

@@ -11,7 +11,7 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -110,7 +110,7 @@ class EigenMethod(CurvatureMethod):
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device)
 
     def apply(
-        self, factors: Factors, state: dict[str, Tensor], grad: Tensor, damping: float
+        self, factors: Factors, state: Mapping[str, Tensor], grad: Tensor, damping: float
     ) -> Tensor:
         ordered = sorted(factors, key=lambda s: s.axis)
         dense = [s for s in ordered if s.kind is FactorKind.DENSE]

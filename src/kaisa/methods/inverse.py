@@ -10,7 +10,7 @@ factors live on different ranks the traces are exchanged (:meth:`exchange`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -84,7 +84,7 @@ class InverseMethod(CurvatureMethod):
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device) * value
 
     def apply(
-        self, factors: Factors, state: dict[str, Tensor], grad: Tensor, damping: float
+        self, factors: Factors, state: Mapping[str, Tensor], grad: Tensor, damping: float
     ) -> Tensor:
         first = state[_inverse(factors[0]).key]
         v = grad.to(first.dtype)
