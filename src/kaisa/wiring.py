@@ -108,20 +108,12 @@ def check_runtime_arguments(
         )
 
 
-def build(
-    model: nn.Module,
-    config: KFACConfig,
-    schedule: Schedule,
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    scaling: LossScaling,
-    engine: Engine,
-    topology: Topology | None,
-    pg_timeout_s: float | None,
-    loss_divisor: int | None = None,
-) -> Parts:
-    inner = engine.unwrap(model)
-    adapters, skipped = register_layers(inner, config.skip_layers)
+def _register(
+    engine: Engine, model: nn.Module, config: KFACConfig
+) -> tuple[dict[str, KFACLayer], list[SkippedModule]]:
+    """The layers this rank preconditions (the engine may keep or replace some,
+    as tensor parallelism does), with the options every adapter takes."""
+    adapters, skipped = register_layers(engine.unwrap(model), config.skip_layers)
     adapters = engine.select_layers(adapters, skipped, config)
     if not adapters:
         reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
@@ -138,6 +130,22 @@ def build(
     layers = {
         a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype), precondition) for a in adapters
     }
+    return layers, skipped
+
+
+def build(
+    model: nn.Module,
+    config: KFACConfig,
+    schedule: Schedule,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    scaling: LossScaling,
+    engine: Engine,
+    topology: Topology | None,
+    pg_timeout_s: float | None,
+    loss_divisor: int | None = None,
+) -> Parts:
+    layers, skipped = _register(engine, model, config)
     ordered = list(layers.values())
     world = len(group_ranks(topology.dp if topology is not None else None))
     fraction = config.worker_fraction
