@@ -104,13 +104,42 @@ class _Hook:
         return (_inert, ())
 
 
-def _input_terms(layer: KFACLayer, x: Tensor) -> list[tuple[int, Tensor, float]]:
-    """(factor index, contribution, rows) of every input factor for one call."""
+#: terms of one input shared by several layers (see :func:`_input_terms`)
+TermMemo = dict[tuple[Any, ...], tuple[Tensor, float]]
+
+
+def _input_terms(
+    layer: KFACLayer, x: Tensor, memo: TermMemo | None = None
+) -> list[tuple[int, Tensor, float]]:
+    """(factor index, contribution, rows) of every input factor for one call.
+
+    ``memo`` is shared by layers that read the same input in one call — the
+    q, k and v rows of a self-attention's packed projection — so their common
+    input factor is formed once, not three times; a reused term is copied,
+    since a layer's sums may start as the very tensor it is given."""
     out = []
+    adapter = layer.adapter
     for i, spec in enumerate(layer.factors):
-        if spec.source is FactorSource.INPUT:
-            term, rows_count = layer.adapter.factor_term(spec, x, layer.factor_dtype)
-            out.append((i, term, rows_count))
+        if spec.source is not FactorSource.INPUT:
+            continue
+        key = (
+            type(adapter),
+            spec.name,
+            spec.kind,
+            spec.dim,
+            adapter.has_bias,
+            adapter.reduce,
+            adapter.factor_compute_dtype,
+            layer.factor_dtype,
+        )
+        found = None if memo is None else memo.get(key)
+        if found is not None:
+            out.append((i, found[0].clone(), found[1]))
+            continue
+        term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype)
+        if memo is not None:
+            memo[key] = (term, rows_count)
+        out.append((i, term, rows_count))
     return out
 
 
@@ -235,10 +264,12 @@ class Capture:
         x: Tensor,
         output: Tensor,
         grad_view: Callable[[Tensor], Tensor] | None = None,
+        memo: TermMemo | None = None,
     ) -> None:
         """One call of ``layer``: its input ``x`` (in the adapter's input shape)
         and the ``output`` whose gradient completes it; ``grad_view`` maps that
-        gradient to the adapter's shape (a functional capture's slice)."""
+        gradient to the adapter's shape (a functional capture's slice);
+        ``memo`` lets layers called on the same ``x`` share its input terms."""
         if not self.accepts(layer.adapter, module, output):
             return
         if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
@@ -252,7 +283,7 @@ class Capture:
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()
-        terms = _input_terms(layer, x) if self.in_hook else []
+        terms = _input_terms(layer, x, memo) if self.in_hook else []
         output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed, grad_view))
 
     def _grad_hook(

@@ -33,7 +33,7 @@ from kaisa.layer import KFACLayer
 from kaisa.layers.attention import ProjectionAdapter
 
 if TYPE_CHECKING:
-    from kaisa.capture import Capture
+    from kaisa.capture import Capture, TermMemo
 
 __all__ = ["capture_functional"]
 
@@ -141,8 +141,9 @@ class _AttentionCapture:
                 return t.transpose(0, 1)
 
         rows = canonical(x)
+        memo: TermMemo = {}  # q, k, v of one packed call share their input factor
         for layer, select in parts:
-            self.capture.observe(layer, self.attention, rows, out, _sliced(canonical, select))
+            self.capture.observe(layer, self.attention, rows, out, _sliced(canonical, select), memo)
 
 
 def _sliced(

@@ -167,9 +167,9 @@ def _lm_run(mode: str, monkeypatch) -> tuple[dict, list[torch.Tensor], int]:
     calls = [0]
     original = capture._input_terms
 
-    def counting(layer, x):
+    def counting(layer, x, memo=None):
         calls[0] += 1
-        return original(layer, x)
+        return original(layer, x, memo)
 
     monkeypatch.setattr(capture, "_input_terms", counting)
     model = TinyLM(mode)
@@ -264,3 +264,34 @@ def test_torch_compile_with_attention_runs_and_says_what_it_missed() -> None:
         assert f"'attn.{role}'" in said and "torch.compile" in said
     assert precond.layers["head"].captured and not precond.layers["attn.q"].captured
     assert F.linear is torch._C._nn.linear
+
+
+def test_self_attention_forms_the_shared_input_factor_once(monkeypatch) -> None:
+    """q, k and v of a packed self-attention read the same input: its factor
+    term is formed once per call (then copied), and still equals each
+    projection's own definition (the dense tests above)."""
+    from kaisa.factors import FactorSource
+    from kaisa.layers.base import LayerAdapter
+
+    formed: list[str] = []
+    original = LayerAdapter.factor_term
+
+    def counting(self, spec, tensor, dtype, scale=1.0):
+        if spec.source is FactorSource.INPUT:
+            formed.append(self.name)
+        return original(self, spec, tensor, dtype, scale)
+
+    monkeypatch.setattr(LayerAdapter, "factor_term", counting)
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    precond = KFACPreconditioner(mha, damping=DAMPING)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    out, _ = mha(x, x, x, need_weights=False)
+    out.pow(2).mean().backward()
+    assert len(formed) == 2, formed  # in_proj once (for q, k and v), out_proj once
+    factors = {name: layer.batch.sums[0] for name, layer in precond.layers.items()}
+    names = [n for n in factors if not n.endswith("out_proj")]
+    assert len(names) == 3
+    for name in names[1:]:  # equal, but not one tensor (sums are updated in place)
+        assert torch.equal(factors[name], factors[names[0]])
+        assert factors[name] is not factors[names[0]]
