@@ -256,34 +256,54 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     stages = [s for s in ("baseline", "kfac", "confirm") if results.get(s)]
-    heights = [max(2.5, 0.28 * len(results[s]) + 1.0) for s in stages]
-    fig, axes = plt.subplots(len(stages), 1, figsize=(9, sum(heights)), squeeze=False)
-    fig.set_constrained_layout(True)
+    heights = [0.16 * len(results[s]) + 0.9 for s in stages]
+    fig, axes = plt.subplots(
+        len(stages),
+        1,
+        figsize=(9, sum(heights) + 0.5),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+        layout="constrained",
+    )
     for ax, stage in zip(axes[:, 0], stages):
         rows = results[stage] if stage == "confirm" else sorted(results[stage], key=_rank_key)
+        medians = [_value(r["time_to_target_s"], "median") for r in rows]
+        # Seeds slowed by other load on the machine would squash the axis: cut it at
+        # 3x the fastest median and count what lies beyond.
+        limit = 3.0 * min(medians) if math.isfinite(min(medians)) else 1.0
         for y, row in enumerate(rows):
             times = [INF if t is None else t for t in row["per_seed_time_s"]]
-            finite = [t for t in times if math.isfinite(t)]
-            median = _value(row["time_to_target_s"], "median")
+            shown = [t for t in times if t <= limit]
             color = "tab:orange" if "kfac" in row["name"] else "tab:blue"
-            ax.scatter(finite, [y] * len(finite), s=12, color=color, alpha=0.5)
-            if math.isfinite(median):
-                ax.plot([median], [y], marker="|", markersize=14, color=color)
-            missed = len(times) - len(finite)
-            if missed:
+            ax.scatter(shown, [y] * len(shown), s=12, color=color, alpha=0.5)
+            if medians[y] <= limit:
+                ax.plot([medians[y]], [y], marker="|", markersize=10, color=color)
+            missed, beyond = times.count(INF), len(times) - len(shown) - times.count(INF)
+            note = ", ".join(
+                text
+                for count, text in ((missed, f"{missed} missed"), (beyond, f"{beyond} beyond"))
+                if count
+            )
+            if note:
                 ax.annotate(
-                    f"{missed} missed",
+                    note,
                     (1.0, y),
                     xycoords=("axes fraction", "data"),
                     ha="right",
                     va="center",
-                    fontsize=7,
+                    fontsize=6,
                     color="tab:red",
                 )
-        ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlabel("time to target (s): seeds as dots, median as bar")
-        ax.set_title(stage, fontsize=9)
+        ax.set_xlim(0, limit * 1.05)
+        ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=6)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_xlabel("time to target (s): seeds as dots, median as bar", fontsize=8)
+        ax.set_title(
+            f"{stage} ({results.get('task', '')}, fastest first)"
+            if stage != "confirm"
+            else "confirm: kaisa compare",
+            fontsize=9,
+        )
         ax.grid(axis="x", alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -292,7 +312,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=("baseline", "kfac", "confirm", "all"), default="all")
+    parser.add_argument(
+        "--stage", choices=("baseline", "kfac", "confirm", "all", "plot"), default="all"
+    )
     parser.add_argument("--task", default="digits-cnn")
     parser.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.035, 0.05, 0.07, 0.1])
     parser.add_argument(
@@ -322,8 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     path = args.out / "tune.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    results["task"] = args.task
     results.setdefault("started", []).append(time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     keep = args.append and args.stage != "all"
+    if args.stage == "plot":
+        args.stage = "none"
     if args.stage in ("baseline", "all"):
         results["baseline"] = (results.get("baseline", []) if keep else []) + stage_baseline(args)
     if args.stage in ("kfac", "all"):
