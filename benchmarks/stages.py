@@ -183,6 +183,13 @@ def _flat(shape: torch.Size) -> tuple[int, int]:
     return (shape.numel() // shape[-1], shape[-1])
 
 
+def _grad_rows(module: nn.Module, grad: Tensor) -> tuple[int, int]:
+    """(rows, features) of an output gradient: channels are dim 1 of a convolution's."""
+    if isinstance(module, nn.Conv1d | nn.Conv2d):
+        return (grad.numel() // grad.shape[1], grad.shape[1])
+    return _flat(grad.shape)
+
+
 def _timed(fn: Callable[..., Any], clock: Clock, stage: str) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -217,7 +224,11 @@ def _instrument_adapter(layer: KFACLayer, clock: Clock) -> None:
         dt, rows_dt = time.perf_counter() - t0, seen["rows"] - r0
         gram = "gram" if spec.kind is FactorKind.DENSE else "sqsum"
         if spec.source is FactorSource.OUTPUT_GRAD:
-            clock.add(f"capture: G Gram ({kind})", dt, (gram, _flat(seen["shape"])))
+            # A convolution's G Gram may read [N, C, H, W] directly, never making rows.
+            shape = _grad_rows(adapter.module, tensor)
+            if seen["shape"] is not None:
+                shape = _flat(seen["shape"])
+            clock.add(f"capture: G Gram ({kind})", dt, (gram, shape))
         elif seen["shape"] is None:  # counted, never built (an Embedding's one-hots)
             clock.add(f"capture: A Gram ({kind})", dt, ("bincount", tensor.numel(), spec.dim))
         else:

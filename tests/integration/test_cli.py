@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -247,6 +248,10 @@ def test_stop_at_target_ends_the_run_early(tmp_path: Path) -> None:
         (["--epochs", "0"], "--epochs"),
         (["--lr", "-0.1"], "--lr"),
         (["--task", "mnist"], "--task"),
+        (["--schedule", "linear"], "--schedule"),
+        (["--warmup-epochs", "-1"], "--warmup-epochs"),
+        (["--warmup-epochs", "nan"], "--warmup-epochs"),
+        (["--warmup-epochs", "3", "--epochs", "2"], "--warmup-epochs"),
     ],
 )
 def test_bad_option_values_exit_2_naming_the_option(
@@ -344,3 +349,74 @@ def test_cuda_without_cuda_is_a_usage_error(
         main(["train", *QUICK, "--device", "cuda", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "argument --device" in capsys.readouterr().err
+
+
+def _record_lrs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float | None]]:
+    """Patch the training step to record (run, optimizer lr, K-FAC's lr) at every step."""
+    from kaisa.cli import train
+
+    seen: list[tuple[str, float, float | None]] = []
+    original = train._Trainer.step
+
+    def step(self: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        precond = self.preconditioner
+        lr = self.optimizer.param_groups[0]["lr"]
+        seen.append(("kfac" if precond else "sgd", lr, None if precond is None else precond.lr))
+        return original(self, x, y)
+
+    monkeypatch.setattr(train._Trainer, "step", step)
+    return seen
+
+
+def test_cosine_schedule_sets_the_lr_of_both_runs_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """3 epochs x 5 steps, 1 warm-up epoch: lr = base (s+1)/5, then cosine to 0 over 10 steps."""
+    seen = _record_lrs(monkeypatch)
+    base = get_task("digits-mlp").defaults.lr["sgd"]
+    sgd, kfac = run_cli(
+        tmp_path, "compare", *QUICK, "--epochs", "3", "--schedule", "cosine", "--warmup-epochs", "1"
+    )
+    expected = [base * (s + 1) / 5 for s in range(5)]
+    expected += [base * 0.5 * (1 + math.cos(math.pi * (s - 5) / 10)) for s in range(5, 15)]
+    # The first steps of each kind are compare's untimed warm-up at the base lr.
+    for name in ("sgd", "kfac"):
+        lrs = [lr for run, lr, _ in seen if run == name][-15:]
+        assert lrs == pytest.approx(expected, rel=1e-12)
+    # K-FAC reads the scheduled lr from the optimizer (its KL clip follows it).
+    kfac_steps = [(lr, precond_lr) for run, lr, precond_lr in seen if run == "kfac"][-15:]
+    assert all(lr == precond_lr for lr, precond_lr in kfac_steps)
+    for run in (sgd, kfac):
+        assert run["config"]["schedule"] == "cosine" and run["config"]["warmup_epochs"] == 1.0
+        assert run["config"]["lr"] == base
+
+
+def test_constant_schedule_never_writes_the_lr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default (constant, no warm-up) is bit-identical to training without a schedule."""
+    from kaisa.cli import train
+
+    def refuse(self: Any, lr: float) -> None:
+        raise AssertionError("a constant schedule must not write the lr")
+
+    seen = _record_lrs(monkeypatch)
+    monkeypatch.setattr(train._Trainer, "set_lr", refuse)
+    args = ("train", *QUICK, "--epochs", "2")
+    (default,) = run_cli(tmp_path / "a", *args)
+    (explicit,) = run_cli(tmp_path / "b", *args, "--schedule", "constant", "--warmup-epochs", "0")
+    base = get_task("digits-mlp").defaults.lr["sgd"]
+    assert {lr for _, lr, _ in seen} == {base}
+    assert default["config"]["schedule"] == "constant" and default["config"]["warmup_epochs"] == 0
+    strip = [{k: v for k, v in p.items() if k != "wall_time_s"} for p in default["curve"]]
+    assert strip == [{k: v for k, v in p.items() if k != "wall_time_s"} for p in explicit["curve"]]
+
+
+def test_constant_schedule_with_warmup_ramps_then_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _record_lrs(monkeypatch)
+    base = get_task("digits-mlp").defaults.lr["sgd"]
+    run_cli(tmp_path, "train", "--no-kfac", *QUICK, "--epochs", "2", "--warmup-epochs", "0.8")
+    lrs = [lr for _, lr, _ in seen][-10:]
+    assert lrs == pytest.approx([base * (s + 1) / 4 for s in range(4)] + [base] * 6, rel=1e-12)

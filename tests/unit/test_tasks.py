@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from kaisa.cli.schedule import SCHEDULES
 from kaisa.config import KFACConfig
 from kaisa.tasks import EvalSums, Metric, bits_per_char, get_task, task_names
 from kaisa.tasks.base import OPTIMIZERS
@@ -42,6 +43,9 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
     # The preconditioner must follow the optimizer's lr, so tasks never pin it.
     assert "lr" not in defaults.kfac
     KFACConfig(loss_average=task.loss_average, **defaults.kfac)
+    # The CLI's schedule must accept the task's default schedule and warm-up.
+    assert defaults.schedule in SCHEDULES
+    assert 0 <= defaults.warmup_epochs <= defaults.epochs
 
 
 def test_text_lm_averages_its_loss_over_batch_and_sequence() -> None:

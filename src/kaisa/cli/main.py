@@ -30,7 +30,8 @@ from kaisa.cli.plan import add_plan_parser, run_plan
 from kaisa.cli.plot import plot_runs
 from kaisa.cli.progress import Progress
 from kaisa.cli.results import arms_to_dicts, format_seed_table, format_table, write_results
-from kaisa.cli.spec import build_specs
+from kaisa.cli.schedule import SCHEDULES
+from kaisa.cli.spec import ScheduleError, build_specs
 from kaisa.cli.sweep import run_seeds
 from kaisa.cli.train import RunResult, warm_up
 from kaisa.config import DistributedStrategy
@@ -93,6 +94,19 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     training.add_argument(
         "--weight-decay", type=_float_at_least(0.0, strict=False), help="weight decay"
+    )
+    training.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="learning-rate schedule of both runs, applied per step: constant, or cosine "
+        "decay to 0 at the last step (after the warm-up)",
+    )
+    training.add_argument(
+        "--warmup-epochs",
+        type=_float_at_least(0.0, strict=False),
+        metavar="EPOCHS",
+        help="linear warm-up of the learning rate over this many epochs (may be fractional; "
+        "0: none)",
     )
     training.add_argument(
         "--max-steps-per-epoch",
@@ -216,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = get_task(args.task)
     try:
         specs = build_specs(args, task, [args.kfac] if args.command == "train" else [False, True])
+    except ScheduleError as err:
+        command.error(str(err))
     except (TypeError, ValueError) as err:
         command.error(f"invalid K-FAC options: {err}")
     try:

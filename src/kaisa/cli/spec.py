@@ -17,7 +17,11 @@ from kaisa.cli.options import kfac_overrides
 from kaisa.config import KFACConfig
 from kaisa.tasks.base import Task
 
-__all__ = ["RunSpec", "build_specs"]
+__all__ = ["RunSpec", "ScheduleError", "build_specs"]
+
+
+class ScheduleError(ValueError):
+    """The learning-rate schedule options do not fit the run (message names the option)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class RunSpec:
     steps_per_epoch: int | None
     eval_batch_size: int
     stop_at_target: bool = False
+    #: Learning-rate schedule (:mod:`kaisa.cli.schedule`) and its warm-up length.
+    schedule: str = "constant"
+    warmup_epochs: float = 0.0
     #: Keywords for ``KFACPreconditioner`` besides ``optimizer``; contains
     #: ``lr`` only when the user gave ``--kfac-lr``.
     kfac_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -65,6 +72,8 @@ class RunSpec:
             "steps_per_epoch": self.steps_per_epoch,
             "eval_batch_size": self.eval_batch_size,
             "stop_at_target": self.stop_at_target,
+            "schedule": self.schedule,
+            "warmup_epochs": self.warmup_epochs,
             "kfac": kfac,
         }
 
@@ -77,7 +86,8 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
     """One :class:`RunSpec` per entry of ``kfac_flags``, identical except for K-FAC.
 
     Raises ``ValueError``/``TypeError`` (from :class:`KFACConfig`) when the
-    merged K-FAC options are inconsistent.
+    merged K-FAC options are inconsistent, and :class:`ScheduleError` when the
+    warm-up is longer than training.
     """
     defaults = task.defaults
     optimizer = _pick(args.optimizer, defaults.optimizer)
@@ -88,6 +98,13 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
     }
     lr = _pick(args.lr, defaults.lr[optimizer])
     KFACConfig(**{"lr": lr, **kfac_kwargs})  # validate once, before any training
+    epochs = _pick(args.epochs, defaults.epochs)
+    warmup_epochs = float(_pick(args.warmup_epochs, defaults.warmup_epochs))
+    if warmup_epochs > epochs:
+        raise ScheduleError(
+            f"argument --warmup-epochs: {warmup_epochs:g} warm-up epochs is more than the "
+            f"{epochs} epochs of training"
+        )
     steps = defaults.steps_per_epoch
     if args.max_steps_per_epoch is not None:
         steps = args.max_steps_per_epoch if steps is None else min(steps, args.max_steps_per_epoch)
@@ -97,7 +114,7 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
             task=task.name,
             optimizer=optimizer,
             kfac=use_kfac,
-            epochs=_pick(args.epochs, defaults.epochs),
+            epochs=epochs,
             batch_size=_pick(args.batch_size, defaults.batch_size),
             lr=lr,
             momentum=_pick(args.momentum, defaults.momentum),
@@ -107,6 +124,8 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
             steps_per_epoch=steps,
             eval_batch_size=defaults.eval_batch_size,
             stop_at_target=args.stop_at_target,
+            schedule=_pick(args.schedule, defaults.schedule),
+            warmup_epochs=warmup_epochs,
             kfac_kwargs=dict(kfac_kwargs) if use_kfac else {},
         )
         for use_kfac in kfac_flags

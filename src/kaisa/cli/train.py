@@ -20,6 +20,7 @@ from torch import nn
 
 from kaisa.cli.distributed import DistContext, eval_indices, train_sampler
 from kaisa.cli.progress import Progress
+from kaisa.cli.schedule import LRSchedule
 from kaisa.cli.spec import RunSpec
 from kaisa.tasks.base import BatchDataset, EvalSums, Task, TaskData
 
@@ -154,6 +155,11 @@ class _Trainer:
         if self.preconditioner is not None:
             self.preconditioner.remove_hooks()
 
+    def set_lr(self, lr: float) -> None:
+        """Set every parameter group's lr; K-FAC reads it from the optimizer at its step."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on a batch; returns the (detached) batch loss."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -206,13 +212,17 @@ def train_run(
     steps_per_epoch = math.ceil(len(sampler) / spec.batch_size)
     if spec.steps_per_epoch is not None:
         steps_per_epoch = min(steps_per_epoch, spec.steps_per_epoch)
+    schedule = LRSchedule.from_epochs(
+        spec.schedule, spec.lr, spec.warmup_epochs, spec.epochs, steps_per_epoch
+    )
     result = RunResult(spec, task.metric.name, task.metric.higher_is_better)
     clock = _Clock(ctx.device)
     step = 0
     progress.log(
         f"[{label}] {spec.task}: {spec.epochs} epochs x {steps_per_epoch} steps, "
-        f"batch {spec.batch_size}/rank x {ctx.world_size} rank(s), lr {spec.lr:g}, "
-        f"device {ctx.device}"
+        f"batch {spec.batch_size}/rank x {ctx.world_size} rank(s), lr {spec.lr:g}"
+        + ("" if schedule.is_identity else f" ({spec.schedule}, warm-up {spec.warmup_epochs:g} ep)")
+        + f", device {ctx.device}"
     )
     with _Trainer(spec, task, ctx) as trainer:
         for epoch in range(1, spec.epochs + 1):
@@ -223,6 +233,8 @@ def train_run(
             epoch_steps = 0
             clock.start()
             for x, y in _batches(data.train, sampler, spec.batch_size, steps_per_epoch):
+                if not schedule.is_identity:
+                    trainer.set_lr(schedule.lr(step))
                 loss = trainer.step(x, y)
                 loss_sum += loss
                 step += 1

@@ -126,6 +126,9 @@ class Defaults:
     the preconditioner follows the optimizer's learning rate.
     ``steps_per_epoch`` caps an epoch for tasks whose natural epoch is too long
     to evaluate at a useful rate (language modelling samples windows).
+    ``schedule`` (``constant`` or ``cosine``) and ``warmup_epochs`` shape the
+    learning rate of both arms (see :mod:`kaisa.cli.schedule`); a tuned
+    baseline usually needs them, and K-FAC must be compared with that baseline.
     """
 
     epochs: int
@@ -139,6 +142,8 @@ class Defaults:
     steps_per_epoch: int | None = None
     eval_batch_size: int = 512
     kfac: Mapping[str, Any] = field(default_factory=dict)
+    schedule: str = "constant"
+    warmup_epochs: float = 0.0
 
 
 @dataclass
