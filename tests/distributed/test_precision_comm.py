@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
 
 from harness import run_distributed
+from test_comm_memory_checkpoint import record_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -35,18 +34,7 @@ def run(rank: int, world: int, configs: list[dict[str, Any]]) -> list[dict[str, 
         precond = KFACPreconditioner(
             model, lr=0.1, damping=0.01, grad_worker_fraction=0.5, inv_update_steps=2, **config
         )
-        g = torch.Generator().manual_seed(rank)
-        record: dict[str, Any] = {"comm": [], "memory": []}
-        for _ in range(3):
-            model.zero_grad()
-            x = torch.randn(B, WIDTH, generator=g, dtype=torch.float64)
-            F.mse_loss(model(x), torch.zeros_like(x)).backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            precond.step()
-            record["comm"].append(precond.comm_stats()["step"])
-            record["memory"].append(precond.memory_usage())
+        record = record_steps(model, precond, rank, world, 3, B, WIDTH)
         record["dtypes"] = {t.dtype for la in precond.layers.values() for t in la.state.values()}
         out.append(record)
     return out

@@ -131,6 +131,11 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "median and spread of time, steps and epochs to target and of the final metric; "
         "a run that misses the target counts as infinitely slow (default 1)",
     )
+    _add_environment_arguments(parser)
+
+
+def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how the run executes (threads, device, data, output, torchrun)."""
     run = parser.add_argument_group("environment")
     run.add_argument(
         "--device", choices=distributed.DEVICES, default="auto", help="auto: cuda if available"
