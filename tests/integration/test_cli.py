@@ -246,6 +246,7 @@ def test_stop_at_target_ends_the_run_early(tmp_path: Path) -> None:
         (["--kfac-inv-dtype", "float16"], "--kfac-inv-dtype"),
         (["--optimizer", "rmsprop"], "--optimizer"),
         (["--epochs", "0"], "--epochs"),
+        (["--evals-per-epoch", "0"], "--evals-per-epoch"),
         (["--lr", "-0.1"], "--lr"),
         (["--task", "mnist"], "--task"),
         (["--schedule", "linear"], "--schedule"),
@@ -420,3 +421,53 @@ def test_constant_schedule_with_warmup_ramps_then_holds(
     run_cli(tmp_path, "train", "--no-kfac", *QUICK, "--epochs", "2", "--warmup-epochs", "0.8")
     lrs = [lr for _, lr, _ in seen][-10:]
     assert lrs == pytest.approx([base * (s + 1) / 4 for s in range(4)] + [base] * 6, rel=1e-12)
+
+
+def test_eval_steps_are_evenly_spaced_and_end_the_epoch() -> None:
+    from kaisa.cli.train import eval_steps
+
+    assert eval_steps(23, 1) == {23}
+    assert eval_steps(23, 4) == {6, 12, 18, 23}
+    assert eval_steps(8, 4) == {2, 4, 6, 8}
+    assert eval_steps(3, 10) == {1, 2, 3}
+
+
+def test_evals_per_epoch_reads_the_metric_within_epochs_without_changing_training(
+    tmp_path: Path,
+) -> None:
+    """Evaluating 4 times an epoch gives 4 points per epoch, and the same training.
+
+    The K-FAC arm checks that evaluation forwards (model.eval(), no_grad) are
+    not captured into the factors: the final metric must not move.
+    """
+    common = ["compare", *QUICK[:2], "--max-steps-per-epoch", "8", "--quiet", "--threads", "1"]
+    once = run_cli(tmp_path / "once", *common, "--epochs", "2")
+    fine = run_cli(tmp_path / "fine", *common, "--epochs", "2", "--evals-per-epoch", "4")
+    for coarse, run in zip(once, fine, strict=True):
+        assert run["config"]["evals_per_epoch"] == 4
+        assert [p["step"] for p in run["curve"]] == [2, 4, 6, 8, 10, 12, 14, 16]
+        assert [p["epoch"] for p in run["curve"]] == [0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2]
+        times = [p["wall_time_s"] for p in run["curve"]]
+        assert times == sorted(times) and times[0] > 0
+        assert run["final_metric"] == coarse["final_metric"]
+        # The points at epoch ends are the coarse run's points.
+        assert [run["curve"][i]["metric"] for i in (3, 7)] == [p["metric"] for p in coarse["curve"]]
+
+
+def test_stop_at_target_within_an_epoch(tmp_path: Path) -> None:
+    (run,) = run_cli(
+        tmp_path,
+        "train",
+        "--no-kfac",
+        *QUICK,
+        "--epochs",
+        "3",
+        "--evals-per-epoch",
+        "5",
+        "--target",
+        "0.3",
+        "--stop-at-target",
+    )
+    assert run["steps_to_target"] is not None and run["steps_to_target"] < 15
+    assert run["curve"][-1]["step"] == run["steps_to_target"]
+    assert run["epochs_to_target"] == pytest.approx(run["steps_to_target"] / 5)

@@ -24,6 +24,7 @@ def test_tune_digits_tiny_grid(tmp_path: Path) -> None:
     args = ["--task", "digits-mlp", "--lrs", "0.05", "0.1", "--schedules", "constant:0:2"]
     args += ["cosine:0.5:2", "--dampings", "0.1", "--kl-clips", "0.001", "none"]
     args += ["--intervals", "1/10", "--seeds", "2", "--confirm-seeds", "2", "--threads", "1"]
+    args += ["--kaisa-args", "--evals-per-epoch 2"]
     done = subprocess.run(
         [
             sys.executable,
@@ -52,6 +53,7 @@ def test_tune_digits_tiny_grid(tmp_path: Path) -> None:
         assert run["config"]["lr"] == row["settings"]["lr"]
         assert run["config"]["schedule"] == row["settings"]["schedule"]
         assert run["config"]["epochs"] == 2
+        assert run["config"]["evals_per_epoch"] == 2  # --kaisa-args reaches every command
     # K-FAC is tuned on the winning baseline's lr and schedule.
     picked = {k: results["kfac"][0]["settings"][k] for k in ("lr", "schedule", "warmup_epochs")}
     assert all({k: r["settings"][k] for k in picked} == picked for r in results["kfac"]), results[

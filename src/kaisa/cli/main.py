@@ -113,11 +113,19 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         help="cap on optimizer steps per epoch (for quick runs)",
     )
+    training.add_argument(
+        "--evals-per-epoch",
+        type=_positive_int,
+        metavar="K",
+        help="evaluate K times per epoch, at evenly spaced steps, so time and steps to "
+        "target are read K times more finely (evaluation is off the clock; default: "
+        "the task's, usually 1)",
+    )
     training.add_argument("--target", type=float, help="target value of the task's metric")
     training.add_argument(
         "--stop-at-target",
         action="store_true",
-        help="end a run at the first epoch that reaches the target",
+        help="end a run at the first evaluation that reaches the target",
     )
     training.add_argument(
         "--seed", type=int, default=0, help="seed of init and data order (default 0)"

@@ -155,7 +155,7 @@ def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
             _fmt(run["final_metric"], ".4f"),
             _fmt(run["time_to_target_s"], ".2f"),
             _fmt(run["steps_to_target"], "d"),
-            _fmt(run["epochs_to_target"], "d"),
+            _fmt(run["epochs_to_target"], ".3g"),
             _fmt(run["wall_time_s"], ".2f"),
         )
         for run in runs

@@ -42,6 +42,8 @@ class RunSpec:
     steps_per_epoch: int | None
     eval_batch_size: int
     stop_at_target: bool = False
+    #: Evaluations per epoch, at evenly spaced steps (the last at the epoch's end).
+    evals_per_epoch: int = 1
     #: Learning-rate schedule (:mod:`kaisa.cli.schedule`) and its warm-up length.
     schedule: str = "constant"
     warmup_epochs: float = 0.0
@@ -72,6 +74,7 @@ class RunSpec:
             "steps_per_epoch": self.steps_per_epoch,
             "eval_batch_size": self.eval_batch_size,
             "stop_at_target": self.stop_at_target,
+            "evals_per_epoch": self.evals_per_epoch,
             "schedule": self.schedule,
             "warmup_epochs": self.warmup_epochs,
             "kfac": kfac,
@@ -124,6 +127,7 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
             steps_per_epoch=steps,
             eval_batch_size=defaults.eval_batch_size,
             stop_at_target=args.stop_at_target,
+            evals_per_epoch=_pick(args.evals_per_epoch, defaults.evals_per_epoch),
             schedule=_pick(args.schedule, defaults.schedule),
             warmup_epochs=warmup_epochs,
             kfac_kwargs=dict(kfac_kwargs) if use_kfac else {},

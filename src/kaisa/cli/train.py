@@ -1,6 +1,6 @@
 """The training loop shared by ``kaisa train`` and ``kaisa compare``.
 
-The clock runs only while training: it is paused for the end-of-epoch
+The clock runs only while training: it is paused for every
 evaluation, so ``wall_time_s`` and ``time_to_target_s`` compare optimizers, not
 evaluation cost. On CUDA the device is synchronised before each reading so
 queued kernels are charged to the phase that launched them.
@@ -24,14 +24,26 @@ from kaisa.cli.schedule import LRSchedule
 from kaisa.cli.spec import RunSpec
 from kaisa.tasks.base import BatchDataset, EvalSums, Task, TaskData
 
-__all__ = ["EpochRecord", "RunResult", "evaluate", "make_optimizer", "train_run", "warm_up"]
+__all__ = [
+    "EpochRecord",
+    "RunResult",
+    "eval_steps",
+    "evaluate",
+    "make_optimizer",
+    "train_run",
+    "warm_up",
+]
 
 
 @dataclass(frozen=True)
 class EpochRecord:
-    """State at the end of one epoch; ``wall_time_s`` is cumulative training time."""
+    """State at one evaluation; ``wall_time_s`` is cumulative training time.
 
-    epoch: int
+    ``epoch`` counts epochs done, fractional when evaluating more than once an
+    epoch (``--evals-per-epoch``).
+    """
+
+    epoch: float
     step: int
     wall_time_s: float
     train_loss: float
@@ -49,7 +61,7 @@ class RunResult:
     curve: list[EpochRecord] = field(default_factory=list)
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
-    epochs_to_target: int | None = None
+    epochs_to_target: float | None = None
 
     @property
     def wall_time_s(self) -> float:
@@ -192,6 +204,29 @@ def warm_up(
                 trainer.step(x, y)
 
 
+def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> frozenset[int]:
+    """The steps of an epoch (1-based) after which the metric is read.
+
+    ``evals_per_epoch`` points evenly spaced, the last at the epoch's end; more
+    points than steps collapse to every step.
+    """
+    k = min(evals_per_epoch, steps_per_epoch)
+    return frozenset(math.ceil(steps_per_epoch * i / k) for i in range(1, k + 1))
+
+
+def _mean_loss(ctx: DistContext, loss_sum: torch.Tensor, steps: int) -> float:
+    """Mean training loss over ``steps`` steps of every rank (a collective)."""
+    totals = ctx.sum(torch.stack([loss_sum.cpu(), torch.tensor(float(steps))]))
+    return float(totals[0] / totals[1])
+
+
+def _stop(spec: RunSpec, result: RunResult, train_loss: float) -> bool:
+    """Whether the run ends early: the loss diverged, or the target is reached and wanted."""
+    return not math.isfinite(train_loss) or (
+        spec.stop_at_target and result.steps_to_target is not None
+    )
+
+
 def train_run(
     spec: RunSpec,
     task: Task,
@@ -200,7 +235,7 @@ def train_run(
     progress: Progress,
     label: str | None = None,
 ) -> RunResult:
-    """Train ``spec`` from a fresh, seeded model; evaluate after every epoch.
+    """Train ``spec`` from a fresh, seeded model; evaluate ``spec.evals_per_epoch`` times an epoch.
 
     The model is initialised from ``spec.seed`` and the data order depends only
     on ``spec.seed`` and the epoch, so two specs that differ only in the
@@ -229,36 +264,47 @@ def train_run(
             sampler.set_epoch(epoch)
             trainer.model.train()
             progress.start_epoch(f"[{label}] epoch {epoch}/{spec.epochs}", steps_per_epoch)
+            ends = eval_steps(steps_per_epoch, spec.evals_per_epoch)
             loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            epoch_steps = 0
+            segment_steps = 0
             clock.start()
-            for x, y in _batches(data.train, sampler, spec.batch_size, steps_per_epoch):
+            for epoch_step, (x, y) in enumerate(
+                _batches(data.train, sampler, spec.batch_size, steps_per_epoch), start=1
+            ):
                 if not schedule.is_identity:
                     trainer.set_lr(schedule.lr(step))
                 loss = trainer.step(x, y)
                 loss_sum += loss
                 step += 1
-                epoch_steps += 1
+                segment_steps += 1
                 progress.step(loss)
-            elapsed = clock.stop()
-            # --- clock paused: reductions and evaluation are not training time ---
-            totals = ctx.sum(torch.stack([loss_sum.cpu(), torch.tensor(float(epoch_steps))]))
-            train_loss = float(totals[0] / totals[1])
-            evals = evaluate(trainer.model, task, data.test, ctx, spec.eval_batch_size)
-            record = EpochRecord(epoch, step, elapsed, train_loss, evals[task.metric.name], evals)
-            result.curve.append(record)
-            reached = task.metric.reached(record.metric, spec.target)
-            if reached and result.steps_to_target is None:
-                result.time_to_target_s = elapsed
-                result.steps_to_target = step
-                result.epochs_to_target = epoch
-            progress.end_epoch(
-                f"[{label}] epoch {epoch}/{spec.epochs} step {step} "
-                f"train_loss {train_loss:.4f} {task.metric.name} {record.metric:.4f} "
-                f"train_time {elapsed:.2f}s" + (" (target reached)" if reached else ""),
-                {"loss": train_loss, task.metric.name: record.metric},
-            )
-            if not math.isfinite(train_loss):
+                if epoch_step not in ends and epoch_step != steps_per_epoch:
+                    continue
+                elapsed = clock.stop()
+                # --- clock paused: reductions and evaluation are not training time ---
+                train_loss = _mean_loss(ctx, loss_sum, segment_steps)
+                loss_sum.zero_()
+                segment_steps = 0
+                evals = evaluate(trainer.model, task, data.test, ctx, spec.eval_batch_size)
+                at = epoch - 1 + epoch_step / steps_per_epoch
+                record = EpochRecord(at, step, elapsed, train_loss, evals[task.metric.name], evals)
+                result.curve.append(record)
+                reached = task.metric.reached(record.metric, spec.target)
+                if reached and result.steps_to_target is None:
+                    result.time_to_target_s = elapsed
+                    result.steps_to_target = step
+                    result.epochs_to_target = at
+                if epoch_step != steps_per_epoch and not _stop(spec, result, train_loss):
+                    clock.start()
+                    continue
+                progress.end_epoch(
+                    f"[{label}] epoch {epoch}/{spec.epochs} step {step} "
+                    f"train_loss {train_loss:.4f} {task.metric.name} {record.metric:.4f} "
+                    f"train_time {elapsed:.2f}s" + (" (target reached)" if reached else ""),
+                    {"loss": train_loss, task.metric.name: record.metric},
+                )
+                break
+            if not result.curve or not math.isfinite(result.curve[-1].train_loss):
                 progress.log(f"[{label}] training loss is not finite; stopping this run")
                 break
             if spec.stop_at_target and result.steps_to_target is not None:

@@ -126,6 +126,8 @@ class Defaults:
     the preconditioner follows the optimizer's learning rate.
     ``steps_per_epoch`` caps an epoch for tasks whose natural epoch is too long
     to evaluate at a useful rate (language modelling samples windows).
+    ``evals_per_epoch`` is how often the metric is read within an epoch: time
+    to target can be no finer than it.
     ``schedule`` (``constant`` or ``cosine``) and ``warmup_epochs`` shape the
     learning rate of both arms (see :mod:`kaisa.cli.schedule`); a tuned
     baseline usually needs them, and K-FAC must be compared with that baseline.
@@ -141,6 +143,7 @@ class Defaults:
     )
     steps_per_epoch: int | None = None
     eval_batch_size: int = 512
+    evals_per_epoch: int = 1
     kfac: Mapping[str, Any] = field(default_factory=dict)
     schedule: str = "constant"
     warmup_epochs: float = 0.0
