@@ -132,7 +132,7 @@ def test_compare_prints_a_table_saying_evaluation_is_excluded(
 ) -> None:
     runs = run_cli(tmp_path, "compare", *QUICK, "--epochs", "1", "--target", "1.01")
     text = capsys.readouterr().out
-    assert "evaluation at the end of each epoch is excluded" in text
+    assert "every evaluation is excluded (clock paused)" in text
     assert "sgd+kfac" in text and "[sgd] epoch 1/1" in text
     assert "median" not in text and "seed 0" not in text  # one seed: the table as before
     for run in runs:  # accuracy can never reach 1.01

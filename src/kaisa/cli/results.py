@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 TIMING_NOTE = (
-    "Times count training only: evaluation at the end of each epoch is excluded (clock paused)."
+    "Times count training only: every evaluation is excluded (clock paused)."
 )
 
 
@@ -215,7 +215,7 @@ def format_seed_table(arms: Sequence[Mapping[str, Any]]) -> str:
                 f"{summary['reached']}/{summary['n_seeds']}",
                 _spread(summary["time_to_target_s"], ".2f"),
                 _spread(summary["steps_to_target"], "g"),
-                _spread(summary["epochs_to_target"], "g"),
+                _spread(summary["epochs_to_target"], ".3g"),
                 _spread(summary["final_metric"], ".4f"),
                 _spread(summary["wall_time_s"], ".2f"),
             )
