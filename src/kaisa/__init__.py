@@ -1,6 +1,7 @@
 """kaisa: a distributed K-FAC gradient preconditioner for PyTorch."""
 
 from kaisa.config import (
+    KFAC_PYTORCH_DEFAULTS,
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
@@ -14,6 +15,7 @@ from kaisa.topology import Topology
 __version__ = "0.1.0"
 
 __all__ = [
+    "KFAC_PYTORCH_DEFAULTS",
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",

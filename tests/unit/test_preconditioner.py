@@ -250,6 +250,13 @@ def test_kfac_reduces_loss_faster_than_sgd_on_a_fixed_problem() -> None:
     assert run(True) < 0.8 * run(False)
 
 
+def test_suite_runs_with_kfac_pytorch_defaults_pinned() -> None:
+    """tests/conftest.py pins kfac-pytorch's defaults for every unmarked test."""
+    config = kaisa.KFACConfig()
+    assert (config.factor_update_steps, config.inv_update_steps, config.damping) == (1, 1, 0.001)
+    assert kaisa.ComputeMethod(config.compute_method) is kaisa.ComputeMethod.EIGEN
+
+
 # -- state -------------------------------------------------------------------------------------
 
 
