@@ -83,7 +83,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        help="first-order optimizer (default: the task's; sgd except adam for text-lm)",
+        help="first-order optimizer (default: the task's; sgd except adamw for text-lm)",
     )
     training = parser.add_argument_group("training (unset: the task's default)")
     training.add_argument("--epochs", type=_positive_int, help="number of epochs")
