@@ -5,7 +5,8 @@ K-FAC, interleaved step by step with the K-FAC one so machine load hits both
 alike) and the stages K-FAC adds:
 
 * capture, per layer type: the A rows (``LayerAdapter.rows_for`` of the
-  inputs: the bias column, the unfolded patches of a convolution), the A Gram
+  inputs: the bias column; a convolution builds its patch rows in chunks
+  inside the Gram, so it has one "A rows + Gram" stage), the A Gram
   (the rest of ``factor_term`` of the input factor; an Embedding's count),
   the G Gram (``factor_term`` of the output-gradient factor), and the hooks
   and sums around them (``Capture.observe`` and the gradient hook, less the
@@ -229,6 +230,14 @@ def _instrument_adapter(layer: KFACLayer, clock: Clock) -> None:
             if seen["shape"] is not None:
                 shape = _flat(seen["shape"])
             clock.add(f"capture: G Gram ({kind})", dt, (gram, shape))
+        elif seen["shape"] is None and hasattr(adapter, "patches"):
+            # A convolution builds its patch rows chunk by chunk inside the Gram
+            # (kaisa.layers.patches): one stage, whose floor is one copy of the
+            # rows plus their Gram.  The shape comes from a meta-tensor view.
+            view = adapter.patches(tensor.detach().to("meta"))
+            rows = view.shape[: 1 + adapter.spatial_dims].numel()
+            flat = (rows, spec.dim)
+            clock.add(f"capture: A rows + Gram ({kind})", dt, ("copy", flat), (gram, flat))
         elif seen["shape"] is None:  # counted, never built (an Embedding's one-hots)
             clock.add(f"capture: A Gram ({kind})", dt, ("bincount", tensor.numel(), spec.dim))
         else:
@@ -459,7 +468,7 @@ def run_config(
 def _capture_order(stage: str) -> tuple[str, int]:
     """Capture stages by layer type, then rows, A Gram, G Gram (the order they run)."""
     part, _, kind = stage.removeprefix("capture: ").partition(" (")
-    return kind, ("A rows", "A Gram", "G Gram").index(part)
+    return kind, ("A rows", "A rows + Gram", "A Gram", "G Gram").index(part)
 
 
 def stage_seconds(clock: Clock) -> dict[str, float]:

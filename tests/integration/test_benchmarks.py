@@ -68,3 +68,26 @@ def test_stages_quick_json_has_every_stage_with_a_floor(tmp_path: Path) -> None:
     # summed over the settings, so one noisy window does not decide
     assert 0.4 * overheads <= stage_sums <= 2.5 * overheads, (stage_sums, overheads)
     assert (tmp_path / "stages.png").exists()
+
+
+def test_stages_conv_capture_is_one_stage_with_the_gram_in_its_floor(tmp_path: Path) -> None:
+    """A convolution builds its patch rows inside the Gram: one stage, whose floor
+    is a copy of the rows plus their Gram, so it is within a small factor of it
+    (charged as an Embedding's count, it read 35x)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    script = ROOT / "benchmarks" / "stages.py"
+    args = ["--models", "digits-cnn", "--steps", "2", "--threads", "1", "--out", str(tmp_path)]
+    subprocess.run(
+        [sys.executable, str(script), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    for run in json.loads((tmp_path / "stages.json").read_text())["runs"]:
+        stages = {st["stage"]: st for st in run["stages"]}
+        conv = stages["capture: A rows + Gram (Conv2d)"]
+        assert "capture: A Gram (Conv2d)" not in stages and "capture: A rows (Conv2d)" not in stages
+        assert conv["calls"] > 0 and 0.3 < conv["ratio"] < 10, conv
