@@ -35,9 +35,7 @@ __all__ = [
     "write_results",
 ]
 
-TIMING_NOTE = (
-    "Times count training only: every evaluation is excluded (clock paused)."
-)
+TIMING_NOTE = "Times count training only: every evaluation is excluded (clock paused)."
 
 
 def run_to_dict(result: RunResult, environment: Mapping[str, Any]) -> dict[str, Any]:
