@@ -27,18 +27,23 @@ FIXED = (
 NO_FLOOR = {"capture: hooks and sums", "step() bookkeeping"}  # bookkeeping: no kernel
 
 
-def test_stages_quick_json_has_every_stage_with_a_floor(tmp_path: Path) -> None:
+def run_stages(tmp_path: Path, *args: str, timeout: int = 120) -> None:
+    """``benchmarks/stages.py`` in a subprocess, writing to ``tmp_path``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
     script = ROOT / "benchmarks" / "stages.py"
     subprocess.run(
-        [sys.executable, str(script), "--quick", "--threads", "1", "--out", str(tmp_path)],
+        [sys.executable, str(script), *args, "--threads", "1", "--out", str(tmp_path)],
         check=True,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env=env,
     )
+
+
+def test_stages_quick_json_has_every_stage_with_a_floor(tmp_path: Path) -> None:
+    run_stages(tmp_path, "--quick")
     data = json.loads((tmp_path / "stages.json").read_text())
     runs = data["runs"]
     assert {(r["method"], r["factor_steps"], r["inv_steps"]) for r in runs} == {
@@ -74,18 +79,7 @@ def test_stages_conv_capture_is_one_stage_with_the_gram_in_its_floor(tmp_path: P
     """A convolution builds its patch rows inside the Gram: one stage, whose floor
     is a copy of the rows plus their Gram, so it is within a small factor of it
     (charged as an Embedding's count, it read 35x)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    script = ROOT / "benchmarks" / "stages.py"
-    args = ["--models", "digits-cnn", "--steps", "2", "--threads", "1", "--out", str(tmp_path)]
-    subprocess.run(
-        [sys.executable, str(script), *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    run_stages(tmp_path, "--models", "digits-cnn", "--steps", "2", timeout=240)
     for run in json.loads((tmp_path / "stages.json").read_text())["runs"]:
         stages = {st["stage"]: st for st in run["stages"]}
         conv = stages["capture: A rows + Gram (Conv2d)"]

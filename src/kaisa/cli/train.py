@@ -220,6 +220,16 @@ def _mean_loss(ctx: DistContext, loss_sum: torch.Tensor, steps: int) -> float:
     return float(totals[0] / totals[1])
 
 
+def _record(result: RunResult, record: EpochRecord, reached: bool) -> bool:
+    """Append ``record``; the first that reaches the target sets the to-target fields."""
+    result.curve.append(record)
+    if reached and result.steps_to_target is None:
+        result.time_to_target_s = record.wall_time_s
+        result.steps_to_target = record.step
+        result.epochs_to_target = record.epoch
+    return reached
+
+
 def _stop(spec: RunSpec, result: RunResult, train_loss: float) -> bool:
     """Whether the run ends early: the loss diverged, or the target is reached and wanted."""
     return not math.isfinite(train_loss) or (
@@ -288,12 +298,7 @@ def train_run(
                 evals = evaluate(trainer.model, task, data.test, ctx, spec.eval_batch_size)
                 at = epoch - 1 + epoch_step / steps_per_epoch
                 record = EpochRecord(at, step, elapsed, train_loss, evals[task.metric.name], evals)
-                result.curve.append(record)
-                reached = task.metric.reached(record.metric, spec.target)
-                if reached and result.steps_to_target is None:
-                    result.time_to_target_s = elapsed
-                    result.steps_to_target = step
-                    result.epochs_to_target = at
+                reached = _record(result, record, task.metric.reached(record.metric, spec.target))
                 if epoch_step != steps_per_epoch and not _stop(spec, result, train_loss):
                     clock.start()
                     continue
