@@ -220,14 +220,13 @@ def _mean_loss(ctx: DistContext, loss_sum: torch.Tensor, steps: int) -> float:
     return float(totals[0] / totals[1])
 
 
-def _record(result: RunResult, record: EpochRecord, reached: bool) -> bool:
+def _record(result: RunResult, record: EpochRecord, reached: bool) -> None:
     """Append ``record``; the first that reaches the target sets the to-target fields."""
     result.curve.append(record)
     if reached and result.steps_to_target is None:
         result.time_to_target_s = record.wall_time_s
         result.steps_to_target = record.step
         result.epochs_to_target = record.epoch
-    return reached
 
 
 def _stop(spec: RunSpec, result: RunResult, train_loss: float) -> bool:
@@ -288,7 +287,7 @@ def train_run(
                 step += 1
                 segment_steps += 1
                 progress.step(loss)
-                if epoch_step not in ends and epoch_step != steps_per_epoch:
+                if epoch_step not in ends:  # ends holds the epoch's last step
                     continue
                 elapsed = clock.stop()
                 # --- clock paused: reductions and evaluation are not training time ---
@@ -298,7 +297,8 @@ def train_run(
                 evals = evaluate(trainer.model, task, data.test, ctx, spec.eval_batch_size)
                 at = epoch - 1 + epoch_step / steps_per_epoch
                 record = EpochRecord(at, step, elapsed, train_loss, evals[task.metric.name], evals)
-                reached = _record(result, record, task.metric.reached(record.metric, spec.target))
+                reached = task.metric.reached(record.metric, spec.target)
+                _record(result, record, reached)
                 if epoch_step != steps_per_epoch and not _stop(spec, result, train_loss):
                     clock.start()
                     continue
@@ -309,7 +309,7 @@ def train_run(
                     {"loss": train_loss, task.metric.name: record.metric},
                 )
                 break
-            if not result.curve or not math.isfinite(result.curve[-1].train_loss):
+            if result.curve and not math.isfinite(result.curve[-1].train_loss):
                 progress.log(f"[{label}] training loss is not finite; stopping this run")
                 break
             if spec.stop_at_target and result.steps_to_target is not None:
