@@ -272,9 +272,9 @@ def _instrument_method(precond: KFACPreconditioner, clock: Clock) -> None:
                 )
         return decompose(factors, running, which, *args)
 
-    def timed_apply(factors: Any, state: Any, grad: Tensor, damping: float) -> Tensor:
+    def timed_apply(factors: Any, state: Any, grad: Tensor, damping: float, *work: Any) -> Tensor:
         t0 = time.perf_counter()
-        out = apply(factors, state, grad, damping)
+        out = apply(factors, state, grad, damping, *work)
         dims = [0] * grad.dim()
         for spec in factors:
             dims[spec.axis] = spec.dim if spec.kind is FactorKind.DENSE else 0

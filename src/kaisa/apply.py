@@ -33,6 +33,7 @@ from kaisa.methods.base import CurvatureMethod
 from kaisa.plan import LayerPlan, WorkPlan
 from kaisa.precondition import kl_scale, kl_term
 from kaisa.second_order import SecondOrderUpdate
+from kaisa.workspace import Workspace, uses_workspace
 
 __all__ = ["GradientApplication"]
 
@@ -56,6 +57,14 @@ class GradientApplication:
         self.rank = comm.rank
         self._warned: set[str] = set()
         self._globals: dict[int, tuple[int, ...]] = {}
+        self._work: Workspace | None = None
+        self._sized = False
+        self._served: frozenset[str] = frozenset()  # layers whose products use it
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes held by the reused product buffers (:mod:`kaisa.workspace`)."""
+        return 0 if self._work is None else self._work.nbytes()
 
     def run(
         self,
@@ -66,23 +75,84 @@ class GradientApplication:
         factor_step: bool,
     ) -> None:
         taking_part = self._taking_part(layers, factor_step)
-        results = self._precondition(taking_part, damping)
-        nu: Tensor | None = None
-        if kl_clip is not None:
-            counted = [la.name for la in taking_part if self.engine.counts_in_kl(la.adapter)]
-            dots = [results[name][1] for name in counted]
-            inner = torch.stack(dots).sum() if dots else None
-            if self.comm.model_parallel:
-                # every rank of a model-parallel group joins, with 0 if it has no layer
-                device = layers[0].adapter.device
-                total = torch.zeros((), dtype=torch.float64, device=device)
-                inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
-            if inner is not None:
-                nu = kl_scale(inner, lr, kl_clip)
-        for layer in taking_part:
-            value = results[layer.name][0]
-            self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
+        adapters = [la.adapter for la in taking_part]
+        clip = None if kl_clip is None else (lr, kl_clip)
+        if self.plan.grad_workers == self.plan.world_size and self.engine.rescales_written(
+            adapters
+        ):
+            # every rank is every layer's worker: write each V at once, scale after
+            dots = self._write_each(taking_part, layers, damping)
+            nu = self._nu(dots, layers, clip)
+            if nu is not None:
+                self.engine.rescale(adapters, nu)
+        else:
+            results = self._precondition(taking_part, damping)
+            dots = [results[la.name][1] for la in taking_part if self._counted(la)]
+            nu = self._nu(dots, layers, clip)
+            for layer in taking_part:
+                value = results[layer.name][0]
+                self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
         self.engine.after_write()
+
+    def _counted(self, layer: KFACLayer) -> bool:
+        return self.engine.counts_in_kl(layer.adapter)
+
+    def _nu(
+        self, dots: list[Tensor], layers: list[KFACLayer], clip: tuple[float, float] | None
+    ) -> Tensor | None:
+        """The KL clip's scale from this rank's ``⟨V, ∇⟩`` terms (None: no clip)."""
+        if clip is None:
+            return None
+        inner = torch.stack(dots).sum() if dots else None
+        if self.comm.model_parallel:
+            # every rank of a model-parallel group joins, with 0 if it has no layer
+            device = layers[0].adapter.device
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
+        return None if inner is None else kl_scale(inner, *clip)
+
+    def _write_each(
+        self, layers: list[KFACLayer], everyone: list[KFACLayer], damping: float
+    ) -> list[Tensor]:
+        """Precondition and write back one layer after the other (every rank
+        is every layer's gradient worker); the products reuse one workspace
+        on CPU.  Returns the counted layers' ``⟨V, ∇⟩``."""
+        work = self._workspace(everyone)
+        dots = []
+        for layer in layers:
+            lw = work if layer.name in self._served else None
+            grad = self.engine.read_into(layer.adapter, lw)
+            assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
+            v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
+            if self._counted(layer):
+                dots.append(kl_term(v, grad))
+            self.engine.write(layer.adapter, v)
+        return dots
+
+    def _apply_one(
+        self, layer: KFACLayer, lp: LayerPlan, grad: Tensor, damping: float, work: Workspace | None
+    ) -> Tensor:
+        """``V`` of one layer on a gradient worker (damping-only stand-ins
+        for what was never decomposed)."""
+        if not self.method.ready(layer.factors, layer.state, lp.colocated):
+            held = self.method.held(layer.factors, lp.colocated)
+            self.second_order.fill_missing(layer, held, damping)
+        return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+
+    def _workspace(self, layers: list[KFACLayer]) -> Workspace | None:
+        """The workspace of the layers it serves (built on the first step)."""
+        if self._work is None and not self._sized:
+            self._sized = True
+            shapes = {}
+            for la in layers:
+                shape = la.adapter.matrix_shape
+                numel = int(torch.Size(shape).numel())
+                if uses_workspace(la.adapter.device, numel, la.adapter.weight.element_size()):
+                    shapes[la.name] = shape
+            self._served = frozenset(shapes)
+            if shapes:
+                self._work = Workspace.for_shapes(list(shapes.values()), layers[0].adapter.device)
+        return self._work
 
     def _taking_part(self, layers: list[KFACLayer], factor_step: bool) -> list[KFACLayer]:
         """Captured layers with a gradient, kept where every rank has one."""
@@ -134,10 +204,7 @@ class GradientApplication:
             name = layer.name
             if lp.is_grad_worker(self.rank):
                 assert grad is not None, f"engine gave no gradient to a worker of {name}"
-                if not self.method.ready(layer.factors, layer.state, lp.colocated):
-                    held = self.method.held(layer.factors, lp.colocated)
-                    self.second_order.fill_missing(layer, held, damping)
-                v = self.method.apply(layer.factors, layer.operands(), grad, damping)
+                v = self._apply_one(layer, lp, grad, damping, None)
                 results[name] = (v, kl_term(v, grad))
             if self.plan.grad_workers < self.plan.world_size:
                 # this rank's row of the rank grid: the same set for every

@@ -32,6 +32,7 @@ from kaisa.layers.registry import register_layers
 from kaisa.methods import method_for
 from kaisa.methods.base import HeldTensor
 from kaisa.plan import LayerSpec, WorkPlan, allowed_fractions, grad_workers_for, make_plan
+from kaisa.workspace import uses_workspace, workspace_bytes
 
 __all__ = [
     "STAGES",
@@ -71,6 +72,9 @@ class LayerCost:
     #: bias column; a convolution's patches, written once from a strided
     #: view into a reused buffer, see kaisa.layers.patches)
     input_copies: int = 1
+    #: its products reuse the CPU workspace (:mod:`kaisa.workspace`): on CPU,
+    #: owning whole parameters no other layer shares
+    reuses_workspace: bool = False
 
 
 def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
@@ -107,6 +111,10 @@ def layer_costs(
     """The layers ``KFACPreconditioner(model, **kfac)`` would register, as sizes."""
     config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
     adapters, _ = register_layers(model, config.skip_layers)
+    # as TorchEngine.rescales_written: every layer owns whole parameters, unshared
+    params = [id(p) for a in adapters for p in a.parameters()]
+    whole = len(set(params)) == len(params)
+    whole = whole and all(r is None for a in adapters for r in a.param_rows())
     out = []
     for adapter in adapters:
         factor, inv = layer_dtypes(config, adapter.weight.dtype)
@@ -120,6 +128,8 @@ def layer_costs(
                 inv_itemsize=inv.itemsize,
                 grad_itemsize=adapter.weight.dtype.itemsize,
                 rows=None if rows is None else rows.get(adapter.name),
+                reuses_workspace=whole
+                and uses_workspace(adapter.device, g * a, adapter.weight.element_size()),
             )
         )
     return out
@@ -221,7 +231,7 @@ class _Tally:
             return {k: np.zeros(w) for k in keys}
 
         return cls(
-            memory=table("factors", "batch_statistics", "second_order"),
+            memory=table("factors", "batch_statistics", "second_order", "workspace"),
             factor_step=table("factor_reduce", "factor_counts"),
             inverse_step=table("second_order_broadcast", "allreduce"),
             every_step=table("grad_broadcast", "agree"),
@@ -325,6 +335,14 @@ def forecast(
         grad_bytes += (g * a + 1) * layer.grad_itemsize
     if plan.grad_workers < w:
         _add_grad_broadcast(t, plan, grad_bytes, len(layers), cost)
+    else:
+        served = [la for la in layers if la.reuses_workspace]
+        if served:
+            largest = max(la.grad_shape[0] * la.grad_shape[1] for la in served)
+            first = served[0]
+            t.memory["workspace"][:] = workspace_bytes(
+                largest, first.grad_itemsize, _compute_itemsize(first, config)
+            )
     if w == 1:
         for table in (t.factor_step, t.inverse_step, t.every_step):
             for v in table.values():
@@ -345,10 +363,16 @@ def forecast(
     return _finish(t, plan, config, method_kind.value, sym)
 
 
+def _compute_itemsize(layer: LayerCost, config: KFACConfig) -> int:
+    """The dtype the products run in: ``precondition_dtype``, else ``inv_dtype``'s."""
+    copy = config.precondition_dtype
+    return copy.itemsize if isinstance(copy, torch.dtype) else layer.inv_itemsize
+
+
 def _finish(t: _Tally, plan: WorkPlan, config: KFACConfig, method: str, sym: bool) -> Forecast:
     """Total the memory, amortise the stages over their intervals, wrap up."""
     t.memory["total"] = t.memory["factors"] + t.memory["batch_statistics"]
-    t.memory["total"] = t.memory["total"] + t.memory["second_order"]
+    t.memory["total"] = t.memory["total"] + t.memory["second_order"] + t.memory["workspace"]
     f, i = _interval(config.factor_update_steps), _interval(config.inv_update_steps)
     # every micro-batch of a factor step is captured; ``rows`` are one micro-batch's
     t.secs["capture"] *= config.accumulation_steps

@@ -18,13 +18,17 @@ from torch import Tensor
 __all__ = ["kl_scale", "kl_term", "mul_axis"]
 
 
-def mul_axis(v: Tensor, m: Tensor, axis: int) -> Tensor:
+def mul_axis(v: Tensor, m: Tensor, axis: int, out: Tensor | None = None) -> Tensor:
     """``out[..., j, ...] = Σ_i v[..., i, ...] m[i, j]`` along ``axis``.
 
-    For a matrix: ``mᵀ v`` on axis 0 and ``v m`` on axis 1.
+    For a matrix: ``mᵀ v`` on axis 0 and ``v m`` on axis 1, written into
+    ``out`` when given (a reused buffer, :mod:`kaisa.workspace`; it must not
+    be ``v``).  Higher-order tensors ignore ``out``.
     """
     if v.dim() == 2:
-        return m.t() @ v if axis == 0 else v @ m
+        if out is None:
+            return m.t() @ v if axis == 0 else v @ m
+        return torch.mm(m.t(), v, out=out) if axis == 0 else torch.mm(v, m, out=out)
     return torch.movedim(torch.tensordot(v, m, dims=([axis], [0])), -1, axis)
 
 

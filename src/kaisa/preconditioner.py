@@ -299,8 +299,11 @@ class KFACPreconditioner:
 
     # -- reporting ------------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held by this rank: factors, batch statistics, second-order tensors."""
-        return memory_usage(list(self.layers.values()))
+        """Bytes held by this rank: factors, batch statistics, second-order
+        tensors, and on CPU the buffers the products reuse (``workspace``:
+        three times the largest gradient matrix, see :mod:`kaisa.workspace`)."""
+        workspace = self._parts.pipeline.application.workspace_bytes
+        return memory_usage(list(self.layers.values()), workspace)
 
     def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """Bytes and calls per collective kind: ``{'step': …, 'total': …}``."""

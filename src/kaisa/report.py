@@ -9,12 +9,14 @@ from kaisa.plan import WorkPlan
 __all__ = ["describe", "memory_usage"]
 
 
-def memory_usage(layers: list[KFACLayer]) -> dict[str, int]:
-    """Bytes held by this rank: factors, batch statistics, second-order tensors."""
+def memory_usage(layers: list[KFACLayer], workspace: int = 0) -> dict[str, int]:
+    """Bytes held by this rank: factors, batch statistics, second-order
+    tensors, and the reused product buffers (``workspace``, CPU only)."""
     total: dict[str, int] = {"factors": 0, "batch_statistics": 0, "second_order": 0}
     for layer in layers:
         for key, value in layer.memory().items():
             total[key] += value
+    total["workspace"] = workspace
     total["total"] = sum(total.values())
     return total
 

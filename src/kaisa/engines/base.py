@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kaisa.config import KFACConfig
     from kaisa.layer import KFACLayer
     from kaisa.layers.registry import SkippedModule
+    from kaisa.workspace import Workspace
 
 __all__ = ["Engine", "EngineDefaults", "GradientMarks", "assemble_by_workers", "gather_onto"]
 
@@ -124,6 +125,25 @@ class Engine(ABC):
         so an engine whose gradients are partitioned may gather each one onto
         its workers only; other ranks may get ``None``."""
         return [self.read(a) for a in adapters]
+
+    def rescales_written(self, adapters: Sequence[LayerAdapter]) -> bool:
+        """Whether these layers' gradients, once written, can be scaled in
+        place by :meth:`rescale`: each layer then writes its ``V`` at once and
+        the KL clip's ``ν`` (known only when every layer's ``⟨V, ∇⟩`` is)
+        follows, so no ``V`` is held until then and the products can reuse
+        one workspace (:mod:`kaisa.workspace`).  False by default: ``ν·V``
+        is formed before :meth:`write`."""
+        return False
+
+    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor) -> None:
+        """Multiply the written gradients of ``adapters`` by ``nu`` (only
+        where :meth:`rescales_written` said so)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rescale written gradients")
+
+    def read_into(self, adapter: LayerAdapter, work: Workspace | None) -> Tensor | None:
+        """:meth:`read`, copying where a copy is needed into ``work``'s
+        gradient buffer (only on the :meth:`rescales_written` path)."""
+        return self.read(adapter)
 
     def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
         """The dtype :meth:`read` returns for the layer (for receive buffers)."""

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from kaisa.engines.base import Engine, GradientMarks
 from kaisa.layers.base import LayerAdapter
+from kaisa.workspace import Workspace
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
 
@@ -66,6 +67,7 @@ class TorchEngine(Engine):
     def __init__(self, access: GradientAccess | None = None) -> None:
         self.access: GradientAccess = access or ParamGradAccess()
         self._ddp = False
+        self._rescalable: dict[tuple[int, ...], bool] = {}
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         outer: nn.Module | None = model
@@ -101,6 +103,32 @@ class TorchEngine(Engine):
             full = torch.zeros_like(param) if current is None else current.clone()
             full[rows] = value
             self.access.write(param, full)
+
+    def rescales_written(self, adapters: Sequence[LayerAdapter]) -> bool:
+        # every layer must own whole parameters that no other layer shares:
+        # rows of a packed projection would be scaled with the other layers'
+        # rows, and a tied weight written by one layer would be read by the next
+        key = tuple(map(id, adapters))
+        found = self._rescalable.get(key)
+        if found is None:
+            params = [p for a in adapters for p in a.parameters()]
+            found = (
+                isinstance(self.access, ParamGradAccess)
+                and all(r is None for a in adapters for r in a.param_rows())
+                and len({id(p) for p in params}) == len(params)
+            )
+            self._rescalable[key] = found
+        return found
+
+    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor) -> None:
+        grads = [p.grad for a in adapters for p in a.parameters()]
+        torch._foreach_mul_([g for g in grads if g is not None], nu)
+
+    def read_into(self, adapter: LayerAdapter, work: Workspace | None) -> Tensor | None:
+        grads = [self.access.read(p) for p in adapter.parameters()]
+        if work is None or grads[0] is None:
+            return adapter.matrix_of(grads)
+        return adapter.matrix_of(grads, work.take("gradient", adapter.matrix_shape, grads[0].dtype))
 
     def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
         return [GradientMarks.of(self.access.read(a.weight)) for a in adapters]

@@ -182,9 +182,10 @@ class LayerAdapter(ABC):
         """This layer's rows of the full parameter gradients ``grads``."""
         return [g if g is None or r is None else g[r] for g, r in zip(grads, self.param_rows())]
 
-    def matrix_of(self, full: Sequence[Tensor | None]) -> Tensor | None:
+    def matrix_of(self, full: Sequence[Tensor | None], out: Tensor | None = None) -> Tensor | None:
         """The canonical gradient from the full gradients of :meth:`parameters`
-        (None without a weight gradient; a missing bias gradient is zero)."""
+        (None without a weight gradient; a missing bias gradient is zero);
+        ``out``, of :attr:`matrix_shape`, receives it where it must be copied."""
         grads = self.grads_of(list(full))
         weight = grads[0]
         if weight is None:
@@ -192,13 +193,16 @@ class LayerAdapter(ABC):
         bias = None
         if self.has_bias:
             bias = grads[1] if grads[1] is not None else weight.new_zeros(self.out_features)
-        return self.grads_to_matrix(weight, bias)
+        return self.grads_to_matrix(weight, bias, out)
 
-    def grads_to_matrix(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
-        """``[d_out, d_in(+1)]`` gradient matrix; bias as the last column."""
+    def grads_to_matrix(
+        self, weight_grad: Tensor, bias_grad: Tensor | None, out: Tensor | None = None
+    ) -> Tensor:
+        """``[d_out, d_in(+1)]`` gradient matrix; bias as the last column (a
+        copy, into ``out`` when given; without a bias, a view)."""
         mat = weight_grad.reshape(weight_grad.shape[0], -1)
         if bias_grad is not None:
-            mat = torch.cat([mat, bias_grad.reshape(-1, 1)], dim=1)
+            mat = torch.cat([mat, bias_grad.reshape(-1, 1)], dim=1, out=out)
         return mat
 
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -34,8 +34,10 @@ class TransposedLinearAdapter(LinearAdapter):
     def out_features(self) -> int:
         return int(self.module.weight.shape[1])
 
-    def grads_to_matrix(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
-        return super().grads_to_matrix(weight_grad.t(), bias_grad)
+    def grads_to_matrix(
+        self, weight_grad: Tensor, bias_grad: Tensor | None, out: Tensor | None = None
+    ) -> Tensor:
+        return super().grads_to_matrix(weight_grad.t(), bias_grad, out)
 
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:
         bias = self.bias

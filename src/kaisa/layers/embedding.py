@@ -85,8 +85,10 @@ class EmbeddingAdapter(LayerAdapter):
             counts.mul_(scale)
         return counts, float(tensor.numel())
 
-    def grads_to_matrix(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
-        return weight_grad.t()
+    def grads_to_matrix(
+        self, weight_grad: Tensor, bias_grad: Tensor | None, out: Tensor | None = None
+    ) -> Tensor:
+        return weight_grad.t()  # a view: nothing to copy
 
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:
         return mat.t(), None

@@ -235,7 +235,7 @@ class ReplicatedBiasAdapter(LayerAdapter):
     def grad_output_rows(self, g: Tensor) -> Tensor:
         return self.call.rows(local(g))
 
-    def matrix_of(self, full: Sequence[Tensor | None]) -> Tensor | None:
+    def matrix_of(self, full: Sequence[Tensor | None], out: Tensor | None = None) -> Tensor | None:
         grad = full[0]
         return None if grad is None else grad.reshape(-1, 1)
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kaisa.factors import FactorSpec
+from kaisa.workspace import Workspace
 
 __all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
 
@@ -104,13 +105,21 @@ class CurvatureMethod(ABC):
 
     @abstractmethod
     def apply(
-        self, factors: Factors, state: Mapping[str, Tensor], grad: Tensor, damping: float
+        self,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        damping: float,
+        work: Workspace | None = None,
     ) -> Tensor:
         """The preconditioned gradient, in the gradient's dtype.
 
         The products run in the dtype of ``state``'s tensors: a worker hands
         its state itself, or its cached copies in ``precondition_dtype``
         (:mod:`kaisa.precision`), so a method never casts its own operands.
+        With ``work`` the products are written into its buffers
+        (:class:`kaisa.workspace.Alternating`) and the result may be a view
+        of one, valid until the next layer's; ``grad`` is never written.
         """
 
     def ready(self, factors: Factors, state: dict[str, Tensor], colocated: bool) -> bool:

@@ -20,6 +20,7 @@ from kaisa.decompose import eigen_outer, symmetric_eigh
 from kaisa.factors import FactorKind, FactorSpec
 from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
 from kaisa.precondition import mul_axis
+from kaisa.workspace import Alternating, Workspace
 
 __all__ = ["EigenMethod"]
 
@@ -110,18 +111,25 @@ class EigenMethod(CurvatureMethod):
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device)
 
     def apply(
-        self, factors: Factors, state: Mapping[str, Tensor], grad: Tensor, damping: float
+        self,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        damping: float,
+        work: Workspace | None = None,
     ) -> Tensor:
         ordered = sorted(factors, key=lambda s: s.axis)
         dense = [s for s in ordered if s.kind is FactorKind.DENSE]
         some = state[_basis(dense[0]).key] if dense else state[_OUTER]
         v = grad.to(some.dtype)
+        outs = Alternating(work, v.shape, v.dtype)
         for spec in dense:
-            v = mul_axis(v, state[_basis(spec).key], spec.axis)
+            v = mul_axis(v, state[_basis(spec).key], spec.axis, outs.next())
         if _OUTER in state:
-            v = v * state[_OUTER]
+            v = torch.mul(v, state[_OUTER], out=outs.next())
         else:
-            v = v / (eigen_outer([state[_values(s).key] for s in ordered]) + damping)
+            divisor = eigen_outer([state[_values(s).key] for s in ordered]) + damping
+            v = torch.div(v, divisor, out=outs.next())
         for spec in dense:
-            v = mul_axis(v, state[_basis(spec).key].t(), spec.axis)
+            v = mul_axis(v, state[_basis(spec).key].t(), spec.axis, outs.next())
         return v.to(grad.dtype)

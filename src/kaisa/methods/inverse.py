@@ -19,6 +19,7 @@ from kaisa.decompose import damped_inverse, pi_splits
 from kaisa.factors import FactorKind, FactorSpec
 from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
 from kaisa.precondition import mul_axis
+from kaisa.workspace import Alternating, Workspace
 
 __all__ = ["InverseMethod"]
 
@@ -84,16 +85,22 @@ class InverseMethod(CurvatureMethod):
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device) * value
 
     def apply(
-        self, factors: Factors, state: Mapping[str, Tensor], grad: Tensor, damping: float
+        self,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        damping: float,
+        work: Workspace | None = None,
     ) -> Tensor:
         first = state[_inverse(factors[0]).key]
         v = grad.to(first.dtype)
+        outs = Alternating(work, v.shape, v.dtype)
         for spec in sorted(factors, key=lambda s: s.axis):
             inv = state[_inverse(spec).key]
             if spec.kind is FactorKind.DIAGONAL:
                 shape = [1] * v.dim()
                 shape[spec.axis] = -1
-                v = v * inv.reshape(shape)
+                v = torch.mul(v, inv.reshape(shape), out=outs.next())
             else:
-                v = mul_axis(v, inv, spec.axis)
+                v = mul_axis(v, inv, spec.axis, outs.next())
         return v.to(grad.dtype)
