@@ -77,11 +77,15 @@ class GradientApplication:
         taking_part = self._taking_part(layers, factor_step)
         adapters = [la.adapter for la in taking_part]
         clip = None if kl_clip is None else (lr, kl_clip)
-        if self.plan.grad_workers == self.plan.world_size and self.engine.rescales_written(
-            adapters
+        work = self._workspace(layers)
+        if (
+            work is not None
+            and self.plan.grad_workers == self.plan.world_size
+            and self.engine.rescales_written(adapters)
         ):
-            # every rank is every layer's worker: write each V at once, scale after
-            dots = self._write_each(taking_part, layers, damping)
+            # every rank is every layer's worker: write each V at once (the
+            # large layers' products in the workspace), scale after
+            dots = self._write_each(taking_part, work, damping)
             nu = self._nu(dots, layers, clip)
             if nu is not None:
                 self.engine.rescale(adapters, nu)
@@ -111,17 +115,15 @@ class GradientApplication:
             inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
         return None if inner is None else kl_scale(inner, *clip)
 
-    def _write_each(
-        self, layers: list[KFACLayer], everyone: list[KFACLayer], damping: float
-    ) -> list[Tensor]:
+    def _write_each(self, layers: list[KFACLayer], work: Workspace, damping: float) -> list[Tensor]:
         """Precondition and write back one layer after the other (every rank
-        is every layer's gradient worker); the products reuse one workspace
-        on CPU.  Returns the counted layers' ``⟨V, ∇⟩``."""
-        work = self._workspace(everyone)
+        is every layer's gradient worker); the products of the layers the
+        workspace serves reuse it.  Returns the counted layers' ``⟨V, ∇⟩``."""
         dots = []
         for layer in layers:
             lw = work if layer.name in self._served else None
-            grad = self.engine.read_into(layer.adapter, lw)
+            adapter = layer.adapter
+            grad = self.engine.read(adapter) if lw is None else self.engine.read_into(adapter, lw)
             assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
             v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
             if self._counted(layer):

@@ -11,10 +11,13 @@ caching allocator already reuses blocks, and holding buffers would only cost
 memory, so there is no workspace there.
 
 Layers whose gradient matrix is under :data:`MIN_BYTES` allocate as
-before.  The buffers are shared by the larger layers — each layer's preconditioned gradient
-is written into ``.grad`` before the next layer runs (:mod:`kaisa.apply`) —
-so they hold three times the largest gradient matrix, not the model: this is
-``memory_usage()["workspace"]``, and :mod:`kaisa.forecast` predicts it.
+before; a model with no larger layer (the digits models) keeps the path
+that holds every ``V`` until ``ν`` is known, which costs less Python there.
+The buffers are shared by the larger layers — each layer's preconditioned
+gradient is written into ``.grad`` before the next layer runs
+(:mod:`kaisa.apply`) — so they hold three times the largest gradient matrix,
+not the model: this is ``memory_usage()["workspace"]``, and
+:mod:`kaisa.forecast` predicts it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_BYTES", "Alternating", "Workspace", "uses_workspace", "workspace_bytes"]
+__all__ = [
+    "MIN_BYTES",
+    "Alternating",
+    "Workspace",
+    "products_into",
+    "uses_workspace",
+    "workspace_bytes",
+]
 
 #: the gradient copy (``[∇W | ∇b]``) and the two product buffers used in turn
 _ROLES = ("gradient", "ping", "pong")
@@ -92,6 +102,22 @@ class Workspace:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+
+class _Fresh:
+    """No buffers: every product allocates (see :func:`products_into`)."""
+
+    @staticmethod
+    def next() -> None:
+        return None
+
+
+_FRESH = _Fresh()
+
+
+def products_into(work: Workspace | None, like: Tensor) -> Alternating | _Fresh:
+    """Where the products of a gradient like ``like`` go."""
+    return _FRESH if work is None else Alternating(work, like.shape, like.dtype)
 
 
 class Alternating:

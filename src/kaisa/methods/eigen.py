@@ -20,7 +20,7 @@ from kaisa.decompose import eigen_outer, symmetric_eigh
 from kaisa.factors import FactorKind, FactorSpec
 from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
 from kaisa.precondition import mul_axis
-from kaisa.workspace import Alternating, Workspace
+from kaisa.workspace import Workspace, products_into
 
 __all__ = ["EigenMethod"]
 
@@ -122,7 +122,7 @@ class EigenMethod(CurvatureMethod):
         dense = [s for s in ordered if s.kind is FactorKind.DENSE]
         some = state[_basis(dense[0]).key] if dense else state[_OUTER]
         v = grad.to(some.dtype)
-        outs = Alternating(work, v.shape, v.dtype)
+        outs = products_into(work, v)
         for spec in dense:
             v = mul_axis(v, state[_basis(spec).key], spec.axis, outs.next())
         if _OUTER in state:

@@ -19,7 +19,7 @@ from kaisa.decompose import damped_inverse, pi_splits
 from kaisa.factors import FactorKind, FactorSpec
 from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
 from kaisa.precondition import mul_axis
-from kaisa.workspace import Alternating, Workspace
+from kaisa.workspace import Workspace, products_into
 
 __all__ = ["InverseMethod"]
 
@@ -94,7 +94,7 @@ class InverseMethod(CurvatureMethod):
     ) -> Tensor:
         first = state[_inverse(factors[0]).key]
         v = grad.to(first.dtype)
-        outs = Alternating(work, v.shape, v.dtype)
+        outs = products_into(work, v)
         for spec in sorted(factors, key=lambda s: s.axis):
             inv = state[_inverse(spec).key]
             if spec.kind is FactorKind.DIAGONAL:
