@@ -94,7 +94,7 @@ def main() -> None:
         for variant, kfac in VARIANTS.items():
             # interleave the repeats of a variant with nothing else: median of repeats
             ms = 1e3 * statistics.median(
-                time_steps(model_name, {**BASE, **kfac}, args.steps, args.batch)
+                time_steps(model_name, {**BASE, **kfac}, args.steps, args.batch)[0]
                 for _ in range(args.repeats)
             )
             base_ms = ms if base_ms is None else base_ms

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from kaisa import KFACPreconditioner
+from kaisa import KFACPreconditioner, tune_cpu_allocator
 from kaisa.factors import FactorKind, FactorSource, FactorSpec
 from kaisa.layer import KFACLayer
 from kaisa.tasks.digits import DigitsCNNTask
@@ -636,6 +636,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc thresholds as they are (kaisa.tune_cpu_allocator)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="the tiny MLP, 10 timed steps (100 where inv=100): a smoke test (< 30 s)",
@@ -656,6 +661,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tuned = not args.default_allocator and tune_cpu_allocator()
     torch.set_flush_denormal(True)
     total = sum(
         (WARMUP + window_steps(args.steps, inv)) for _ in args.models for _, _, inv in SETTINGS
@@ -673,6 +679,7 @@ def main(argv: list[str] | None = None) -> None:
                 bar.clear()
                 print_table(run)
     meta = machine() | {"batch": args.batch, "steps": args.steps, "models": args.models}
+    meta["allocator"] = "glibc, thresholds raised" if tuned else "default"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stages.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
     plot(runs, args.out / "stages.png")

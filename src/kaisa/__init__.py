@@ -1,5 +1,6 @@
 """kaisa: a distributed K-FAC gradient preconditioner for PyTorch."""
 
+from kaisa.allocator import tune_cpu_allocator
 from kaisa.config import (
     KFAC_PYTORCH_DEFAULTS,
     AssignmentStrategy,
@@ -25,4 +26,5 @@ __all__ = [
     "LossAverage",
     "Topology",
     "__version__",
+    "tune_cpu_allocator",
 ]

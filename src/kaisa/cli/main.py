@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kaisa import __version__
+from kaisa.allocator import tune_cpu_allocator
 from kaisa.cli import distributed
 from kaisa.cli.options import add_kfac_arguments
 from kaisa.cli.plan import add_plan_parser, run_plan
@@ -151,6 +152,12 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--threads", type=_positive_int, help="torch CPU threads (default: leave as is)"
     )
+    run.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc thresholds as they are (default: raise them so CPU steps "
+        "stop faulting freed memory back in; kaisa.allocator)",
+    )
     run.add_argument("--data-dir", type=Path, help="folder with the task's data (cifar10)")
     run.add_argument("--out", type=Path, help="output folder (default: runs/<task>-<timestamp>)")
     run.add_argument("--quiet", action="store_true", help="no progress bars; one line per epoch")
@@ -207,7 +214,9 @@ def _default_out(task: str) -> Path:
     return Path("runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _write_outputs(arms: list[list[RunResult]], ctx: distributed.DistContext, out: Path) -> None:
+def _write_outputs(
+    arms: list[list[RunResult]], ctx: distributed.DistContext, out: Path, allocator: str
+) -> None:
     """results.json, results.png and the table on stdout (main rank only).
 
     With one seed the table is today's one row per run; with more, one row of
@@ -217,6 +226,7 @@ def _write_outputs(arms: list[list[RunResult]], ctx: distributed.DistContext, ou
         "device": str(ctx.device),
         "world_size": ctx.world_size,
         "threads": torch.get_num_threads(),
+        "allocator": allocator,
         "torch": torch.__version__,
         "kaisa": __version__,
     }
@@ -253,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.error(f"argument --data-dir: {err}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    tuned = not args.default_allocator and tune_cpu_allocator()
+    allocator = "glibc, thresholds raised" if tuned else "default"
     try:
         ctx = distributed.init(args.device, args.backend, args.pg_timeout_s)
     except distributed.DeviceError as err:
@@ -270,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm_up(specs, task, data, ctx)
         arms = run_seeds(specs, args.seeds, task, data, ctx, progress)
         if ctx.is_main:
-            _write_outputs(arms, ctx, args.out or _default_out(task.name))
+            _write_outputs(arms, ctx, args.out or _default_out(task.name), allocator)
     finally:
         distributed.shutdown(ctx)
     return 0
