@@ -116,6 +116,10 @@ def time_steps(
     return (time.perf_counter() - start) / steps, (minor_faults() - faults) / steps
 
 
+def _ratio(value: float | None) -> str:
+    return "    -" if value is None else f"{value:5.2f}x"
+
+
 def minor_faults() -> int:
     """Pages this process has faulted in so far (0 where ``resource`` is missing):
     on CPU, fresh allocations the C allocator had handed back to the system
@@ -174,6 +178,16 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (TF32 stays off)")
     parser.add_argument(
+        "--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models to time"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="variants to time (ratios need 'sgd' among them)",
+    )
+    parser.add_argument(
         "--reference-src",
         type=Path,
         default=None,
@@ -187,9 +201,10 @@ def main() -> None:
     if args.reference_src is not None:
         libraries["kfac-pytorch"] = reference_preconditioner(args.reference_src)
     rows = []
-    for model_name in MODELS:
+    for model_name in args.models:
         base = None
-        for variant, kfac in VARIANTS.items():
+        for variant in args.variants:
+            kfac = VARIANTS[variant]
             for library, preconditioner in libraries.items():
                 if kfac is None and library != "kaisa":
                     continue  # one SGD baseline
@@ -212,13 +227,13 @@ def main() -> None:
                         "variant": variant,
                         "library": library if kfac is not None else "torch",
                         "step_ms": 1e3 * t,
-                        "ratio_to_sgd": t / base if base else 1.0,
+                        "ratio_to_sgd": t / base if base else None,  # no SGD row timed
                         "page_faults_per_step": faults,
                     }
                 )
                 print(
                     f"{model_name:<20} {variant:<26} {rows[-1]['library']:<13} {1e3 * t:8.2f} ms  "
-                    f"{rows[-1]['ratio_to_sgd']:5.2f}x  {faults:8.0f} faults/step",
+                    f"{_ratio(rows[-1]['ratio_to_sgd'])}  {faults:8.0f} faults/step",
                     flush=True,
                 )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -238,6 +253,9 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return
+    rows = [r for r in rows if r["ratio_to_sgd"] is not None]
+    if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.35 * len(rows)))
     labels = [f"{r['model']} {r['variant']} ({r['library']})" for r in rows]

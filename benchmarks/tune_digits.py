@@ -83,6 +83,7 @@ def _row(label: str, settings: dict[str, Any], arm: dict[str, Any]) -> dict[str,
         "steps_to_target": summary["steps_to_target"],
         "epochs_to_target": summary["epochs_to_target"],
         "final_metric": summary["final_metric"],
+        "metric": arm.get("metric_name", "accuracy"),
         "wall_time_s": summary["wall_time_s"],
         "per_seed_time_s": [s["time_to_target_s"] for s in arm["seeds"]],
         "ratio": summary.get("time_to_target_ratio"),
@@ -229,11 +230,12 @@ def _cell(spread: dict[str, Any], spec: str) -> str:
 
 def format_rows(title: str, rows: Sequence[dict[str, Any]]) -> str:
     """A markdown table: median [min-max] over seeds, fastest median time first."""
+    metric = rows[0].get("metric", "accuracy") if rows else "accuracy"
     lines = [
         f"### {title}",
         "",
         "| configuration | reached | time to target (s) | steps to target | epochs | "
-        "final accuracy | train time (s) | load |",
+        f"final {metric} | train time (s) | load |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=_rank_key) if "confirm" not in title else rows:

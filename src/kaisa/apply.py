@@ -21,6 +21,7 @@ them, so no rank waits for a broadcast that never comes.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -31,7 +32,7 @@ from kaisa.engines.base import Engine
 from kaisa.layer import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.plan import LayerPlan, WorkPlan
-from kaisa.precondition import kl_scale, kl_term
+from kaisa.precondition import kl_scale, kl_scale_value, kl_term
 from kaisa.second_order import SecondOrderUpdate
 from kaisa.workspace import Workspace, uses_workspace
 
@@ -103,10 +104,18 @@ class GradientApplication:
 
     def _nu(
         self, dots: list[Tensor], layers: list[KFACLayer], clip: tuple[float, float] | None
-    ) -> Tensor | None:
-        """The KL clip's scale from this rank's ``⟨V, ∇⟩`` terms (None: no clip)."""
+    ) -> Tensor | float | None:
+        """The KL clip's scale from this rank's ``⟨V, ∇⟩`` terms (None: no clip).
+
+        On CPU with the whole model on this rank the terms are read as
+        numbers and ν is formed in Python: reading a CPU scalar costs nothing,
+        where stacking, summing and the five scalar kernels of
+        :func:`kl_scale` cost tens of microseconds a step (a tensor elsewhere:
+        no host synchronisation on an accelerator)."""
         if clip is None:
             return None
+        if dots and not self.comm.model_parallel and dots[0].device.type == "cpu":
+            return kl_scale_value(math.fsum(float(d) for d in dots), *clip)
         inner = torch.stack(dots).sum() if dots else None
         if self.comm.model_parallel:
             # every rank of a model-parallel group joins, with 0 if it has no layer

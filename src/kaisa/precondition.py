@@ -12,10 +12,12 @@ ranks that hold other parts of the model before the square root.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["kl_scale", "kl_term", "mul_axis"]
+__all__ = ["kl_scale", "kl_scale_value", "kl_term", "mul_axis"]
 
 
 def mul_axis(v: Tensor, m: Tensor, axis: int, out: Tensor | None = None) -> Tensor:
@@ -42,3 +44,12 @@ def kl_scale(inner: Tensor, lr: float, kl_clip: float) -> Tensor:
     """``ν = min(1, sqrt(kl_clip / |lr²·inner|))``; a zero inner product gives ν = 1."""
     vg = inner.abs() * (lr * lr)
     return torch.clamp(torch.sqrt(kl_clip / vg), max=1.0)
+
+
+def kl_scale_value(inner: float, lr: float, kl_clip: float) -> float:
+    """:func:`kl_scale` of a Python number (the inner product read on CPU,
+    where reading it costs nothing): the same rule, NaN kept as NaN."""
+    vg = abs(inner) * (lr * lr)
+    if math.isnan(vg):
+        return math.nan
+    return 1.0 if vg == 0.0 else min(1.0, math.sqrt(kl_clip / vg))

@@ -1,4 +1,5 @@
-"""``benchmarks/stages.py --quick`` runs and its JSON is complete and consistent.
+"""``benchmarks/stages.py --quick``, ``task_steps.py`` and ``step_time.py``'s filters
+run and their JSON is complete and consistent.
 
 No assertion on speed: the machine is shared.  What is checked is that every
 stage is there with its floor, that every timed stage was actually timed (a
@@ -27,19 +28,23 @@ FIXED = (
 NO_FLOOR = {"capture: hooks and sums", "step() bookkeeping"}  # bookkeeping: no kernel
 
 
-def run_stages(tmp_path: Path, *args: str, timeout: int = 120) -> None:
-    """``benchmarks/stages.py`` in a subprocess, writing to ``tmp_path``."""
-    env = dict(os.environ)
+def run_script(script: str, *args: str, timeout: int = 180) -> None:
+    """``benchmarks/<script>`` in a subprocess on this tree's ``src``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    script = ROOT / "benchmarks" / "stages.py"
     subprocess.run(
-        [sys.executable, str(script), *args, "--threads", "1", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         check=True,
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
     )
+
+
+def run_stages(tmp_path: Path, *args: str, timeout: int = 120) -> None:
+    """``benchmarks/stages.py`` in a subprocess, writing to ``tmp_path``."""
+    run_script("stages.py", *args, "--threads", "1", "--out", str(tmp_path), timeout=timeout)
 
 
 def test_stages_quick_json_has_every_stage_with_a_floor(tmp_path: Path) -> None:
@@ -85,3 +90,33 @@ def test_stages_conv_capture_is_one_stage_with_the_gram_in_its_floor(tmp_path: P
         conv = stages["capture: A rows + Gram (Conv2d)"]
         assert "capture: A Gram (Conv2d)" not in stages and "capture: A rows (Conv2d)" not in stages
         assert conv["calls"] > 0 and 0.3 < conv["ratio"] < 10, conv
+
+
+# -- benchmarks/task_steps.py and step_time.py's filters: every figure measured --------
+
+
+def test_task_steps_before_and_after_measures_every_figure(tmp_path: Path) -> None:
+    # this tree as its own "before": both labels, each from its own process
+    run_script("task_steps.py", "--tasks", "digits-mlp", "--steps", "20", "--rounds", "1",
+        "--before", str(ROOT), "--out", str(tmp_path))  # fmt: skip
+    data = json.loads((tmp_path / "task_steps.json").read_text())
+    assert set(data["medians"]) == {"before", "after"}
+    for label in ("before", "after"):
+        (run_figures,) = data["runs"][label]
+        row = run_figures["digits-mlp"]
+        assert set(row) == {"first-order", "K-FAC, mean", "step(), plain step", "floor"}
+        assert all(value > 0 for value in row.values())
+        # a K-FAC step contains a first-order step and step(): it cannot cost less
+        assert row["K-FAC, mean"] > row["step(), plain step"]
+    assert (tmp_path / "task_steps.png").stat().st_size > 0
+
+
+def test_step_time_times_only_the_chosen_models_and_variants(tmp_path: Path) -> None:
+    run_script("step_time.py", "--models", "mlp-784-512-512-10", "--variants", "kfac inverse f=1 inv=10",
+        "--steps", "2", "--repeats", "1", "--batch", "16", "--out", str(tmp_path))  # fmt: skip
+    data = json.loads((tmp_path / "step_time.json").read_text())
+    (row,) = data["rows"]
+    assert (row["model"], row["variant"]) == ("mlp-784-512-512-10", "kfac inverse f=1 inv=10")
+    assert row["step_ms"] > 0 and row["page_faults_per_step"] >= 0
+    assert row["ratio_to_sgd"] is None  # no SGD row was timed to divide by
+    assert data["meta"]["allocator"] in {"glibc, thresholds raised", "default"}

@@ -218,6 +218,20 @@ def test_kl_clip(kl_clip: float) -> None:
         assert rel_err(grad_matrix(layer.adapter.module), nu * dense[name]) <= TOL
 
 
+@pytest.mark.parametrize("inner", [0.0, 1e-12, 3.7, -2.5, 1e30, float("inf"), float("nan")])
+def test_kl_scale_read_on_cpu_is_the_tensor_rule(inner: float) -> None:
+    # the CPU path forms nu from Python numbers; it must be the tensor rule exactly
+    from kaisa.precondition import kl_scale, kl_scale_value
+
+    for lr, clip in [(0.3, 1e-3), (1.0, 1e6)]:
+        value = kl_scale_value(inner, lr, clip)
+        tensor = float(kl_scale(torch.tensor(inner, dtype=torch.float64), lr, clip))
+        if tensor != tensor:
+            assert value != value  # NaN stays NaN
+        else:
+            assert value == pytest.approx(tensor, rel=1e-15, abs=0.0)
+
+
 def _factors_after_one_step(model, loss_fn, batches, **kwargs):
     precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None, **kwargs)
     model.zero_grad()

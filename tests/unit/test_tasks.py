@@ -23,15 +23,15 @@ from fakes import write_fake_cifar
 # ---------------------------------------------------------------- registry/defaults
 
 
-def test_registry_lists_the_four_tasks_and_rejects_unknown_names() -> None:
-    assert task_names() == ["digits-mlp", "digits-cnn", "text-lm", "cifar10"]
+def test_registry_lists_the_five_tasks_and_rejects_unknown_names() -> None:
+    assert task_names() == ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae"]
     for name in task_names():
         assert get_task(name).name == name
     with pytest.raises(KeyError, match="digits-mlp"):
         get_task("mnist")
 
 
-@pytest.mark.parametrize("name", ["digits-mlp", "digits-cnn", "text-lm", "cifar10"])
+@pytest.mark.parametrize("name", ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae"])
 def test_defaults_are_valid_for_the_library(name: str) -> None:
     task = get_task(name)
     defaults = task.defaults
@@ -105,6 +105,34 @@ def test_build_model_is_reproducible_under_a_seed() -> None:
     torch.manual_seed(3)
     b = task.build_model().state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_digits_autoencoder_reconstructs_its_input_with_a_summed_pixel_loss() -> None:
+    task = get_task("digits-ae")
+    data = task.load()
+    x, y = data.train.get_batch(torch.arange(5))
+    assert x.shape == (5, 64) and torch.equal(x, y)  # the target is the image itself
+    # the same images as the classification tasks, flattened
+    ref, _ = get_task("digits-mlp").load().train.get_batch(torch.arange(5))
+    assert torch.equal(x, ref)
+    torch.manual_seed(0)
+    model = task.build_model()
+    widths = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
+    assert widths == [256, 128, 32, 8, 32, 128, 256, 64]
+    # tanh after every layer but the code (a linear bottleneck) and the output
+    kinds = [type(m).__name__ for m in model]
+    assert kinds.count("Tanh") == 6 and kinds[-1] == "Linear" and kinds[7] == "Linear"
+    out = model(x)
+    # squared error summed over pixels, averaged over images: loss_average "batch"
+    loss = task.loss(out, y)
+    manual = sum(float(((out[i] - y[i]) ** 2).sum()) for i in range(5)) / 5
+    assert task.loss_average == "batch" and math.isclose(float(loss), manual, rel_tol=1e-5)
+    # the metric is the same error per pixel; its sums add over shards
+    halves = task.eval_sums(out[:2], y[:2]).as_tensor() + task.eval_sums(out[2:], y[2:]).as_tensor()
+    summary = task.summarize(EvalSums.from_tensor(halves))
+    assert math.isclose(summary["mse"], manual / 64, rel_tol=1e-5)
+    assert math.isclose(summary["loss"], manual, rel_tol=1e-5)
+    assert not task.metric.higher_is_better and task.metric.reached(0.1, task.target)
 
 
 # ---------------------------------------------------------------- text

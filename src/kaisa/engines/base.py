@@ -135,7 +135,7 @@ class Engine(ABC):
         is formed before :meth:`write`."""
         return False
 
-    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor) -> None:
+    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
         """Multiply the written gradients of ``adapters`` by ``nu`` (only
         where :meth:`rescales_written` said so)."""
         raise NotImplementedError(f"{type(self).__name__} does not rescale written gradients")

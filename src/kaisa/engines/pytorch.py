@@ -120,7 +120,7 @@ class TorchEngine(Engine):
             self._rescalable[key] = found
         return found
 
-    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor) -> None:
+    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
         grads = [p.grad for a in adapters for p in a.parameters()]
         torch._foreach_mul_([g for g in grads if g is not None], nu)
 

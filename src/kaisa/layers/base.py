@@ -146,12 +146,19 @@ class LayerAdapter(ABC):
         return term, float(rows.shape[0] * rows.shape[1])
 
     # -- parameters --------------------------------------------------------
+    # Read on every step, several times per layer: straight from the module's
+    # parameter table where it is there (``nn.Module.__getattr__`` is a Python
+    # function), through the attribute otherwise (a parametrized weight).
     @property
     def weight(self) -> nn.Parameter:
-        return cast(nn.Parameter, self.module.weight)
+        found = self.module._parameters.get("weight")
+        return cast(nn.Parameter, self.module.weight if found is None else found)
 
     @property
     def bias(self) -> nn.Parameter | None:
+        table = self.module._parameters
+        if "bias" in table:
+            return table["bias"]
         return cast("nn.Parameter | None", getattr(self.module, "bias", None))
 
     @property

@@ -15,8 +15,9 @@ pipeline (:mod:`kaisa.pipeline`) decides who decomposes and who receives.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -27,6 +28,26 @@ from kaisa.workspace import Workspace
 __all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
 
 Factors = Sequence[FactorSpec]
+
+_T = TypeVar("_T")
+
+
+class IdentityMemo(Generic[_T]):
+    """What a function of a layer's factor specs returns, remembered by the
+    specs' identity: a layer's ``factors`` is one long-lived tuple, and
+    hashing its frozen dataclasses (enum fields included) on every step
+    costs more than the keys it would look up.  The key object is kept, so
+    its ``id`` cannot be reused while remembered."""
+
+    def __init__(self, build: Callable[..., _T]) -> None:
+        self._build = build
+        self._seen: dict[tuple[int, bool], tuple[object, _T]] = {}
+
+    def __call__(self, factors: Factors, flag: bool = False) -> _T:
+        found = self._seen.get((id(factors), flag))
+        if found is None or found[0] is not factors:
+            found = self._seen[id(factors), flag] = (factors, self._build(factors, flag))
+        return found[1]
 
 
 @dataclass(frozen=True)
@@ -123,4 +144,9 @@ class CurvatureMethod(ABC):
         """
 
     def ready(self, factors: Factors, state: dict[str, Tensor], colocated: bool) -> bool:
-        return all(t.key in state for t in self.held(factors, colocated))
+        memo = self.__dict__.get("_held_keys")
+        if memo is None:
+            memo = self.__dict__["_held_keys"] = IdentityMemo(
+                lambda f, c: tuple(t.key for t in self.held(f, c))
+            )
+        return all(key in state for key in memo(factors, colocated))

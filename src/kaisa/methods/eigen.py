@@ -18,7 +18,7 @@ from torch import Tensor
 
 from kaisa.decompose import eigen_outer, symmetric_eigh
 from kaisa.factors import FactorKind, FactorSpec
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, IdentityMemo, Transfer
 from kaisa.precondition import mul_axis
 from kaisa.workspace import Workspace, products_into
 
@@ -33,6 +33,17 @@ def _basis(spec: FactorSpec) -> HeldTensor:
 
 def _values(spec: FactorSpec) -> HeldTensor:
     return HeldTensor(f"eig_{spec.name.lower()}", (spec.dim,))
+
+
+@IdentityMemo
+def _apply_keys(
+    factors: Factors, _: bool
+) -> tuple[tuple[tuple[FactorSpec, str], ...], tuple[str, ...]]:
+    """(dense factors in axis order with their bases' keys, every factor's
+    eigenvalues' key in axis order), once per layer."""
+    ordered = sorted(factors, key=lambda s: s.axis)
+    dense = tuple((s, _basis(s).key) for s in ordered if s.kind is FactorKind.DENSE)
+    return dense, tuple(_values(s).key for s in ordered)
 
 
 def _grad_shape(factors: Factors) -> tuple[int, ...]:
@@ -118,18 +129,17 @@ class EigenMethod(CurvatureMethod):
         damping: float,
         work: Workspace | None = None,
     ) -> Tensor:
-        ordered = sorted(factors, key=lambda s: s.axis)
-        dense = [s for s in ordered if s.kind is FactorKind.DENSE]
-        some = state[_basis(dense[0]).key] if dense else state[_OUTER]
+        dense, values = _apply_keys(factors)
+        some = state[dense[0][1]] if dense else state[_OUTER]
         v = grad.to(some.dtype)
         outs = products_into(work, v)
-        for spec in dense:
-            v = mul_axis(v, state[_basis(spec).key], spec.axis, outs.next())
+        for spec, key in dense:
+            v = mul_axis(v, state[key], spec.axis, outs.next())
         if _OUTER in state:
             v = torch.mul(v, state[_OUTER], out=outs.next())
         else:
-            divisor = eigen_outer([state[_values(s).key] for s in ordered]) + damping
+            divisor = eigen_outer([state[k] for k in values]) + damping
             v = torch.div(v, divisor, out=outs.next())
-        for spec in dense:
-            v = mul_axis(v, state[_basis(spec).key].t(), spec.axis, outs.next())
+        for spec, key in dense:
+            v = mul_axis(v, state[key].t(), spec.axis, outs.next())
         return v.to(grad.dtype)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kaisa.decompose import damped_inverse, pi_splits
 from kaisa.factors import FactorKind, FactorSpec
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, IdentityMemo, Transfer
 from kaisa.precondition import mul_axis
 from kaisa.workspace import Workspace, products_into
 
@@ -27,6 +27,12 @@ __all__ = ["InverseMethod"]
 def _inverse(spec: FactorSpec) -> HeldTensor:
     # a diagonal factor's inverse is a vector: nothing to fold into a triangle
     return HeldTensor(f"{spec.name.lower()}_inv", spec.shape, spec.symmetric)
+
+
+@IdentityMemo
+def _apply_order(factors: Factors, _: bool) -> tuple[tuple[FactorSpec, str], ...]:
+    """The factors in axis order with their inverses' keys (once per layer)."""
+    return tuple((s, _inverse(s).key) for s in sorted(factors, key=lambda s: s.axis))
 
 
 def _trace(spec: FactorSpec, factor: Tensor) -> Tensor:
@@ -92,11 +98,11 @@ class InverseMethod(CurvatureMethod):
         damping: float,
         work: Workspace | None = None,
     ) -> Tensor:
-        first = state[_inverse(factors[0]).key]
-        v = grad.to(first.dtype)
+        order = _apply_order(factors)
+        v = grad.to(state[order[0][1]].dtype)
         outs = products_into(work, v)
-        for spec in sorted(factors, key=lambda s: s.axis):
-            inv = state[_inverse(spec).key]
+        for spec, key in order:
+            inv = state[key]
             if spec.kind is FactorKind.DIAGONAL:
                 shape = [1] * v.dim()
                 shape[spec.axis] = -1

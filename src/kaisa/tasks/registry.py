@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kaisa.tasks.autoencoder import DigitsAutoencoderTask
 from kaisa.tasks.base import Task
 from kaisa.tasks.cifar import Cifar10Task
 from kaisa.tasks.digits import DigitsCNNTask, DigitsMLPTask
@@ -10,7 +11,8 @@ from kaisa.tasks.text import TextLMTask
 __all__ = ["TASKS", "get_task", "task_names"]
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (DigitsMLPTask, DigitsCNNTask, TextLMTask, Cifar10Task)
+    cls.name: cls
+    for cls in (DigitsMLPTask, DigitsCNNTask, TextLMTask, Cifar10Task, DigitsAutoencoderTask)
 }
 
 
