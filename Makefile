@@ -36,6 +36,7 @@ bench: venv
 	$(PY) benchmarks/step_time.py --out runs/bench
 	$(PY) benchmarks/stages.py --out runs/bench
 	$(PY) benchmarks/task_steps.py --out runs/bench
+	$(PY) benchmarks/gram.py --out runs/bench
 	$(PY) benchmarks/precision.py --out runs/bench
 	$(PY) benchmarks/conv_capture.py --out runs/bench
 	$(PY) benchmarks/plan_scale.py --out runs/bench

@@ -25,9 +25,10 @@ code changes.  The same wrappers log the shape of every kernel a stage runs,
 and the *floor* of the stage is then measured in the same process: the bare
 kernels it cannot avoid, on random tensors of those shapes, as many times as
 the stage ran them (A rows: one copy of the rows' bytes; A and G Gram: one
-``x.T @ x``; Embedding A: one ``bincount``; running average: one ``lerp_``
-per factor; decomposition: ``torch.linalg.eigh`` or ``cholesky`` +
-``cholesky_inverse`` per dense factor; products: ``Q_Gᵀ ∇ Q_A`` and back (eigen)
+``kaisa.factors.gram``, i.e. ``x.T @ x``, by blocks where kaisa uses them;
+Embedding A: one ``bincount``; running average: one ``lerp_`` per factor;
+decomposition: ``torch.linalg.eigh`` or ``cholesky`` + ``cholesky_inverse``
+per dense factor; products: ``Q_Gᵀ ∇ Q_A`` and back (eigen)
 or ``G⁻¹ ∇ A⁻¹`` (inverse); write-back: one copy of the gradient).
 
 Every figure is per step, amortised over a window of steps that is a
@@ -65,7 +66,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kaisa import KFACPreconditioner, tune_cpu_allocator
-from kaisa.factors import FactorKind, FactorSource, FactorSpec
+from kaisa.factors import FactorKind, FactorSource, FactorSpec, gram
 from kaisa.layer import KFACLayer
 from kaisa.tasks.digits import DigitsCNNTask
 from kaisa.tasks.transformer import CharTransformer
@@ -346,8 +347,10 @@ def kernel_fn(kernel: Kernel) -> Callable[[], Any]:
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
     if kind == "gram":
+        # kaisa.factors.gram: by blocks on CPU from width 256 (the cheapest
+        # bare Gram kaisa has), one product otherwise
         x = torch.randn(*kernel[1])
-        return lambda: x.t() @ x
+        return lambda: gram(x)
     if kind == "sqsum":
         x = torch.randn(*kernel[1])
         return lambda: (x * x).sum(0)

@@ -120,3 +120,11 @@ def test_step_time_times_only_the_chosen_models_and_variants(tmp_path: Path) -> 
     assert row["step_ms"] > 0 and row["page_faults_per_step"] >= 0
     assert row["ratio_to_sgd"] is None  # no SGD row was timed to divide by
     assert data["meta"]["allocator"] in {"glibc, thresholds raised", "default"}
+
+
+def test_gram_benchmark_times_both_forms_on_every_shape(tmp_path: Path) -> None:
+    run_script("gram.py", "--repeats", "1", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "gram.json").read_text())
+    assert len(data["rows"]) >= 5
+    assert all(r["one_product_ms"] > 0 and r["gram_ms"] > 0 for r in data["rows"])
+    assert (tmp_path / "gram.png").stat().st_size > 0

@@ -437,3 +437,27 @@ def test_conv_reduce_averages_patches() -> None:
     assert rel_err(layer.factor("A"), A) <= TOL
     assert rel_err(layer.factor("G"), G) <= TOL
     assert rel_err(grad_matrix(conv), dense_precondition(raw["0"], A, G, DAMPING)) <= TOL
+
+
+@pytest.mark.parametrize("width", [8, 255, 256, 257, 300, 577])
+@pytest.mark.parametrize("rows", [0, 1, 7, 300, 1200])
+@pytest.mark.parametrize("alpha", [1.0, 0.37])
+def test_gram_by_blocks_is_the_gram(width: int, rows: int, alpha: float) -> None:
+    from kaisa.factors import BLOCKED_GRAM_MIN_WIDTH, gram
+
+    x = torch.randn(rows, width, dtype=torch.float64)
+    out = gram(x, alpha)
+    expected = alpha * (x.t() @ x)
+    assert out.shape == (width, width)
+    assert (out - expected).abs().max() <= 1e-12 * max(1.0, float(expected.abs().max()))
+    if width >= BLOCKED_GRAM_MIN_WIDTH and rows >= 2 * width:
+        third = width // 3  # the blocks below the diagonal are those above, transposed
+        assert torch.equal(out[third:, :third], out[:third, third:].t())
+    # a column view of a wider tensor (strided rows) gives the same Gram
+    wide = torch.randn(rows, width + 5, dtype=torch.float64)
+    assert torch.allclose(
+        gram(wide[:, 2 : 2 + width], alpha),
+        alpha * wide[:, 2 : 2 + width].t() @ wide[:, 2 : 2 + width],
+        rtol=1e-12,
+        atol=1e-12,
+    )
