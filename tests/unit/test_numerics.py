@@ -461,3 +461,21 @@ def test_gram_by_blocks_is_the_gram(width: int, rows: int, alpha: float) -> None
         rtol=1e-12,
         atol=1e-12,
     )
+
+
+def test_identity_memo_follows_the_specs_object_and_stays_bounded() -> None:
+    from kaisa.factors import kfac_factors
+    from kaisa.methods.base import IdentityMemo
+
+    calls = []
+    memo = IdentityMemo(lambda f, flag: calls.append((f, flag)) or (len(f), flag))
+    specs = kfac_factors(5, 3)
+    assert memo(specs) == (2, False) and memo(specs) == (2, False) and len(calls) == 1
+    assert memo(specs, True) == (2, True) and len(calls) == 2  # the flag is part of the key
+    equal_but_new = kfac_factors(5, 3)  # equal specs, another tuple
+    memo(equal_but_new)
+    assert len(calls) == 3  # by identity, not equality
+    memo.limit = 4
+    for _ in range(10):
+        memo(kfac_factors(2, 2))
+    assert len(memo._seen) <= 4

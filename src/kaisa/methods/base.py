@@ -37,7 +37,11 @@ class IdentityMemo(Generic[_T]):
     specs' identity: a layer's ``factors`` is one long-lived tuple, and
     hashing its frozen dataclasses (enum fields included) on every step
     costs more than the keys it would look up.  The key object is kept, so
-    its ``id`` cannot be reused while remembered."""
+    its ``id`` cannot be reused while remembered; past :attr:`limit` entries
+    (specs built per call by a caller, many models in one process) it starts
+    afresh rather than keep every tuple it ever saw."""
+
+    limit = 4096
 
     def __init__(self, build: Callable[..., _T]) -> None:
         self._build = build
@@ -46,6 +50,8 @@ class IdentityMemo(Generic[_T]):
     def __call__(self, factors: Factors, flag: bool = False) -> _T:
         found = self._seen.get((id(factors), flag))
         if found is None or found[0] is not factors:
+            if len(self._seen) >= self.limit:
+                self._seen.clear()
             found = self._seen[id(factors), flag] = (factors, self._build(factors, flag))
         return found[1]
 
