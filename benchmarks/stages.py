@@ -371,6 +371,36 @@ def kernel_fn(kernel: Kernel) -> Callable[[], Any]:
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+#: Stages whose operands are out of cache when the step reaches them (a
+#: running factor is touched once per factor step, the gradients once per
+#: step): their floor is also measured cold, after evicting the caches.
+COLD_STAGES = ("running average", "KL clip + write-back")
+_EVICT: list[Tensor] = []  # 64 MiB, twice this machine's L3, allocated on first use
+
+
+def _evict_caches() -> None:
+    if not _EVICT:
+        _EVICT.append(torch.empty(16 << 20))
+    _EVICT[0].fill_(1.0)
+
+
+def cold_kernel_seconds(kernel: Kernel, cache: dict[Kernel, float], runs: int = 9) -> float:
+    """Median time of one run of ``kernel`` right after the caches were evicted
+    (the eviction is not timed)."""
+    key = ("cold", *kernel)
+    if key not in cache:
+        fn = kernel_fn(kernel)
+        fn()
+        times = []
+        for _ in range(runs):
+            _evict_caches()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        cache[key] = statistics.median(times)
+    return cache[key]
+
+
 def kernel_seconds(kernel: Kernel, cache: dict[Kernel, float], budget_s: float = 0.25) -> float:
     """Median time of one run of ``kernel`` (cached: shapes repeat across settings).
 
@@ -499,8 +529,11 @@ CALLS_FROM = {
 def summarise(clock: Clock, win: Window, cache: dict[Kernel, float]) -> dict[str, Any]:
     """Per-step figures (ms) of one run: every stage with its floor, and the totals."""
     floors: dict[str, float] = defaultdict(float)
+    cold: dict[str, float] = defaultdict(float)
     for stage, kernel in clock.kernels:
         floors[stage] += kernel_seconds(kernel, cache)
+        if stage in COLD_STAGES:
+            cold[stage] += cold_kernel_seconds(kernel, cache)
     per_step = 1e3 / win.steps
     stages: list[dict[str, Any]] = []
     for stage, seconds in stage_seconds(clock).items():
@@ -511,11 +544,14 @@ def summarise(clock: Clock, win: Window, cache: dict[Kernel, float]) -> dict[str
                 "ms": ms,
                 "floor_ms": floor,
                 "ratio": ms / floor if floor > 0 else None,
+                # the floor with the operands out of cache (= floor_ms where they fit)
+                "cold_floor_ms": cold[stage] * per_step if stage in cold else floor,
                 "calls": clock.calls.get(CALLS_FROM.get(stage, stage), 0),
             }
         )
     total = sum(st["ms"] for st in stages)
     floor_total = sum(st["floor_ms"] for st in stages)
+    cold_total = sum(st["cold_floor_ms"] for st in stages)
     overhead = (win.kfac - win.plain) * per_step
     return {
         "window_steps": win.steps,
@@ -526,6 +562,8 @@ def summarise(clock: Clock, win: Window, cache: dict[Kernel, float]) -> dict[str
         "stage_sum_ms": total,
         "floor_sum_ms": floor_total,
         "overhead_over_floor": total / floor_total if floor_total > 0 else None,
+        "cold_floor_sum_ms": cold_total,
+        "overhead_over_cold_floor": total / cold_total if cold_total > 0 else None,
         "unattributed_ms": overhead - total,
         "stages": stages,
     }
@@ -552,6 +590,11 @@ def print_table(run: dict[str, Any]) -> None:
     print(
         f"  {'sum of stages':<36} {run['stage_sum_ms']:9.3f} {run['floor_sum_ms']:9.3f} "
         f"{'-' if ratio is None else f'{ratio:.1f}':>8}"
+    )
+    cold = run["overhead_over_cold_floor"]
+    print(
+        f"  {'  with cold memory-bound floors':<36} {'':9} {run['cold_floor_sum_ms']:9.3f} "
+        f"{'-' if cold is None else f'{cold:.2f}':>8}"
     )
     print(
         f"  {'K-FAC overhead (measured)':<36} {run['overhead_ms']:9.3f}"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXED = (
     "capture: hooks and sums",
@@ -69,8 +71,16 @@ def test_stages_quick_json_has_every_stage_with_a_floor(tmp_path: Path) -> None:
             if name not in NO_FLOOR:
                 assert st["floor_ms"] > 0 and st["ratio"] > 0, (name, st)
                 assert st["calls"] > 0, (name, st)
+            # the cold floor is the floor itself except for the memory-bound stages
+            if name in ("running average", "KL clip + write-back"):
+                assert st["cold_floor_ms"] > 0, (name, st)
+            else:
+                assert st["cold_floor_ms"] == st["floor_ms"], (name, st)
         total = sum(st["ms"] for st in stages.values())
         assert abs(total - run["stage_sum_ms"]) < 1e-6
+        cold_total = sum(st["cold_floor_ms"] for st in stages.values())
+        assert abs(cold_total - run["cold_floor_sum_ms"]) < 1e-9
+        assert run["overhead_over_cold_floor"] == pytest.approx(total / cold_total)
         # every timer sits inside the K-FAC model's step
         assert run["stage_sum_ms"] <= run["kfac_step_ms"]
         stage_sums += run["stage_sum_ms"]
