@@ -12,27 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from conv_capture import median_ms  # the same timer as the capture benchmark
 from kaisa.factors import gram
 
 SHAPES = [(128, 513), (128, 785), (512, 513), (1024, 257), (1024, 513), (1800, 577), (7000, 290)]
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:

@@ -48,6 +48,7 @@ Prints a table per model and setting, writes ``stages.json`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -375,13 +376,16 @@ def kernel_fn(kernel: Kernel) -> Callable[[], Any]:
 #: running factor is touched once per factor step, the gradients once per
 #: step): their floor is also measured cold, after evicting the caches.
 COLD_STAGES = ("running average", "KL clip + write-back")
-_EVICT: list[Tensor] = []  # 64 MiB, twice this machine's L3, allocated on first use
+
+
+@functools.cache
+def _eviction_buffer() -> Tensor:
+    """64 MiB, twice this machine's L3, allocated on first use."""
+    return torch.empty(16 << 20)
 
 
 def _evict_caches() -> None:
-    if not _EVICT:
-        _EVICT.append(torch.empty(16 << 20))
-    _EVICT[0].fill_(1.0)
+    _eviction_buffer().fill_(1.0)
 
 
 def cold_kernel_seconds(kernel: Kernel, cache: dict[Kernel, float], runs: int = 9) -> float:

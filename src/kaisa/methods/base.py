@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Generic, TypeVar
 
 import torch
@@ -149,10 +150,10 @@ class CurvatureMethod(ABC):
         of one, valid until the next layer's; ``grad`` is never written.
         """
 
+    @cached_property
+    def _held_keys(self) -> IdentityMemo[tuple[str, ...]]:
+        """The keys of :meth:`held`, once per layer (asked every step)."""
+        return IdentityMemo(lambda f, c: tuple(t.key for t in self.held(f, c)))
+
     def ready(self, factors: Factors, state: dict[str, Tensor], colocated: bool) -> bool:
-        memo = self.__dict__.get("_held_keys")
-        if memo is None:
-            memo = self.__dict__["_held_keys"] = IdentityMemo(
-                lambda f, c: tuple(t.key for t in self.held(f, c))
-            )
-        return all(key in state for key in memo(factors, colocated))
+        return all(key in state for key in self._held_keys(factors, colocated))
