@@ -13,7 +13,8 @@ alike) and the stages K-FAC adds:
   three before);
 * running average (``StepPipeline.reduce_factors``: reduction and fold);
 * decomposition (``StepPipeline.update_second_order``: eigh or Cholesky);
-* preconditioning products (``CurvatureMethod.apply``);
+* preconditioning products (``CurvatureMethod.apply``, or ``apply_blocks``
+  where the products read and write the gradients in place);
 * KL clip + write-back (``StepPipeline.apply`` less the products: reading
   the gradient, ``<V, grad>``, the scale, writing it back);
 * step() bookkeeping (``step()`` less the three phases above).
@@ -264,7 +265,7 @@ def _instrument_method(precond: KFACPreconditioner, clock: Clock) -> None:
     """Time the products and log the kernels of decompositions and products."""
     method = precond._parts.method
     name = method.name
-    decompose, apply = method.decompose, method.apply
+    decompose, apply, apply_blocks = method.decompose, method.apply, method.apply_blocks
 
     def logged_decompose(factors: Any, running: Any, which: Any, *args: Any) -> Any:
         for i in which:
@@ -274,19 +275,33 @@ def _instrument_method(precond: KFACPreconditioner, clock: Clock) -> None:
                 )
         return decompose(factors, running, which, *args)
 
+    def log_products(factors: Any, shape: tuple[int, ...], seconds: float) -> None:
+        dims = [0] * len(shape)
+        for spec in factors:
+            dims[spec.axis] = spec.dim if spec.kind is FactorKind.DENSE else 0
+        products = ("products", name, shape, tuple(dims))
+        clock.add("preconditioning products", seconds, products)
+        clock.need("KL clip + write-back", ("copy", shape))
+
     def timed_apply(factors: Any, state: Any, grad: Tensor, damping: float, *work: Any) -> Tensor:
         t0 = time.perf_counter()
         out = apply(factors, state, grad, damping, *work)
-        dims = [0] * grad.dim()
-        for spec in factors:
-            dims[spec.axis] = spec.dim if spec.kind is FactorKind.DENSE else 0
-        products = ("products", name, tuple(grad.shape), tuple(dims))
-        clock.add("preconditioning products", time.perf_counter() - t0, products)
-        clock.need("KL clip + write-back", ("copy", tuple(grad.shape)))
+        log_products(factors, tuple(grad.shape), time.perf_counter() - t0)
+        return out
+
+    def timed_apply_blocks(factors: Any, state: Any, grad: list[Tensor], *rest: Any) -> Any:
+        # the products read the gradients and write V where they lie; the
+        # eigen method's <V, grad> (one dot of two workspace buffers) is
+        # formed inside, so it is timed with them
+        t0 = time.perf_counter()
+        out = apply_blocks(factors, state, grad, *rest)
+        shape = (int(grad[0].shape[0]), sum(int(b.shape[1]) for b in grad))
+        log_products(factors, shape, time.perf_counter() - t0)
         return out
 
     method.decompose = logged_decompose  # type: ignore[method-assign,assignment]
     method.apply = timed_apply  # type: ignore[method-assign]
+    method.apply_blocks = timed_apply_blocks  # type: ignore[method-assign,assignment]
 
 
 def instrument(precond: KFACPreconditioner) -> Clock:

@@ -10,6 +10,15 @@ about 700 page faults and 1 ms per step on the MLP 784-512-512-10
 caching allocator already reuses blocks, and holding buffers would only cost
 memory, so there is no workspace there.
 
+Where a layer's gradient matrix is the plain concatenation of its own
+parameters' gradients, the products read those and write ``V`` over them
+(:meth:`kaisa.methods.base.CurvatureMethod.apply_blocks`): no ``[∇W | ∇b]``
+is assembled, and the gradient buffer holds instead the copy of ``∇`` that
+the KL clip's ``⟨V, ∇⟩`` reads afterwards (the inverse method; the eigen
+method forms that product in its eigenbasis and keeps nothing).  The three
+buffers are allocated together all the same (:meth:`Workspace.prepare`), so
+the memory held does not depend on which path a layer takes.
+
 Layers whose gradient matrix is under :data:`MIN_BYTES` allocate as
 before; a model with no larger layer (the digits models) keeps the path
 that holds every ``V`` until ``ν`` is known, which costs less Python there.
@@ -96,6 +105,18 @@ class Workspace:
             )
         return buf[: int(torch.Size(shape).numel())].view(*shape)
 
+    def keep(self, blocks: Sequence[Tensor]) -> list[Tensor]:
+        """Copies of ``blocks`` side by side in the gradient buffer: the
+        gradient the KL clip's ``⟨V, ∇⟩`` reads once ``V`` has been written
+        over it (valid until the next :meth:`keep` or ``take("gradient")``)."""
+        flat = self.take("gradient", (self.largest,), blocks[0].dtype)
+        kept, start = [], 0
+        for block in blocks:
+            view = flat[start : start + block.numel()].view(block.shape)
+            kept.append(view.copy_(block))
+            start += block.numel()
+        return kept
+
     def products(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The two product buffers, to be written in turn (never read and written at once)."""
         return self.take("ping", shape, dtype), self.take("pong", shape, dtype)
@@ -129,6 +150,12 @@ class Alternating:
     def __init__(self, work: Workspace | None, shape: Sequence[int], dtype: torch.dtype) -> None:
         self._pair = work.products(shape, dtype) if work is not None and len(shape) == 2 else None
         self._next = 0
+
+    def buffer(self) -> Tensor:
+        """:meth:`next` where a workspace is known to serve the products."""
+        out = self.next()
+        assert out is not None, "no workspace buffers for these products"
+        return out
 
     def next(self) -> Tensor | None:
         if self._pair is None:

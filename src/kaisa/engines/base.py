@@ -145,6 +145,14 @@ class Engine(ABC):
         gradient buffer (only on the :meth:`rescales_written` path)."""
         return self.read(adapter)
 
+    def grad_blocks(self, adapter: LayerAdapter) -> list[Tensor] | None:
+        """The layer's gradient matrix as column blocks that *are* its
+        parameters' gradients (:meth:`LayerAdapter.grad_blocks`), for the
+        curvature method to read and then overwrite with ``V`` (only on the
+        :meth:`rescales_written` path); None where the engine's gradients are
+        not plain tensors to write in place (the default)."""
+        return None
+
     def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
         """The dtype :meth:`read` returns for the layer (for receive buffers)."""
         return adapter.weight.dtype

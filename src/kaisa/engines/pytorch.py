@@ -130,5 +130,10 @@ class TorchEngine(Engine):
             return adapter.matrix_of(grads)
         return adapter.matrix_of(grads, work.take("gradient", adapter.matrix_shape, grads[0].dtype))
 
+    def grad_blocks(self, adapter: LayerAdapter) -> list[Tensor] | None:
+        if not isinstance(self.access, ParamGradAccess):
+            return None
+        return adapter.grad_blocks([p.grad for p in adapter.parameters()])
+
     def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
         return [GradientMarks.of(self.access.read(a.weight)) for a in adapters]

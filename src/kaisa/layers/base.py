@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any, cast
 
 import torch
@@ -211,6 +212,41 @@ class LayerAdapter(ABC):
         if bias_grad is not None:
             mat = torch.cat([mat, bias_grad.reshape(-1, 1)], dim=1, out=out)
         return mat
+
+    def grad_blocks(self, full: Sequence[Tensor | None]) -> list[Tensor] | None:
+        """The gradient matrix's column blocks as views of the parameters' own
+        gradients ``full`` (``∇W`` as ``[d_out, ·]``, then ``∇b`` as one
+        column), for products that read and write them where they lie
+        (:func:`kaisa.precondition.mul_axis_from`).  None where the matrix is
+        not that concatenation: a missing or non-contiguous gradient, or an
+        adapter with a layout of its own (rows of a shared tensor, a
+        transposed weight)."""
+        shape = self._plain_matrix_shape
+        if shape is None or len(full) != 1 + self.has_bias:
+            return None
+        blocks = []
+        for g in full:
+            if g is None or not g.is_contiguous() or g.dtype != full[0].dtype:  # type: ignore[union-attr]
+                return None
+            blocks.append(g.view(shape[0], -1))
+        return blocks if sum(int(b.shape[1]) for b in blocks) == shape[1] else None
+
+    @cached_property
+    def _plain_matrix_shape(self) -> tuple[int, int] | None:
+        """:attr:`matrix_shape` where the matrix is the plain concatenation of
+        whole parameters' gradients (:meth:`grad_blocks`), else None; fixed
+        for the adapter's life, so asked once rather than every step."""
+        cls = type(self)
+        own_layout = (
+            cls.grads_to_matrix is not LayerAdapter.grads_to_matrix
+            or cls.matrix_to_grads is not LayerAdapter.matrix_to_grads
+            or cls.matrix_of is not LayerAdapter.matrix_of
+            or any(r is not None for r in self.param_rows())
+        )
+        shape = tuple(self.matrix_shape)
+        if own_layout or len(shape) != 2:
+            return None
+        return int(shape[0]), int(shape[1])
 
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:
         """Inverse of :meth:`grads_to_matrix`, shaped like the parameters."""

@@ -150,6 +150,40 @@ class CurvatureMethod(ABC):
         of one, valid until the next layer's; ``grad`` is never written.
         """
 
+    #: :meth:`apply_blocks` forms ``⟨V, ∇⟩`` on its way, so ``∇`` need not be
+    #: kept once ``V`` has overwritten it
+    forms_kl_term = False
+
+    def writes_blocks(
+        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
+    ) -> bool:
+        """Whether :meth:`apply_blocks` can precondition this layer: its first
+        and last operations are matrix products, and ``state`` is in the
+        gradient's ``dtype`` (a cast copy in ``precondition_dtype`` goes
+        through :meth:`apply`, which casts).  False unless a method says so."""
+        return False
+
+    def apply_blocks(
+        self,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        grad: Sequence[Tensor],
+        damping: float,
+        work: Workspace,
+        out: Sequence[Tensor],
+        kl: bool,
+    ) -> Tensor | None:
+        """:meth:`apply` of a gradient matrix held as column blocks (a layer's
+        own weight and bias gradients: no matrix is assembled), with ``V``
+        written into the column blocks ``out`` (no ``V`` is copied).
+
+        ``out`` may be ``grad``'s own tensors: only the first product reads
+        ``grad``, and only the last writes ``out``.  Returns ``⟨V, ∇⟩`` when
+        ``kl`` and :attr:`forms_kl_term`, else None.  Only where
+        :meth:`writes_blocks` said so.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not write column blocks")
+
     @cached_property
     def _held_keys(self) -> IdentityMemo[tuple[str, ...]]:
         """The keys of :meth:`held`, once per layer (asked every step)."""

@@ -19,8 +19,8 @@ from torch import Tensor
 from kaisa.decompose import eigen_outer, symmetric_eigh
 from kaisa.factors import FactorKind, FactorSpec
 from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, IdentityMemo, Transfer
-from kaisa.precondition import mul_axis
-from kaisa.workspace import Workspace, products_into
+from kaisa.precondition import mul_axis, mul_axis_from, mul_axis_to
+from kaisa.workspace import Alternating, Workspace, products_into
 
 __all__ = ["EigenMethod"]
 
@@ -135,11 +135,56 @@ class EigenMethod(CurvatureMethod):
         outs = products_into(work, v)
         for spec, key in dense:
             v = mul_axis(v, state[key], spec.axis, outs.next())
-        if _OUTER in state:
-            v = torch.mul(v, state[_OUTER], out=outs.next())
-        else:
-            divisor = eigen_outer([state[k] for k in values]) + damping
-            v = torch.div(v, divisor, out=outs.next())
+        v = _divide(v, state, values, damping, outs.next())
         for spec, key in dense:
             v = mul_axis(v, state[key].t(), spec.axis, outs.next())
         return v.to(grad.dtype)
+
+    #: in the eigenbasis ``⟨V, ∇⟩ = ⟨C / D, C⟩`` with ``C = Q_Gᵀ ∇ Q_A``: both
+    #: are in the workspace when the division is done (the bases are orthogonal)
+    forms_kl_term = True
+
+    def writes_blocks(
+        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
+    ) -> bool:
+        dense, _ = _apply_keys(factors)
+        return len(factors) == 2 and bool(dense) and all(t.dtype == dtype for t in state.values())
+
+    def apply_blocks(
+        self,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        grad: Sequence[Tensor],
+        damping: float,
+        work: Workspace,
+        out: Sequence[Tensor],
+        kl: bool,
+    ) -> Tensor | None:
+        dense, values = _apply_keys(factors)
+        shape = (grad[0].shape[0], sum(b.shape[1] for b in grad))
+        outs = Alternating(work, shape, grad[0].dtype)
+        (first, key), *rest = dense
+        coeffs = mul_axis_from(grad, state[key], first.axis, outs.buffer())
+        for spec, key in rest:
+            coeffs = mul_axis(coeffs, state[key], spec.axis, outs.next())
+        v = _divide(coeffs, state, values, damping, outs.next())
+        dot = torch.vdot(v.reshape(-1), coeffs.reshape(-1)) if kl else None
+        *back, (last, key) = dense
+        for spec, k in back:
+            v = mul_axis(v, state[k].t(), spec.axis, outs.next())
+        mul_axis_to(v, state[key].t(), last.axis, out)
+        return dot
+
+
+def _divide(
+    coeffs: Tensor,
+    state: Mapping[str, Tensor],
+    values: tuple[str, ...],
+    damping: float,
+    out: Tensor | None,
+) -> Tensor:
+    """The coefficients in the eigenbasis divided by ``λ_G λ_Aᵀ + γ``."""
+    if _OUTER in state:
+        return torch.mul(coeffs, state[_OUTER], out=out)
+    divisor = eigen_outer([state[k] for k in values]) + damping
+    return torch.div(coeffs, divisor, out=out)

@@ -18,7 +18,7 @@ from torch import Tensor
 from kaisa.decompose import damped_inverse, pi_splits
 from kaisa.factors import FactorKind, FactorSpec
 from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, IdentityMemo, Transfer
-from kaisa.precondition import mul_axis
+from kaisa.precondition import mul_axis, mul_axis_from, mul_axis_to
 from kaisa.workspace import Workspace, products_into
 
 __all__ = ["InverseMethod"]
@@ -102,11 +102,42 @@ class InverseMethod(CurvatureMethod):
         v = grad.to(state[order[0][1]].dtype)
         outs = products_into(work, v)
         for spec, key in order:
-            inv = state[key]
-            if spec.kind is FactorKind.DIAGONAL:
-                shape = [1] * v.dim()
-                shape[spec.axis] = -1
-                v = torch.mul(v, inv.reshape(shape), out=outs.next())
-            else:
-                v = mul_axis(v, inv, spec.axis, outs.next())
+            v = _apply_factor(v, spec, state[key], outs.next())
         return v.to(grad.dtype)
+
+    def writes_blocks(
+        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
+    ) -> bool:
+        order = _apply_order(factors)
+        return (
+            len(order) == 2
+            and all(spec.kind is FactorKind.DENSE for spec, _ in order)
+            and all(state[key].dtype == dtype for _, key in order)
+        )
+
+    def apply_blocks(
+        self,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        grad: Sequence[Tensor],
+        damping: float,
+        work: Workspace,
+        out: Sequence[Tensor],
+        kl: bool,
+    ) -> Tensor | None:
+        (first, first_key), (last, last_key) = _apply_order(factors)
+        shape = (grad[0].shape[0], sum(b.shape[1] for b in grad))
+        v = mul_axis_from(
+            grad, state[first_key], first.axis, work.take("ping", shape, grad[0].dtype)
+        )
+        mul_axis_to(v, state[last_key], last.axis, out)
+        return None
+
+
+def _apply_factor(v: Tensor, spec: FactorSpec, inv: Tensor, out: Tensor | None) -> Tensor:
+    """One factor's inverse applied along its axis (a diagonal one elementwise)."""
+    if spec.kind is FactorKind.DIAGONAL:
+        shape = [1] * v.dim()
+        shape[spec.axis] = -1
+        return torch.mul(v, inv.reshape(shape), out=out)
+    return mul_axis(v, inv, spec.axis, out)
