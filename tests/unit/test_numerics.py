@@ -479,3 +479,26 @@ def test_identity_memo_follows_the_specs_object_and_stays_bounded() -> None:
     for _ in range(10):
         memo(kfac_factors(2, 2))
     assert len(memo._seen) <= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decompositions_read_the_lower_triangle_only(dtype: torch.dtype) -> None:
+    # kaisa hands a factor to eigh and Cholesky without symmetrising it first
+    # (kaisa.decompose): that is exact only because both read one triangle
+    from kaisa.decompose import damped_inverse, symmetric_eigh
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 7, generator=g, dtype=torch.float64)
+    factor = (x.t() @ x / 40).to(dtype)
+    upper = torch.triu(torch.randn(7, 7, generator=g, dtype=torch.float64) * 100, 1).to(dtype)
+    garbled = torch.tril(factor) + upper
+    before = factor.clone()
+    q, lam = symmetric_eigh(factor, dtype)
+    q2, lam2 = symmetric_eigh(garbled, dtype)
+    assert torch.equal(lam, lam2) and torch.equal(q, q2)
+    inv = damped_inverse(factor, 0.1, dtype)
+    assert torch.equal(inv, damped_inverse(garbled, 0.1, dtype))
+    expected = torch.linalg.inv(factor.double() + 0.1 * torch.eye(7, dtype=torch.float64))
+    tol = 1e-12 if dtype is torch.float64 else 1e-5
+    assert float((inv.double() - expected).norm() / expected.norm()) <= tol
+    assert torch.equal(factor, before)  # neither writes the running factor
