@@ -61,6 +61,7 @@ class GradientApplication:
         self._work: Workspace | None = None
         self._sized = False
         self._served: frozenset[str] = frozenset()  # layers whose products use it
+        self._own: frozenset[str] = frozenset()  # layers written before ν (rescalable)
 
     @property
     def workspace_bytes(self) -> int:
@@ -76,27 +77,27 @@ class GradientApplication:
         factor_step: bool,
     ) -> None:
         taking_part = self._taking_part(layers, factor_step)
-        adapters = [la.adapter for la in taking_part]
         clip = None if kl_clip is None else (lr, kl_clip)
         work = self._workspace(layers)
-        if (
-            work is not None
-            and self.plan.grad_workers == self.plan.world_size
-            and self.engine.rescales_written(adapters)
-        ):
-            # every rank is every layer's worker: write each V at once (the
-            # large layers' products in the workspace), scale after
-            dots = self._write_each(taking_part, work, damping)
-            nu = self._nu(dots, layers, clip)
-            if nu is not None:
-                self.engine.rescale(adapters, nu)
-        else:
-            results = self._precondition(taking_part, damping)
-            dots = [results[la.name][1] for la in taking_part if self._counted(la)]
-            nu = self._nu(dots, layers, clip)
-            for layer in taking_part:
-                value = results[layer.name][0]
-                self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
+        own: list[KFACLayer] = []
+        held = taking_part
+        if work is not None and self.plan.grad_workers == self.plan.world_size:
+            # every rank is every layer's worker: the layers that own their
+            # parameters write each V at once (the large ones' products in the
+            # workspace) and are scaled after; the others hold V until ν is known
+            own = [la for la in taking_part if la.name in self._own]
+            held = [la for la in taking_part if la.name not in self._own]
+        dots = self._write_each(own, work, damping) if own else {}
+        results = self._precondition(held, damping) if held else {}
+        for name, (_, dot) in results.items():
+            dots[name] = dot
+        counted = [dots[la.name] for la in taking_part if self._counted(la)]
+        nu = self._nu(counted, layers, clip)
+        if nu is not None and own:
+            self.engine.rescale([la.adapter for la in own], nu)
+        for layer in held:
+            value = results[layer.name][0]
+            self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
         self.engine.after_write()
 
     def _counted(self, layer: KFACLayer) -> bool:
@@ -124,28 +125,30 @@ class GradientApplication:
             inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
         return None if inner is None else kl_scale(inner, *clip)
 
-    def _write_each(self, layers: list[KFACLayer], work: Workspace, damping: float) -> list[Tensor]:
-        """Precondition and write back one layer after the other (every rank
-        is every layer's gradient worker); the products of the layers the
-        workspace serves reuse it, and read and write those layers' own
-        gradients where the method can (:meth:`_write_in_place`).  Returns
-        the counted layers' ``⟨V, ∇⟩``."""
-        dots = []
+    def _write_each(
+        self, layers: list[KFACLayer], work: Workspace | None, damping: float
+    ) -> dict[str, Tensor]:
+        """Precondition and write back one layer after the other (layers
+        whose gradients :meth:`Engine.rescalable` allows); the products of the
+        layers the workspace serves reuse it, and read and write those
+        layers' own gradients where the method can (:meth:`_write_in_place`).
+        Returns the counted layers' ``⟨V, ∇⟩`` by name."""
+        dots = {}
         for layer in layers:
             counted = self._counted(layer)
-            if layer.name in self._served:
-                done, dot = self._write_in_place(layer, work, damping, counted)
+            lw = work if layer.name in self._served else None
+            if lw is not None:
+                done, dot = self._write_in_place(layer, lw, damping, counted)
                 if done:
                     if dot is not None:
-                        dots.append(dot)
+                        dots[layer.name] = dot
                     continue
-            lw = work if layer.name in self._served else None
             adapter = layer.adapter
             grad = self.engine.read(adapter) if lw is None else self.engine.read_into(adapter, lw)
             assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
             v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
             if counted:
-                dots.append(kl_term(v, grad))
+                dots[layer.name] = kl_term(v, grad)
             self.engine.write(layer.adapter, v)
         return dots
 
@@ -187,14 +190,19 @@ class GradientApplication:
         return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
 
     def _workspace(self, layers: list[KFACLayer]) -> Workspace | None:
-        """The workspace of the layers it serves (built on the first step)."""
+        """The workspace of the layers it serves, built on the first step:
+        large layers (:func:`uses_workspace`) whose gradients may be written
+        before ``ν`` is known (:meth:`Engine.rescalable`)."""
         if self._work is None and not self._sized:
             self._sized = True
+            allowed = self.engine.rescalable([la.adapter for la in layers])
+            self._own = frozenset(la.name for la, ok in zip(layers, allowed) if ok)
             shapes = {}
             for la in layers:
                 shape = la.adapter.matrix_shape
                 numel = int(torch.Size(shape).numel())
-                if uses_workspace(la.adapter.device, numel, la.adapter.weight.element_size()):
+                size = la.adapter.weight.element_size()
+                if la.name in self._own and uses_workspace(la.adapter.device, numel, size):
                     shapes[la.name] = shape
             self._served = frozenset(shapes)
             if shapes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kaisa.factors import all_finite
+from kaisa.factors import all_finite, factor_finite
 
 __all__ = [
     "DecompositionError",
@@ -42,7 +42,7 @@ def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     float64 (results cast back) before giving up.
     """
     matrix = factor.to(dtype)  # eigh does not write its input
-    if not bool(all_finite(matrix)):
+    if not bool(factor_finite(matrix)):
         raise DecompositionError("factor has non-finite entries")
     try:
         eigvals, eigvecs = torch.linalg.eigh(matrix)
@@ -86,7 +86,7 @@ def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) ->
     """``(F + shift·I)⁻¹`` in ``dtype`` via Cholesky, falling back to a general inverse."""
     matrix = factor.to(dtype, copy=True)  # the running factor is not shifted
     matrix.diagonal().add_(shift.to(dtype) if isinstance(shift, Tensor) else shift)
-    if not bool(all_finite(matrix)):
+    if not bool(factor_finite(matrix)):
         raise DecompositionError("factor has non-finite entries")
     chol, info = torch.linalg.cholesky_ex(matrix)
     if int(info) == 0:

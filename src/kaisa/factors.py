@@ -46,6 +46,7 @@ __all__ = [
     "all_finite",
     "contribution",
     "contribution_features_first",
+    "factor_finite",
     "grad_multiplier",
     "gram",
     "kfac_factors",
@@ -230,6 +231,19 @@ def all_finite(t: Tensor) -> Tensor:
     return torch.isfinite(t.sum())
 
 
+def factor_finite(t: Tensor) -> Tensor:
+    """:func:`all_finite` of a factor, read from its diagonal where it is a
+    dense ``d×d`` one: every factor is a positive combination of Grams
+    ``Σ x xᵀ``, whose diagonal ``Σ x_i²`` is non-finite wherever any entry
+    ``x_i`` is, and whose other entries are bounded by ``sqrt(F_ii F_jj)``,
+    so a finite diagonal means a finite factor (to rounding at the edge of
+    the float range).  ``d`` reads instead of ``d²``: on an MLP's factors the
+    full check was a third of the running average's passes."""
+    if t.dim() == 2 and t.shape[0] == t.shape[1]:
+        return all_finite(torch.diagonal(t))
+    return all_finite(t)
+
+
 def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
     """In place: ``running ← decay·running + (1−decay)·batch``; returns "rejected".
 
@@ -242,11 +256,11 @@ def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
     instead of three (1.5x faster on a 785 x 785 factor).
     """
     if batch.device.type == "cpu":
-        finite = bool(all_finite(batch))
+        finite = bool(factor_finite(batch))
         if finite:
             running.lerp_(batch, 1.0 - decay)
         return torch.tensor(not finite)
-    rejected = ~all_finite(batch)
+    rejected = ~factor_finite(batch)
     weight = (~rejected).to(running.dtype) * (1.0 - decay)
     batch.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     running.lerp_(batch, weight)

@@ -28,6 +28,7 @@ from kaisa.comm import packed_numel
 from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig, layer_dtypes
 from kaisa.costs import CostModel
 from kaisa.factors import FactorKind, FactorSource, FactorSpec
+from kaisa.layers.base import sole_owners
 from kaisa.layers.registry import register_layers
 from kaisa.methods import method_for
 from kaisa.methods.base import HeldTensor
@@ -111,12 +112,10 @@ def layer_costs(
     """The layers ``KFACPreconditioner(model, **kfac)`` would register, as sizes."""
     config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
     adapters, _ = register_layers(model, config.skip_layers)
-    # as TorchEngine.rescales_written: every layer owns whole parameters, unshared
-    params = [id(p) for a in adapters for p in a.parameters()]
-    whole = len(set(params)) == len(params)
-    whole = whole and all(r is None for a in adapters for r in a.param_rows())
+    # as TorchEngine.rescalable: a layer that owns whole parameters, unshared
+    owns = sole_owners(adapters)
     out = []
-    for adapter in adapters:
+    for adapter, whole in zip(adapters, owns):
         factor, inv = layer_dtypes(config, adapter.weight.dtype)
         g, a = adapter.matrix_shape
         out.append(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kaisa.factors import FactorSpec, all_finite, running_average_
+from kaisa.factors import FactorSpec, factor_finite, running_average_
 from kaisa.layers.base import LayerAdapter
 from kaisa.precision import CastCopies
 
@@ -132,7 +132,7 @@ class KFACLayer:
         """
         running = self.running[index]
         if running is None:
-            if not bool(all_finite(batch)):
+            if not bool(factor_finite(batch)):
                 self._rejected = self._rejected + 1
                 return
             self.running[index] = batch.clone()

@@ -502,3 +502,27 @@ def test_decompositions_read_the_lower_triangle_only(dtype: torch.dtype) -> None
     tol = 1e-12 if dtype is torch.float64 else 1e-5
     assert float((inv.double() - expected).norm() / expected.norm()) <= tol
     assert torch.equal(factor, before)  # neither writes the running factor
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e30])
+def test_a_non_finite_gram_shows_on_its_diagonal(bad: float) -> None:
+    # kaisa checks a dense factor's finiteness on its diagonal only
+    # (kaisa.factors.factor_finite): any non-finite entry of a positive
+    # combination of Grams comes with a non-finite diagonal entry (3e30
+    # overflows when squared in float32)
+    from kaisa.factors import all_finite, factor_finite
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        rows = torch.randn(6, 5, generator=g, dtype=torch.float32)
+        other = torch.randn(4, 5, generator=g, dtype=torch.float32)
+        rows[trial % 6, (trial * 7) % 5] = bad
+        factor = 0.9 * (rows.t() @ rows) + 0.1 * (other.t() @ other)
+        assert not bool(all_finite(factor))
+        assert not bool(factor_finite(factor))
+    clean = torch.randn(6, 5, generator=g, dtype=torch.float32)
+    assert bool(factor_finite(clean.t() @ clean))
+    diagonal = torch.ones(5, dtype=torch.float32)
+    diagonal[3] = bad
+    # a diagonal factor: every entry is read (3e30 is a finite entry there)
+    assert bool(factor_finite(diagonal)) == (bad == 3e30)

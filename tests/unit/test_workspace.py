@@ -194,19 +194,36 @@ class Attend(nn.Module):
         return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
 
 
-@pytest.mark.usefixtures("every_layer")
-def test_packed_projection_keeps_every_gradient_until_all_are_read() -> None:
+@pytest.mark.usefixtures("float64_default")
+@pytest.mark.parametrize("kl_clip", [None, 1e-6])
+def test_packed_projection_holds_v_while_the_other_layers_write_at_once(
+    monkeypatch: pytest.MonkeyPatch, kl_clip: float | None
+) -> None:
     # q, k and v own rows of one packed parameter: rescaling it after the
-    # writes would scale the rows of layers that did not take part, so the
-    # rescale path (and with it the workspace) stays off; the forecast knows
-    torch.manual_seed(0)
+    # writes would scale the rows of layers that did not take part, so those
+    # three hold V until ν is known; out_proj and the head own their
+    # parameters and take the workspace path.  Same result as without any
+    # workspace, and the forecast knows which layers the buffers serve.
+    def run(min_bytes: int) -> tuple[KFACPreconditioner, list[torch.Tensor]]:
+        monkeypatch.setattr(kaisa.workspace, "MIN_BYTES", min_bytes)
+        torch.manual_seed(0)
+        model = Attend()
+        precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=kl_clip, lr=0.3)
+        model(torch.randn(4, 5, 8)).square().sum().backward()
+        precond.step()
+        return precond, [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    precond, with_buffers = run(0)
+    packed = [n for n, la in precond.layers.items() if any(la.adapter.param_rows())]
+    assert len(packed) == 3
+    own = [la for n, la in precond.layers.items() if n not in packed]
+    largest = max(int(torch.Size(la.adapter.matrix_shape).numel()) for la in own)
+    assert precond.memory_usage()["workspace"] == 3 * 8 * largest
     model = Attend()
-    precond = KFACPreconditioner(model, damping=DAMPING)
-    model(torch.randn(4, 5, 8)).square().sum().backward()
-    precond.step()
-    assert any(r is not None for la in precond.layers.values() for r in la.adapter.param_rows())
-    assert precond.memory_usage()["workspace"] == 0
-    assert int(forecast(layer_costs(model), 1).memory["workspace"][0]) == 0
+    assert int(forecast(layer_costs(model), 1).memory["workspace"][0]) == 3 * 8 * largest
+    _, without = run(2**62)
+    for a, b in zip(with_buffers, without):
+        assert rel_err(a, b) <= 1e-12
 
 
 @pytest.mark.usefixtures("float64_default")
@@ -261,3 +278,21 @@ def test_kept_gradients_are_copies_side_by_side() -> None:
     assert torch.equal(kept[0], torch.arange(8.0).view(4, 2))
     assert torch.equal(kept[1], torch.arange(4.0).view(4, 1) + 100)
     assert kept[1].data_ptr() == kept[0].data_ptr() + 8 * 4  # one buffer, in turn
+
+
+def test_sole_owners_excludes_shared_rows_and_tied_weights() -> None:
+    from kaisa.layers.attention import ProjectionAdapter
+    from kaisa.layers.base import sole_owners
+    from kaisa.layers.linear import LinearAdapter
+
+    attn = nn.MultiheadAttention(8, 2)
+    first, second, alone = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+    second.weight = first.weight  # tied: whoever writes first, the other reads V
+    adapters = [
+        *(ProjectionAdapter(f"attn.{r}", attn, r) for r in ("q", "k", "v")),
+        LinearAdapter("first", first),
+        LinearAdapter("second", second),
+        LinearAdapter("alone", alone),
+    ]
+    assert sole_owners(adapters) == [False, False, False, False, False, True]
+    assert sole_owners(adapters[3:4]) == [True]  # alone among the registered, it owns it

@@ -126,30 +126,31 @@ class Engine(ABC):
         its workers only; other ranks may get ``None``."""
         return [self.read(a) for a in adapters]
 
-    def rescales_written(self, adapters: Sequence[LayerAdapter]) -> bool:
-        """Whether these layers' gradients, once written, can be scaled in
-        place by :meth:`rescale`: each layer then writes its ``V`` at once and
-        the KL clip's ``ν`` (known only when every layer's ``⟨V, ∇⟩`` is)
-        follows, so no ``V`` is held until then and the products can reuse
-        one workspace (:mod:`kaisa.workspace`).  False by default: ``ν·V``
-        is formed before :meth:`write`."""
-        return False
+    def rescalable(self, adapters: Sequence[LayerAdapter]) -> list[bool]:
+        """Which of the registered layers ``adapters`` may have their gradients
+        written at once and scaled in place by :meth:`rescale` afterwards:
+        such a layer writes its ``V`` as soon as it is formed, before the KL
+        clip's ``ν`` (known only once every layer's ``⟨V, ∇⟩`` is), so no
+        ``V`` is held and its products can reuse one workspace
+        (:mod:`kaisa.workspace`).  The others hold ``V`` and are written
+        ``ν·V``.  None by default."""
+        return [False] * len(adapters)
 
     def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
         """Multiply the written gradients of ``adapters`` by ``nu`` (only
-        where :meth:`rescales_written` said so)."""
+        layers :meth:`rescalable` allowed)."""
         raise NotImplementedError(f"{type(self).__name__} does not rescale written gradients")
 
     def read_into(self, adapter: LayerAdapter, work: Workspace | None) -> Tensor | None:
         """:meth:`read`, copying where a copy is needed into ``work``'s
-        gradient buffer (only on the :meth:`rescales_written` path)."""
+        gradient buffer (only for layers :meth:`rescalable` allowed)."""
         return self.read(adapter)
 
     def grad_blocks(self, adapter: LayerAdapter) -> list[Tensor] | None:
         """The layer's gradient matrix as column blocks that *are* its
         parameters' gradients (:meth:`LayerAdapter.grad_blocks`), for the
         curvature method to read and then overwrite with ``V`` (only on the
-        :meth:`rescales_written` path); None where the engine's gradients are
+        :meth:`rescalable` layers); None where the engine's gradients are
         not plain tensors to write in place (the default)."""
         return None
 

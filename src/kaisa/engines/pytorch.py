@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.engines.base import Engine, GradientMarks
-from kaisa.layers.base import LayerAdapter
+from kaisa.layers.base import LayerAdapter, sole_owners
 from kaisa.workspace import Workspace
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
@@ -67,7 +67,6 @@ class TorchEngine(Engine):
     def __init__(self, access: GradientAccess | None = None) -> None:
         self.access: GradientAccess = access or ParamGradAccess()
         self._ddp = False
-        self._rescalable: dict[tuple[int, ...], bool] = {}
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         outer: nn.Module | None = model
@@ -104,21 +103,10 @@ class TorchEngine(Engine):
             full[rows] = value
             self.access.write(param, full)
 
-    def rescales_written(self, adapters: Sequence[LayerAdapter]) -> bool:
-        # every layer must own whole parameters that no other layer shares:
-        # rows of a packed projection would be scaled with the other layers'
-        # rows, and a tied weight written by one layer would be read by the next
-        key = tuple(map(id, adapters))
-        found = self._rescalable.get(key)
-        if found is None:
-            params = [p for a in adapters for p in a.parameters()]
-            found = (
-                isinstance(self.access, ParamGradAccess)
-                and all(r is None for a in adapters for r in a.param_rows())
-                and len({id(p) for p in params}) == len(params)
-            )
-            self._rescalable[key] = found
-        return found
+    def rescalable(self, adapters: Sequence[LayerAdapter]) -> list[bool]:
+        if not isinstance(self.access, ParamGradAccess):
+            return [False] * len(adapters)
+        return sole_owners(adapters)
 
     def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
         grads = [p.grad for a in adapters for p in a.parameters()]

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from kaisa.factors import FactorSource, FactorSpec, contribution, kfac_factors
 
-__all__ = ["LayerAdapter", "param_shape"]
+__all__ = ["LayerAdapter", "param_shape", "sole_owners"]
 
 
 def param_shape(param: Tensor) -> torch.Size:
@@ -33,6 +33,22 @@ def param_shape(param: Tensor) -> torch.Size:
     (DeepSpeed ZeRO-3 leaves ``(0,)`` outside forward and keeps ``ds_shape``)."""
     shape = getattr(param, "ds_shape", None)
     return torch.Size(shape) if shape is not None else param.shape
+
+
+def sole_owners(adapters: Sequence[LayerAdapter]) -> list[bool]:
+    """Per layer: whether it owns whole parameters that no other of
+    ``adapters`` shares.  Only such a layer's gradients may be overwritten
+    with its ``V`` and scaled by the KL clip's ``ν`` later: a row block of a
+    packed projection would be scaled with its neighbours' rows, and a tied
+    weight written by one layer would be read by the next."""
+    seen: dict[int, int] = {}
+    for adapter in adapters:
+        for p in adapter.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return [
+        all(r is None for r in a.param_rows()) and all(seen[id(p)] == 1 for p in a.parameters())
+        for a in adapters
+    ]
 
 
 class LayerAdapter(ABC):
