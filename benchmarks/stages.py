@@ -238,7 +238,7 @@ def _instrument_adapter(layer: KFACLayer, clock: Clock) -> None:
             # (kaisa.layers.patches): one stage, whose floor is one copy of the
             # rows plus their Gram.  The shape comes from a meta-tensor view.
             view = adapter.patches(tensor.detach().to("meta"))
-            rows = view.shape[: 1 + adapter.spatial_dims].numel()
+            rows = view.shape[: 1 + adapter.spatial_dims].numel()  # type: ignore[attr-defined]
             flat = (rows, spec.dim)
             clock.add(f"capture: A rows + Gram ({kind})", dt, ("copy", flat), (gram, flat))
         elif seen["shape"] is None:  # counted, never built (an Embedding's one-hots)
@@ -300,7 +300,7 @@ def _instrument_method(precond: KFACPreconditioner, clock: Clock) -> None:
         return out
 
     method.decompose = logged_decompose  # type: ignore[method-assign,assignment]
-    method.apply = timed_apply  # type: ignore[method-assign]
+    method.apply = timed_apply  # type: ignore[method-assign,assignment]
     method.apply_blocks = timed_apply_blocks  # type: ignore[method-assign,assignment]
 
 
