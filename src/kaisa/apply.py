@@ -87,7 +87,7 @@ class GradientApplication:
             # workspace) and are scaled after; the others hold V until ν is known
             own = [la for la in taking_part if la.name in self._own]
             held = [la for la in taking_part if la.name not in self._own]
-        dots = self._write_each(own, work, damping) if own else {}
+        dots = self._write_each(own, work, damping) if work is not None and own else {}
         results = self._precondition(held, damping) if held else {}
         for name, (_, dot) in results.items():
             dots[name] = dot
@@ -126,7 +126,7 @@ class GradientApplication:
         return None if inner is None else kl_scale(inner, *clip)
 
     def _write_each(
-        self, layers: list[KFACLayer], work: Workspace | None, damping: float
+        self, layers: list[KFACLayer], work: Workspace, damping: float
     ) -> dict[str, Tensor]:
         """Precondition and write back one layer after the other (layers
         whose gradients :meth:`Engine.rescalable` allows); the products of the

@@ -138,3 +138,41 @@ def test_gram_benchmark_times_both_forms_on_every_shape(tmp_path: Path) -> None:
     assert len(data["rows"]) >= 5
     assert all(r["one_product_ms"] > 0 and r["gram_ms"] > 0 for r in data["rows"])
     assert (tmp_path / "gram.png").stat().st_size > 0
+
+
+def test_stages_ab_summarises_medians_over_rounds(tmp_path: Path) -> None:
+    """``stages_ab.py --summarise`` on runs written here: medians per tree, setting
+    and stage over the rounds, in the order ``stages.py`` ran the settings."""
+
+    def run(method: str, ratio: float, wb: float) -> dict[str, object]:
+        stages = [
+            {"stage": "preconditioning products", "ms": 10.0},
+            {"stage": "KL clip + write-back", "ms": wb},
+        ]
+        return {
+            "method": method,
+            "factor_steps": 1,
+            "inv_steps": 10,
+            "overhead_ms": 10.0 * ratio,
+            "floor_sum_ms": 10.0,
+            "overhead_over_floor": ratio,
+            "stages": stages,
+        }
+
+    rounds = {"before": [(1.3, 2.0), (1.2, 1.0), (1.5, 3.0)], "after": [(1.1, 0.5), (1.0, 0.7)]}
+    for tree, values in rounds.items():
+        for i, (ratio, wb) in enumerate(values, 1):
+            folder = tmp_path / f"{tree}-mlp-{i}"
+            folder.mkdir()
+            runs = [run("eigen", ratio, wb), run("inverse", ratio + 1, wb)]
+            (folder / "stages.json").write_text(json.dumps({"runs": runs}))
+    run_script("stages_ab.py", "--summarise", "--models", "mlp", "--out", str(tmp_path))
+    table = json.loads((tmp_path / "stages_ab.json").read_text())["mlp"]
+    assert [row["setting"] for row in table] == ["eigen f=1 inv=10", "inverse f=1 inv=10"]
+    eigen, inverse = table
+    assert eigen["before"]["ratio"] == 1.3 and eigen["after"]["ratio"] == 1.05
+    assert inverse["before"]["ratio"] == 2.3
+    assert eigen["before"]["stages_ms"]["KL clip + write-back"] == 2.0
+    assert eigen["after"]["stages_ms"]["KL clip + write-back"] == pytest.approx(0.6)
+    assert eigen["rounds"]["before"] == [1.3, 1.2, 1.5]
+    assert (tmp_path / "stages_ab.png").exists()

@@ -133,7 +133,7 @@ class Engine(ABC):
         clip's ``ν`` (known only once every layer's ``⟨V, ∇⟩`` is), so no
         ``V`` is held and its products can reuse one workspace
         (:mod:`kaisa.workspace`).  The others hold ``V`` and are written
-        ``ν·V``.  None by default."""
+        ``ν·V``.  No layer by default."""
         return [False] * len(adapters)
 
     def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
