@@ -74,21 +74,41 @@ def _steps(task: Any, kfac: bool, steps: int) -> tuple[float, float]:
     return 1e3 * total, 1e3 * statistics.median(plain) if plain else 0.0
 
 
+def floor_blocks(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(G⁻¹, A⁻¹, ∇)`` stand-ins for every layer K-FAC registers on ``model``.
+
+    The layers and their factor sizes are the preconditioner's own, so
+    Conv1d, attention's q/k/v rows and embeddings count as well as Linear and
+    Conv2d; a diagonal factor (an embedding's A) is a vector, a scaling."""
+    from kaisa import KFACPreconditioner
+    from kaisa.factors import FactorKind
+
+    precond = KFACPreconditioner(model)
+    blocks = []
+    for layer in precond.layers.values():
+        by_axis = {spec.axis: spec for spec in layer.factors}
+        rows, cols = by_axis[0], by_axis[1]
+        g_inv, a_inv = (
+            torch.randn(spec.dim, spec.dim)
+            if spec.kind is FactorKind.DENSE
+            else torch.randn(spec.dim)
+            for spec in (rows, cols)
+        )
+        blocks.append((g_inv, a_inv, torch.randn(rows.dim, cols.dim)))
+    precond.remove_hooks()
+    return blocks
+
+
 def _floor(model: nn.Module, reps: int = 200) -> float:
-    """ms of each Linear/Conv2d layer's ``G⁻¹ ∇ A⁻¹`` and ``⟨V, ∇⟩``."""
-    mats = []
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            d_out = m.weight.shape[0]
-            d_in = m.weight[0].numel() + (m.bias is not None)
-            shapes = ((d_out, d_out), (d_in, d_in), (d_out, d_in))
-            mats.append(tuple(torch.randn(*shape) for shape in shapes))
+    """ms of every registered layer's ``G⁻¹ ∇ A⁻¹`` and ``⟨V, ∇⟩`` (:func:`floor_blocks`)."""
+    blocks = floor_blocks(model)
     times = []
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(reps):
-            for g_inv, a_inv, grad in mats:
-                v = g_inv @ grad @ a_inv
+            for g_inv, a_inv, grad in blocks:
+                v = g_inv @ grad if g_inv.dim() == 2 else grad * g_inv[:, None]
+                v = v @ a_inv if a_inv.dim() == 2 else v * a_inv
                 torch.vdot(v.reshape(-1), grad.reshape(-1))
         times.append((time.perf_counter() - start) / reps)
     return 1e3 * statistics.median(times)

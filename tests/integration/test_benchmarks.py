@@ -121,6 +121,24 @@ def test_task_steps_before_and_after_measures_every_figure(tmp_path: Path) -> No
     assert (tmp_path / "task_steps.png").stat().st_size > 0
 
 
+def test_task_steps_floor_counts_every_registered_layer() -> None:
+    """Conv1d layers and embeddings too (the floor once saw only Linear and Conv2d)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import task_steps
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from kaisa.tasks import get_task
+
+    blocks = task_steps.floor_blocks(get_task("text-cnn").build_model())
+    shapes = sorted((tuple(g.shape), tuple(a.shape), tuple(grad.shape)) for g, a, grad in blocks)
+    conv = ((256, 256), (385, 385), (256, 385))  # width-3 Conv1d 128 -> 256, bias column
+    proj = ((128, 128), (257, 257), (128, 257))  # 1x1 Conv1d 256 -> 128
+    embedding = ((128, 128), (103,), (128, 103))  # A diagonal: one-hot inputs
+    head = ((103, 103), (129, 129), (103, 129))
+    assert shapes == sorted([conv] * 4 + [proj] * 4 + [embedding, head])
+
+
 def test_step_time_times_only_the_chosen_models_and_variants(tmp_path: Path) -> None:
     run_script("step_time.py", "--models", "mlp-784-512-512-10", "--variants", "kfac inverse f=1 inv=10",
         "--steps", "2", "--repeats", "1", "--batch", "16", "--out", str(tmp_path))  # fmt: skip

@@ -260,6 +260,10 @@ def test_stop_at_target_ends_the_run_early(tmp_path: Path) -> None:
         (["--warmup-epochs", "-1"], "--warmup-epochs"),
         (["--warmup-epochs", "nan"], "--warmup-epochs"),
         (["--warmup-epochs", "3", "--epochs", "2"], "--warmup-epochs"),
+        (["--kfac-arm-lr", "0"], "--kfac-arm-lr"),
+        (["--kfac-arm-schedule", "linear"], "--kfac-arm-schedule"),
+        (["--kfac-arm-warmup-epochs", "-1"], "--kfac-arm-warmup-epochs"),
+        (["--kfac-arm-warmup-epochs", "3", "--epochs", "2"], "--kfac-arm-warmup-epochs"),
     ],
 )
 def test_bad_option_values_exit_2_naming_the_option(
@@ -397,6 +401,56 @@ def test_cosine_schedule_sets_the_lr_of_both_runs_every_step(
     for run in (sgd, kfac):
         assert run["config"]["schedule"] == "cosine" and run["config"]["warmup_epochs"] == 1.0
         assert run["config"]["lr"] == base
+
+
+def test_the_kfac_arm_takes_its_own_lr_and_schedule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kfac-arm-*: SGD warms up for 5 steps then decays; K-FAC starts at its own lr."""
+    seen = _record_lrs(monkeypatch)
+    base = get_task("digits-mlp").defaults.lr["sgd"]
+    sgd, kfac = run_cli(
+        tmp_path, "compare", *QUICK, "--epochs", "3", "--schedule", "cosine",
+        "--warmup-epochs", "1", "--kfac-arm-warmup-epochs", "0", "--kfac-arm-lr", "0.05",
+    )  # fmt: skip
+    warm = [base * (s + 1) / 5 for s in range(5)]
+    warm += [base * 0.5 * (1 + math.cos(math.pi * (s - 5) / 10)) for s in range(5, 15)]
+    cold = [0.05 * 0.5 * (1 + math.cos(math.pi * s / 15)) for s in range(15)]
+    assert [lr for run, lr, _ in seen if run == "sgd"][-15:] == pytest.approx(warm, rel=1e-12)
+    kfac_steps = [(lr, precond_lr) for run, lr, precond_lr in seen if run == "kfac"][-15:]
+    assert [lr for lr, _ in kfac_steps] == pytest.approx(cold, rel=1e-12)
+    assert all(lr == precond_lr for lr, precond_lr in kfac_steps)  # the KL clip follows
+    assert (sgd["config"]["lr"], sgd["config"]["warmup_epochs"]) == (base, 1.0)
+    assert (kfac["config"]["lr"], kfac["config"]["warmup_epochs"]) == (0.05, 0.0)
+    assert kfac["config"]["kfac"]["lr"] == 0.05 and kfac["config"]["schedule"] == "cosine"
+
+
+def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Order: --kfac-arm-*, then the shared option, then the task's kfac_arm, then its default."""
+    from kaisa.cli.spec import build_specs
+    from kaisa.tasks.base import Defaults
+
+    task = get_task("digits-mlp")
+    defaults = dataclasses.replace(
+        task.defaults, schedule="cosine", warmup_epochs=0.5, kfac_arm={"warmup_epochs": 0.0}
+    )
+    monkeypatch.setattr(task, "defaults", defaults)
+
+    def warmups(*argv: str) -> list[tuple[str, float]]:
+        args = build_parser()[0].parse_args(["compare", *argv])
+        return [(s.schedule, s.warmup_epochs) for s in build_specs(args, task, [False, True])]
+
+    assert warmups() == [("cosine", 0.5), ("cosine", 0.0)]
+    assert warmups("--warmup-epochs", "0.25") == [("cosine", 0.25), ("cosine", 0.25)]
+    assert warmups("--warmup-epochs", "0.25", "--kfac-arm-warmup-epochs", "1") == [
+        ("cosine", 0.25),
+        ("cosine", 1.0),
+    ]
+    assert warmups("--kfac-arm-schedule", "constant") == [("cosine", 0.5), ("constant", 0.0)]
+    with pytest.raises(ValueError, match="kfac_arm may set only schedule, warmup_epochs; got lr"):
+        Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"lr": 0.1})
 
 
 def test_constant_schedule_never_writes_the_lr(

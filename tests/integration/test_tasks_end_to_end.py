@@ -13,7 +13,9 @@ from kaisa.cli.main import main
 from fakes import write_fake_cifar
 
 
-@pytest.mark.parametrize("task", ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae"])
+@pytest.mark.parametrize(
+    "task", ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae", "text-cnn"]
+)
 def test_task_trains_with_kfac(task: str, tmp_path: Path) -> None:
     args = ["train", "--task", task, "--epochs", "1", "--max-steps-per-epoch", "3", "--quiet",
             "--kfac-factor-update-steps", "1", "--kfac-inv-update-steps", "2",

@@ -23,15 +23,18 @@ from fakes import write_fake_cifar
 # ---------------------------------------------------------------- registry/defaults
 
 
-def test_registry_lists_the_five_tasks_and_rejects_unknown_names() -> None:
-    assert task_names() == ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae"]
+ALL_TASKS = ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae", "text-cnn"]
+
+
+def test_registry_lists_the_six_tasks_and_rejects_unknown_names() -> None:
+    assert task_names() == ALL_TASKS
     for name in task_names():
         assert get_task(name).name == name
     with pytest.raises(KeyError, match="digits-mlp"):
         get_task("mnist")
 
 
-@pytest.mark.parametrize("name", ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae"])
+@pytest.mark.parametrize("name", ALL_TASKS)
 def test_defaults_are_valid_for_the_library(name: str) -> None:
     task = get_task(name)
     defaults = task.defaults
@@ -44,12 +47,15 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
     assert "lr" not in defaults.kfac
     KFACConfig(loss_average=task.loss_average, **defaults.kfac)
     # The CLI's schedule must accept the task's default schedule and warm-up.
-    assert defaults.schedule in SCHEDULES
-    assert 0 <= defaults.warmup_epochs <= defaults.epochs
+    for kfac in (False, True):
+        schedule, warmup_epochs = defaults.arm(kfac)
+        assert schedule in SCHEDULES
+        assert 0 <= warmup_epochs <= defaults.epochs
 
 
 def test_text_lm_averages_its_loss_over_batch_and_sequence() -> None:
     assert get_task("text-lm").loss_average == "batch_and_sequence"
+    assert get_task("text-cnn").loss_average == "batch_and_sequence"
     assert get_task("digits-mlp").loss_average == "batch"
 
 
@@ -190,6 +196,28 @@ def test_text_lm_model_shape_projections_and_causality() -> None:
     for role in ("q", "k", "v", "out_proj"):
         assert f"blocks.0.self_attn.{role}" in names
     assert {"tok", "pos", "blocks.0.linear1", "blocks.0.linear2", "head"} <= names
+
+
+def test_text_cnn_model_is_causal_over_its_receptive_field() -> None:
+    """A change at position t moves predictions t .. t+30 and nothing before or after."""
+    task = get_task("text-cnn")
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    vocab, context = len(task.vocabulary()), task.context
+    assert model.receptive_field == 31
+    idx = torch.randint(0, vocab, (2, context))
+    changed = idx.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % vocab
+    moved = (model(changed) - model(idx)).abs().amax(dim=(0, 2)) > 0
+    assert moved.tolist() == [20 <= t <= 50 for t in range(context)]
+    # the same corpus and windows as text-lm; no K-FAC settings of its own (blind)
+    assert task.load().train.get_batch(torch.tensor([7]))[0].shape == (1, context)
+    assert not task.defaults.kfac and not task.defaults.kfac_arm
+    from kaisa import KFACPreconditioner
+
+    names = set(KFACPreconditioner(model.train()).layers)
+    convs = {f"blocks.{i}.{role}" for i in range(4) for role in ("conv", "proj")}
+    assert names == {"tok", "head", *convs}
 
 
 def test_bits_per_char_conversion() -> None:

@@ -99,15 +99,37 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument(
         "--schedule",
         choices=SCHEDULES,
-        help="learning-rate schedule of both runs, applied per step: constant, or cosine "
-        "decay to 0 at the last step (after the warm-up)",
+        help="learning-rate schedule of both runs (unless --kfac-arm-schedule), applied per "
+        "step: constant, or cosine decay to 0 at the last step (after the warm-up)",
     )
     training.add_argument(
         "--warmup-epochs",
         type=_float_at_least(0.0, strict=False),
         metavar="EPOCHS",
-        help="linear warm-up of the learning rate over this many epochs (may be fractional; "
-        "0: none)",
+        help="linear warm-up of the learning rate over this many epochs, both runs unless "
+        "--kfac-arm-warmup-epochs (may be fractional; 0: none)",
+    )
+    arm = parser.add_argument_group(
+        "the K-FAC run's own schedule (unset: --lr, --schedule, --warmup-epochs)",
+        "Each arm of a comparison is tuned on its own (docs/results.md): a preconditioned "
+        "optimizer may want another learning rate or no warm-up. Each run's header line "
+        "and results.json record what it used.",
+    )
+    arm.add_argument(
+        "--kfac-arm-lr",
+        type=_float_at_least(0.0, strict=True),
+        metavar="LR",
+        help="learning rate of the K-FAC run (its KL clip follows it unless --kfac-lr is set)",
+    )
+    arm.add_argument(
+        "--kfac-arm-schedule", choices=SCHEDULES, help="learning-rate schedule of the K-FAC run"
+    )
+    arm.add_argument(
+        "--kfac-arm-warmup-epochs",
+        type=_float_at_least(0.0, strict=False),
+        metavar="EPOCHS",
+        help="warm-up of the K-FAC run (unset: --warmup-epochs if given, else the task's "
+        "K-FAC warm-up if it has one, else the task's warm-up)",
     )
     training.add_argument(
         "--max-steps-per-epoch",

@@ -85,8 +85,29 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _arm_schedule(
+    args: argparse.Namespace, task: Task, use_kfac: bool
+) -> tuple[float | None, str, float]:
+    """``(lr or None for the shared one, schedule, warm-up epochs)`` of one arm.
+
+    For the K-FAC arm: ``--kfac-arm-*``, then the option both arms share
+    (``--schedule``, ``--warmup-epochs``), then the task's ``kfac_arm``
+    default, then the task's default; the first-order arm skips the first
+    and third."""
+    schedule, warmup = task.defaults.arm(use_kfac)
+    lr = None
+    schedule = _pick(args.schedule, schedule)
+    warmup = float(_pick(args.warmup_epochs, warmup))
+    if use_kfac:
+        lr = args.kfac_arm_lr
+        schedule = _pick(args.kfac_arm_schedule, schedule)
+        warmup = float(_pick(args.kfac_arm_warmup_epochs, warmup))
+    return lr, schedule, warmup
+
+
 def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) -> list[RunSpec]:
-    """One :class:`RunSpec` per entry of ``kfac_flags``, identical except for K-FAC.
+    """One :class:`RunSpec` per entry of ``kfac_flags``, identical except for
+    K-FAC and for what ``--kfac-arm-*`` (or the task's ``kfac_arm``) sets.
 
     Raises ``ValueError``/``TypeError`` (from :class:`KFACConfig`) when the
     merged K-FAC options are inconsistent, and :class:`ScheduleError` when the
@@ -99,38 +120,43 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
         **defaults.kfac,
         **kfac_overrides(args),
     }
-    lr = _pick(args.lr, defaults.lr[optimizer])
-    KFACConfig(**{"lr": lr, **kfac_kwargs})  # validate once, before any training
+    shared_lr = _pick(args.lr, defaults.lr[optimizer])
+    KFACConfig(**{"lr": shared_lr, **kfac_kwargs})  # validate once, before any training
     epochs = _pick(args.epochs, defaults.epochs)
-    warmup_epochs = float(_pick(args.warmup_epochs, defaults.warmup_epochs))
-    if warmup_epochs > epochs:
-        raise ScheduleError(
-            f"argument --warmup-epochs: {warmup_epochs:g} warm-up epochs is more than the "
-            f"{epochs} epochs of training"
-        )
     steps = defaults.steps_per_epoch
     if args.max_steps_per_epoch is not None:
         steps = args.max_steps_per_epoch if steps is None else min(steps, args.max_steps_per_epoch)
-    return [
-        RunSpec(
-            name=f"{optimizer}+kfac" if use_kfac else optimizer,
-            task=task.name,
-            optimizer=optimizer,
-            kfac=use_kfac,
-            epochs=epochs,
-            batch_size=_pick(args.batch_size, defaults.batch_size),
-            lr=lr,
-            momentum=_pick(args.momentum, defaults.momentum),
-            weight_decay=_pick(args.weight_decay, defaults.weight_decay[optimizer]),
-            seed=args.seed,
-            target=_pick(args.target, task.target),
-            steps_per_epoch=steps,
-            eval_batch_size=defaults.eval_batch_size,
-            stop_at_target=args.stop_at_target,
-            evals_per_epoch=_pick(args.evals_per_epoch, defaults.evals_per_epoch),
-            schedule=_pick(args.schedule, defaults.schedule),
-            warmup_epochs=warmup_epochs,
-            kfac_kwargs=dict(kfac_kwargs) if use_kfac else {},
+    specs = []
+    for use_kfac in kfac_flags:
+        arm_lr, schedule, warmup_epochs = _arm_schedule(args, task, use_kfac)
+        lr = _pick(arm_lr, shared_lr)
+        if warmup_epochs > epochs:
+            own = use_kfac and args.kfac_arm_warmup_epochs is not None
+            option = "--kfac-arm-warmup-epochs" if own else "--warmup-epochs"
+            raise ScheduleError(
+                f"argument {option}: {warmup_epochs:g} warm-up epochs is more than the "
+                f"{epochs} epochs of training"
+            )
+        specs.append(
+            RunSpec(
+                name=f"{optimizer}+kfac" if use_kfac else optimizer,
+                task=task.name,
+                optimizer=optimizer,
+                kfac=use_kfac,
+                epochs=epochs,
+                batch_size=_pick(args.batch_size, defaults.batch_size),
+                lr=lr,
+                momentum=_pick(args.momentum, defaults.momentum),
+                weight_decay=_pick(args.weight_decay, defaults.weight_decay[optimizer]),
+                seed=args.seed,
+                target=_pick(args.target, task.target),
+                steps_per_epoch=steps,
+                eval_batch_size=defaults.eval_batch_size,
+                stop_at_target=args.stop_at_target,
+                evals_per_epoch=_pick(args.evals_per_epoch, defaults.evals_per_epoch),
+                schedule=schedule,
+                warmup_epochs=warmup_epochs,
+                kfac_kwargs=dict(kfac_kwargs) if use_kfac else {},
+            )
         )
-        for use_kfac in kfac_flags
-    ]
+    return specs

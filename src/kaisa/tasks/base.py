@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 __all__ = [
+    "KFAC_ARM_KEYS",
     "OPTIMIZERS",
     "ArrayDataset",
     "BatchDataset",
@@ -35,6 +36,9 @@ __all__ = [
 
 #: Optimizer names every task gives a default learning rate for.
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+
+#: What :attr:`Defaults.kfac_arm` may set for the K-FAC arm alone.
+KFAC_ARM_KEYS: tuple[str, ...] = ("schedule", "warmup_epochs")
 
 
 def bits_per_char(loss_nats: float) -> float:
@@ -131,6 +135,9 @@ class Defaults:
     ``schedule`` (``constant`` or ``cosine``) and ``warmup_epochs`` shape the
     learning rate of both arms (see :mod:`kaisa.cli.schedule`); a tuned
     baseline usually needs them, and K-FAC must be compared with that baseline.
+    ``kfac_arm`` overrides ``schedule`` and/or ``warmup_epochs`` for the K-FAC
+    arm alone: each arm is tuned on its own, and a preconditioned optimizer
+    may not need the warm-up its first-order baseline does (text-lm).
     """
 
     epochs: int
@@ -147,6 +154,22 @@ class Defaults:
     kfac: Mapping[str, Any] = field(default_factory=dict)
     schedule: str = "constant"
     warmup_epochs: float = 0.0
+    kfac_arm: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kfac_arm) - set(KFAC_ARM_KEYS)
+        if unknown:
+            raise ValueError(
+                f"Defaults.kfac_arm may set only {', '.join(KFAC_ARM_KEYS)}; got "
+                f"{', '.join(sorted(unknown))}"
+            )
+
+    def arm(self, kfac: bool) -> tuple[str, float]:
+        """``(schedule, warmup_epochs)`` of the K-FAC arm or of the first-order arm."""
+        own = self.kfac_arm if kfac else {}
+        return own.get("schedule", self.schedule), float(
+            own.get("warmup_epochs", self.warmup_epochs)
+        )
 
 
 @dataclass

@@ -6,13 +6,20 @@ from kaisa.tasks.autoencoder import DigitsAutoencoderTask
 from kaisa.tasks.base import Task
 from kaisa.tasks.cifar import Cifar10Task
 from kaisa.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from kaisa.tasks.text import TextLMTask
+from kaisa.tasks.text import TextConvTask, TextLMTask
 
 __all__ = ["TASKS", "get_task", "task_names"]
 
 TASKS: dict[str, type[Task]] = {
     cls.name: cls
-    for cls in (DigitsMLPTask, DigitsCNNTask, TextLMTask, Cifar10Task, DigitsAutoencoderTask)
+    for cls in (
+        DigitsMLPTask,
+        DigitsCNNTask,
+        TextLMTask,
+        Cifar10Task,
+        DigitsAutoencoderTask,
+        TextConvTask,
+    )
 }
 
 
