@@ -83,6 +83,16 @@ def test_summary_is_the_median_and_range_of_the_records(
     kfac = arms[1]["summary"]
     assert kfac["baseline"] == "sgd"
     assert kfac["time_to_target_ratio"] == pytest.approx(medians["sgd+kfac"] / medians["sgd"])
+    ratios = [
+        k["time_to_target_s"] / b["time_to_target_s"]
+        for b, k in zip(arms[0]["seeds"], arms[1]["seeds"], strict=True)
+        if k["time_to_target_s"] is not None and b["time_to_target_s"] is not None
+    ]
+    assert ratios  # a target of 0.5 is reached within 10 steps by both runs
+    per_seed = kfac["time_to_target_ratio_per_seed"]
+    assert per_seed["n_seeds"] == len(ratios)
+    assert per_seed["median"] == pytest.approx(statistics.median(ratios))
+    assert (per_seed["min"], per_seed["max"]) == pytest.approx((min(ratios), max(ratios)))
 
 
 def test_plot_band_is_the_per_epoch_median(
@@ -112,6 +122,7 @@ def test_missed_targets_count_as_infinitely_slow(
         assert summary["time_to_target_s"] == {"median": None, "min": None, "max": None}
         assert summary["final_metric"]["median"] is not None
     assert arms[1]["summary"]["time_to_target_ratio"] is None
+    assert arms[1]["summary"]["time_to_target_ratio_per_seed"] is None
     assert "0/2" in text and "not reached  " in text and "[inf-inf]" not in text
     assert "sgd+kfac / sgd: n/a" in text
     assert "run 4/4: sgd+kfac seed 1" in text  # progress over seeds x arms

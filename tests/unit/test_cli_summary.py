@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kaisa.cli.results import write_results
-from kaisa.cli.summary import quantile, ratio_of_medians, summarize_seeds
+from kaisa.cli.summary import paired_ratios, quantile, ratio_of_medians, summarize_seeds
 
 
 def record(seed: int, time: float | None, final: float = 0.9) -> dict[str, Any]:
@@ -100,3 +100,37 @@ def test_infinities_are_written_as_null(tmp_path: Path) -> None:
 def test_zero_seeds_is_an_error() -> None:
     with pytest.raises(ValueError, match="zero seeds"):
         summarize_seeds([], higher_is_better=True)
+
+
+def test_paired_ratios_divide_seed_by_seed_and_skip_missed_seeds() -> None:
+    def runs(times: dict[int, float | None]) -> list[dict[str, Any]]:
+        return [{"seed": seed, "time_to_target_s": t} for seed, t in times.items()]
+
+    baseline = runs({0: 10.0, 1: 20.0, 2: None, 3: 8.0})
+    arm = runs({3: 6.0, 0: 7.0, 1: None, 2: 5.0})  # order does not matter: paired by seed
+    assert paired_ratios(arm, baseline) == pytest.approx([0.75, 0.7])
+    assert paired_ratios(runs({5: 1.0}), baseline) == []  # no seed in common
+
+
+def test_seed_table_prints_the_ratio_of_medians_and_per_seed() -> None:
+    from kaisa.cli.results import format_seed_table
+
+    def arm(name: str, times: list[float | None]) -> dict[str, Any]:
+        seeds = [
+            {"seed": i, "time_to_target_s": t, "steps_to_target": None if t is None else 10,
+             "epochs_to_target": None if t is None else 1, "final_metric": 0.9,
+             "wall_time_s": 1.0}
+            for i, t in enumerate(times)
+        ]  # fmt: skip
+        return {"name": name, "task": "t", "metric_name": "accuracy", "target": 0.9,
+                "higher_is_better": True, "seeds": seeds, "summary": summarize_seeds(seeds, True)}  # fmt: skip
+
+    base, kfac = arm("sgd", [10.0, 20.0, 30.0, 40.0]), arm("sgd+kfac", [6.0, 16.0, None, 20.0])
+    kfac["summary"]["time_to_target_ratio"] = ratio_of_medians(20.0, 25.0)
+    ratios = paired_ratios(kfac["seeds"], base["seeds"])
+    assert ratios == pytest.approx([0.6, 0.8, 0.5])
+    kfac["summary"]["time_to_target_ratio_per_seed"] = {"median": 0.6, "min": 0.5, "max": 0.8,
+                                                        "n_seeds": 3}  # fmt: skip
+    text = format_seed_table([base, kfac])
+    assert "sgd+kfac / sgd: 0.80; per seed 0.60 [0.50-0.80]" in text
+    assert "over the 3 seeds where both reached it" in text

@@ -10,7 +10,7 @@ on the first seed (``--seed``), so with N = 1 the file reads exactly as
 before; ``seeds`` holds every seed's record (same fields, plus ``seed``) and
 ``summary`` their median and spread (:mod:`kaisa.cli.summary`), and for every
 arm after the first the ratio of its median time to target to the first
-arm's (the baseline's).
+arm's (the baseline's), and the spread of the same ratio seed by seed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kaisa.cli.summary import ratio_of_medians, summarize_seeds
+from kaisa.cli.summary import Spread, paired_ratios, ratio_of_medians, summarize_seeds
 from kaisa.cli.train import RunResult
 
 __all__ = [
@@ -90,6 +90,10 @@ def arms_to_dicts(
             arm["summary"]["time_to_target_ratio"] = ratio_of_medians(
                 arm["summary"]["time_to_target_s"]["median"],
                 baseline["summary"]["time_to_target_s"]["median"],
+            )
+            ratios = paired_ratios(arm["seeds"], baseline["seeds"])
+            arm["summary"]["time_to_target_ratio_per_seed"] = (
+                {**Spread.of(ratios).to_dict(), "n_seeds": len(ratios)} if ratios else None
             )
         out.append(arm)
     return out
@@ -223,6 +227,13 @@ def format_seed_table(arms: Sequence[Mapping[str, Any]]) -> str:
     for arm in arms[1:]:
         ratio = arm["summary"]["time_to_target_ratio"]
         shown = "n/a (a median did not reach the target)" if ratio is None else f"{ratio:.2f}"
+        per_seed = arm["summary"].get("time_to_target_ratio_per_seed")
+        if per_seed is not None:
+            shown += (
+                f"; per seed {per_seed['median']:.2f} [{per_seed['min']:.2f}-"
+                f"{per_seed['max']:.2f}] (median [min-max] over the {per_seed['n_seeds']} "
+                "seeds where both reached it)"
+            )
         out.append(f"median time to target, {arm['name']} / {first['name']}: {shown}")
     out += [
         TIMING_NOTE,

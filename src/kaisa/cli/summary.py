@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "TO_TARGET_KEYS",
     "Spread",
+    "paired_ratios",
     "quantile",
     "ratio_of_medians",
     "summarize_seeds",
@@ -131,3 +132,21 @@ def ratio_of_medians(numerator: float, denominator: float) -> float | None:
     if not (math.isfinite(numerator) and math.isfinite(denominator)) or denominator <= 0:
         return None
     return numerator / denominator
+
+
+def paired_ratios(
+    records: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]
+) -> list[float]:
+    """Per seed, an arm's time to target over the baseline's on the same seed.
+
+    The arms of one seed share initial weights and batches, so the ratio per
+    seed removes the seed's own luck that a ratio of medians keeps; only seeds
+    where both reached the target count (a missed one has no time to divide).
+    """
+    base = {r["seed"]: r["time_to_target_s"] for r in baseline}
+    out = []
+    for record in records:
+        mine, theirs = record["time_to_target_s"], base.get(record["seed"])
+        if mine is not None and theirs is not None and theirs > 0:
+            out.append(float(mine) / float(theirs))
+    return out
