@@ -449,6 +449,12 @@ def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
         ("cosine", 1.0),
     ]
     assert warmups("--kfac-arm-schedule", "constant") == [("cosine", 0.5), ("constant", 0.0)]
+    # text-lm's tuned pair: AdamW warms up, K-FAC starts at the full lr (docs/results.md)
+    text = get_task("text-lm")
+    args = build_parser()[0].parse_args(["compare", "--task", "text-lm"])
+    adamw, kfac = build_specs(args, text, [False, True])
+    assert (adamw.warmup_epochs, kfac.warmup_epochs) == (0.25, 0.0)
+    assert adamw.lr == kfac.lr and adamw.schedule == kfac.schedule == "cosine"
     with pytest.raises(ValueError, match="kfac_arm may set only schedule, warmup_epochs; got lr"):
         Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"lr": 0.1})
 
