@@ -49,6 +49,7 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
     # The CLI's schedule must accept the task's default schedule and warm-up.
     for kfac in (False, True):
         schedule, warmup_epochs = defaults.arm(kfac)
+        assert all(defaults.arm_lr(kfac, name) > 0 for name in OPTIMIZERS)
         assert schedule in SCHEDULES
         assert 0 <= warmup_epochs <= defaults.epochs
 
@@ -210,9 +211,8 @@ def test_text_cnn_model_is_causal_over_its_receptive_field() -> None:
     changed[:, 20] = (changed[:, 20] + 1) % vocab
     moved = (model(changed) - model(idx)).abs().amax(dim=(0, 2)) > 0
     assert moved.tolist() == [20 <= t <= 50 for t in range(context)]
-    # the same corpus and windows as text-lm; no K-FAC settings of its own (blind)
+    # the same corpus and windows as text-lm
     assert task.load().train.get_batch(torch.tensor([7]))[0].shape == (1, context)
-    assert not task.defaults.kfac and not task.defaults.kfac_arm
     from kaisa import KFACPreconditioner
 
     names = set(KFACPreconditioner(model.train()).layers)

@@ -110,7 +110,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--kfac-arm-warmup-epochs (may be fractional; 0: none)",
     )
     arm = parser.add_argument_group(
-        "the K-FAC run's own schedule (unset: --lr, --schedule, --warmup-epochs)",
+        "the K-FAC run's own schedule (unset: --lr, --schedule, --warmup-epochs if given, "
+        "else the task's K-FAC-arm defaults, else the task's)",
         "Each arm of a comparison is tuned on its own (docs/results.md): a preconditioned "
         "optimizer may want another learning rate or no warm-up. Each run's header line "
         "and results.json record what it used.",
@@ -119,7 +120,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--kfac-arm-lr",
         type=_float_at_least(0.0, strict=True),
         metavar="LR",
-        help="learning rate of the K-FAC run (its KL clip follows it unless --kfac-lr is set)",
+        help="learning rate of the K-FAC run (unset: --lr if given, else the task's K-FAC lr "
+        "if it has one, else the task's lr); its KL clip follows it unless --kfac-lr is set",
     )
     arm.add_argument(
         "--kfac-arm-schedule", choices=SCHEDULES, help="learning-rate schedule of the K-FAC run"

@@ -86,20 +86,21 @@ def _pick(value: Any, default: Any) -> Any:
 
 
 def _arm_schedule(
-    args: argparse.Namespace, task: Task, use_kfac: bool
-) -> tuple[float | None, str, float]:
-    """``(lr or None for the shared one, schedule, warm-up epochs)`` of one arm.
+    args: argparse.Namespace, task: Task, use_kfac: bool, optimizer: str
+) -> tuple[float, str, float]:
+    """``(lr, schedule, warm-up epochs)`` of one arm.
 
     For the K-FAC arm: ``--kfac-arm-*``, then the option both arms share
-    (``--schedule``, ``--warmup-epochs``), then the task's ``kfac_arm``
-    default, then the task's default; the first-order arm skips the first
-    and third."""
-    schedule, warmup = task.defaults.arm(use_kfac)
-    lr = None
+    (``--lr``, ``--schedule``, ``--warmup-epochs``), then the task's
+    ``kfac_arm`` default, then the task's default; the first-order arm skips
+    the first and third."""
+    defaults = task.defaults
+    schedule, warmup = defaults.arm(use_kfac)
+    lr = float(_pick(args.lr, defaults.arm_lr(use_kfac, optimizer)))
     schedule = _pick(args.schedule, schedule)
     warmup = float(_pick(args.warmup_epochs, warmup))
     if use_kfac:
-        lr = args.kfac_arm_lr
+        lr = float(_pick(args.kfac_arm_lr, lr))
         schedule = _pick(args.kfac_arm_schedule, schedule)
         warmup = float(_pick(args.kfac_arm_warmup_epochs, warmup))
     return lr, schedule, warmup
@@ -128,8 +129,7 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
         steps = args.max_steps_per_epoch if steps is None else min(steps, args.max_steps_per_epoch)
     specs = []
     for use_kfac in kfac_flags:
-        arm_lr, schedule, warmup_epochs = _arm_schedule(args, task, use_kfac)
-        lr = _pick(arm_lr, shared_lr)
+        lr, schedule, warmup_epochs = _arm_schedule(args, task, use_kfac, optimizer)
         if warmup_epochs > epochs:
             own = use_kfac and args.kfac_arm_warmup_epochs is not None
             option = "--kfac-arm-warmup-epochs" if own else "--warmup-epochs"

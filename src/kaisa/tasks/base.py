@@ -37,8 +37,9 @@ __all__ = [
 #: Optimizer names every task gives a default learning rate for.
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
-#: What :attr:`Defaults.kfac_arm` may set for the K-FAC arm alone.
-KFAC_ARM_KEYS: tuple[str, ...] = ("schedule", "warmup_epochs")
+#: What :attr:`Defaults.kfac_arm` may set for the K-FAC arm alone (``lr``
+#: per optimizer, as :attr:`Defaults.lr`).
+KFAC_ARM_KEYS: tuple[str, ...] = ("lr", "schedule", "warmup_epochs")
 
 
 def bits_per_char(loss_nats: float) -> float:
@@ -135,9 +136,10 @@ class Defaults:
     ``schedule`` (``constant`` or ``cosine``) and ``warmup_epochs`` shape the
     learning rate of both arms (see :mod:`kaisa.cli.schedule`); a tuned
     baseline usually needs them, and K-FAC must be compared with that baseline.
-    ``kfac_arm`` overrides ``schedule`` and/or ``warmup_epochs`` for the K-FAC
-    arm alone: each arm is tuned on its own, and a preconditioned optimizer
-    may not need the warm-up its first-order baseline does (text-lm).
+    ``kfac_arm`` overrides ``lr`` (per optimizer, like ``lr``), ``schedule``
+    and/or ``warmup_epochs`` for the K-FAC arm alone: each arm is tuned on its
+    own, and a preconditioned optimizer may want another step size or no
+    warm-up where its first-order baseline needs one (text-lm, text-cnn).
     """
 
     epochs: int
@@ -163,6 +165,15 @@ class Defaults:
                 f"Defaults.kfac_arm may set only {', '.join(KFAC_ARM_KEYS)}; got "
                 f"{', '.join(sorted(unknown))}"
             )
+        arm_lr = self.kfac_arm.get("lr", {})
+        if not isinstance(arm_lr, Mapping) or not all(
+            name in OPTIMIZERS and isinstance(v, int | float) and v > 0
+            for name, v in arm_lr.items()
+        ):
+            raise ValueError(
+                "Defaults.kfac_arm['lr'] must map optimizer names "
+                f"({', '.join(OPTIMIZERS)}) to positive learning rates; got {arm_lr!r}"
+            )
 
     def arm(self, kfac: bool) -> tuple[str, float]:
         """``(schedule, warmup_epochs)`` of the K-FAC arm or of the first-order arm."""
@@ -170,6 +181,11 @@ class Defaults:
         return own.get("schedule", self.schedule), float(
             own.get("warmup_epochs", self.warmup_epochs)
         )
+
+    def arm_lr(self, kfac: bool, optimizer: str) -> float:
+        """The learning rate of the K-FAC arm or of the first-order arm with ``optimizer``."""
+        own = self.kfac_arm.get("lr", {}) if kfac else {}
+        return float(own.get(optimizer, self.lr[optimizer]))
 
 
 @dataclass
