@@ -20,6 +20,11 @@ original forward without grad and backpropagates through the recomputation;
 the non-reentrant kind backpropagates through the original forward, and its
 recomputation is not captured at all (no hook work is done twice).
 
+An output gradient counts only in a backward that accumulates into the
+layer's parameters (:func:`_updates_gradients`): an input gradient taken
+with ``torch.autograd.grad`` through the same forward (a gradient penalty, a
+saliency map) is of another quantity than the gradient kaisa preconditions.
+
 Hooks are small picklable objects: a deep copy (or pickle) of the model
 carries inert hooks, so a copied model (an EMA or teacher) never captures
 into this preconditioner, and a model holding them can still be copied.
@@ -75,6 +80,31 @@ def _discarded_recomputation() -> bool:
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (recomputation)."""
     return _graph_task() != -1
+
+
+def _updates_gradients(params: list[nn.Parameter]) -> bool:
+    """Whether the running backward accumulates into the ``.grad`` of any of
+    ``params`` — the gradients kaisa preconditions.  A backward that leaves
+    them alone (``torch.autograd.grad`` of an input gradient for a gradient
+    penalty, ``backward(inputs=[x])``) delivers output gradients of another
+    quantity, which must not enter G.  Asked of autograd's engine for plain
+    leaf parameters only; where it cannot say (a sharded or parametrized
+    weight, ``autograd.grad`` taken with respect to the parameters, a torch
+    without the private API) the backward counts, as it always did."""
+    asked = False
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if not p.is_leaf or hasattr(p, "placements"):
+            return True
+        try:
+            node = torch.autograd.graph.get_gradient_edge(p).node
+            if torch._C._will_engine_execute_node(node):
+                return True
+        except Exception:  # autograd.grad(loss, params): the engine cannot tell
+            return True
+        asked = True
+    return not asked
 
 
 class _InertHook:
@@ -299,6 +329,8 @@ class Capture:
         keep = None if self.in_hook else x
 
         def hook(grad: Tensor) -> None:
+            if not _updates_gradients(layer.adapter.parameters()):
+                return  # not this layer's training gradient: the forward stays pending
             key = (pass_id, _graph_task())
             g = grad.detach() if grad_view is None else grad_view(grad.detach())
             multiplier = self._multiplier(layer, g, batch)

@@ -11,7 +11,9 @@ Each section is one promised behaviour (README, "Real training loops"):
 6. layer names do not depend on ``torch.compile`` / DataParallel wrappers;
 7. every argument of a wrong type is an error naming it;
 8. a training-mode forward with no backward is ignored, with a warning;
-9. activation checkpointing gives the factors of the plain model.
+9. activation checkpointing gives the factors of the plain model;
+10. a backward that leaves the parameters' gradients alone (input gradients for a
+    gradient penalty or a saliency map) adds nothing to G.
 
 Only the public API is used: ``step()``, ``describe()``, ``state_dict()`` /
 ``load_state_dict()``, ``paused()``, ``steps`` and the names in ``layers``.
@@ -761,3 +763,137 @@ def test_activation_checkpointing_counts_each_forward_once(mode: str, in_hook: b
         for a, b in zip(got_step, want_step):
             assert a is not None and b is not None
             assert float((a - b).norm() / b.norm()) <= 1e-10
+
+
+# -- 10. backward passes that do not reach the parameters ------------------------------------
+
+
+def _input_gradient_run(extra: str | None, in_hook: bool = True) -> tuple[list[dict], list]:
+    """Two K-FAC steps of ``cross_entropy``; on each, before the real backward,
+    one more backward of another quantity (the squared outputs) through the
+    same forward: ``"grad"`` by ``torch.autograd.grad`` with respect to the
+    input, ``"inputs"`` by ``backward(inputs=[x])``, ``"params"`` by a plain
+    ``backward()`` that does accumulate into the parameters (the control).
+    Returns the factors and the preconditioned gradients after each step."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, factor_update_steps=1, inv_update_steps=1, damping=0.01,
+        update_factors_in_hook=in_hook,
+    )  # fmt: skip
+    out_factors, out_grads = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(2):
+            x, y = batch(seed=i)
+            x.requires_grad_(True)
+            opt.zero_grad()
+            out = model(x)
+            other = out.square().sum()
+            if extra == "grad":
+                (saliency,) = torch.autograd.grad(other, x, retain_graph=True)
+                assert saliency.abs().sum() > 0
+            elif extra == "inputs":
+                other.backward(inputs=[x], retain_graph=True)
+            elif extra == "params":
+                other.backward(retain_graph=True)
+                opt.zero_grad()
+            F.cross_entropy(out, y).backward()
+            precond.step()
+            out_grads.append(grads(model))
+            opt.step()
+            out_factors.append(factors(precond))
+    return out_factors, out_grads
+
+
+@pytest.mark.parametrize("in_hook", [True, False], ids=["in_hook", "deferred"])
+@pytest.mark.parametrize("extra", ["grad", "inputs"])
+def test_input_gradients_add_nothing_to_g(extra: str, in_hook: bool) -> None:
+    want_factors, want_grads = _input_gradient_run(None, in_hook)
+    got_factors, got_grads = _input_gradient_run(extra, in_hook)  # raises on any warning
+    assert_same(got_factors, want_factors, "factors")
+    assert_same(got_grads, want_grads, "preconditioned gradients")
+    # the control: the same extra backward, had it reached the parameters, is a
+    # second pass with other output gradients, and G would change
+    control, _ = _input_gradient_run("params", in_hook)
+    assert not torch.equal(control[0]["classifier"]["G"], want_factors[0]["classifier"]["G"])
+    assert torch.equal(control[0]["classifier"]["A"], want_factors[0]["classifier"]["A"])
+
+
+def test_gradient_penalty_takes_g_from_the_backward_that_updates() -> None:
+    """``loss + λ‖∂loss/∂x‖²`` (create_graph): G sees the output gradient of
+    the backward that fills ``.grad``, once, not ``∂loss/∂out`` a second time."""
+    seen: list[Tensor] = []
+
+    def run(penalty: float) -> dict:
+        model = mlp()
+        precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+        x, y = batch()
+        x.requires_grad_(True)
+        out = model(x)
+        out.register_hook(lambda g: seen.append(g.detach().clone()))
+        loss = F.cross_entropy(out, y)
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + penalty * gx.square().sum()).backward()
+        precond.step()
+        return factors(precond)
+
+    plain = run(0.0)
+    seen.clear()
+    penalised = run(10.0)
+    assert len(seen) == 2  # the head's output gradient arrives in both backward passes ...
+    assert not torch.equal(seen[0], seen[1])  # ... and differs between them
+    # ... and G is the outer product of the second one only (cross_entropy's mean:
+    # the rows are rescaled by the batch size, G = Σ ĝ ĝᵀ / n with ĝ = n·g)
+    n = seen[1].shape[0]
+    g_hat = n * seen[1]
+    want = g_hat.T @ g_hat / n
+    torch.testing.assert_close(penalised["classifier"]["G"], want, rtol=1e-12, atol=0)
+    assert not torch.equal(penalised["classifier"]["G"], plain["classifier"]["G"])
+
+
+def test_a_forward_whose_only_backward_is_an_input_gradient_warns_and_adds_nothing() -> None:
+    """A saliency map on a separate forward is, for K-FAC, a forward with no backward."""
+    want, _ = _extra_forward_run(None, True)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=0.01)
+    got = []
+    for i in range(2):
+        x, y = batch(seed=i)
+        opt.zero_grad()
+        if i == 0:
+            xe = batch(8, seed=50)[0].requires_grad_(True)
+            torch.autograd.grad(model(xe).max(1).values.sum(), xe)
+        F.cross_entropy(model(x), y).backward()
+        if i == 0:
+            with pytest.warns(UserWarning, match=r"paused\(\)"):
+                precond.step()
+        else:
+            precond.step()
+        opt.step()
+        got.append(factors(precond))
+    assert_same(got, want, "factors")
+
+
+def test_autograd_grad_with_respect_to_the_parameters_still_counts() -> None:
+    """A loop that takes ``torch.autograd.grad(loss, params)`` and sets
+    ``.grad`` itself: autograd cannot say whether such a backward fills
+    ``.grad``, so it counts, as a ``backward()`` would."""
+
+    def run(functional: bool) -> tuple[dict, list]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = KFACPreconditioner(model, optimizer=opt, factor_update_steps=1, damping=0.01)
+        x, y = batch()
+        loss = F.cross_entropy(model(x), y)
+        if functional:
+            params = list(model.parameters())
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g
+        else:
+            loss.backward()
+        precond.step()
+        return factors(precond), grads(model)
+
+    assert_same(run(True), run(False), "factors and preconditioned gradients")
