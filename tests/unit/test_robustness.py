@@ -114,6 +114,17 @@ def grads(model: nn.Module) -> list[Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
+def _step_and_record(
+    model: nn.Module, precond: KFACPreconditioner, opt: Any, fs: list[dict], gs: list[list]
+) -> None:
+    """``step()``, then record the preconditioned gradients, then the optimizer
+    step, then the factors."""
+    precond.step()
+    gs.append(grads(model))
+    opt.step()
+    fs.append(factors(precond))
+
+
 def has_no_hooks(model: nn.Module) -> bool:
     return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -744,10 +755,7 @@ def _checkpoint_run(mode: str, in_hook: bool) -> tuple[list[dict], list[list[Ten
             x, y = batch(seed=i)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            precond.step()
-            out_grads.append(grads(model))
-            opt.step()
-            out_factors.append(factors(precond))
+            _step_and_record(model, precond, opt, out_factors, out_grads)
     return out_factors, out_grads
 
 
@@ -799,10 +807,7 @@ def _input_gradient_run(extra: str | None, in_hook: bool = True) -> tuple[list[d
                 other.backward(retain_graph=True)
                 opt.zero_grad()
             F.cross_entropy(out, y).backward()
-            precond.step()
-            out_grads.append(grads(model))
-            opt.step()
-            out_factors.append(factors(precond))
+            _step_and_record(model, precond, opt, out_factors, out_grads)
     return out_factors, out_grads
 
 
