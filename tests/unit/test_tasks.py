@@ -48,10 +48,10 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
     KFACConfig(loss_average=task.loss_average, **defaults.kfac)
     # The CLI's schedule must accept the task's default schedule and warm-up.
     for kfac in (False, True):
-        schedule, warmup_epochs = defaults.arm(kfac)
-        assert all(defaults.arm_lr(kfac, name) > 0 for name in OPTIMIZERS)
-        assert schedule in SCHEDULES
-        assert 0 <= warmup_epochs <= defaults.epochs
+        for name in OPTIMIZERS:
+            lr, schedule, warmup_epochs = defaults.arm(kfac, name)
+            assert lr > 0 and schedule in SCHEDULES
+            assert 0 <= warmup_epochs <= defaults.epochs
 
 
 def test_text_lm_averages_its_loss_over_batch_and_sequence() -> None:

@@ -109,30 +109,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="linear warm-up of the learning rate over this many epochs, both runs unless "
         "--kfac-arm-warmup-epochs (may be fractional; 0: none)",
     )
-    arm = parser.add_argument_group(
-        "the K-FAC run's own schedule (unset: --lr, --schedule, --warmup-epochs if given, "
-        "else the task's K-FAC-arm defaults, else the task's)",
-        "Each arm of a comparison is tuned on its own (docs/results.md): a preconditioned "
-        "optimizer may want another learning rate or no warm-up. Each run's header line "
-        "and results.json record what it used.",
-    )
-    arm.add_argument(
-        "--kfac-arm-lr",
-        type=_float_at_least(0.0, strict=True),
-        metavar="LR",
-        help="learning rate of the K-FAC run (unset: --lr if given, else the task's K-FAC lr "
-        "if it has one, else the task's lr); its KL clip follows it unless --kfac-lr is set",
-    )
-    arm.add_argument(
-        "--kfac-arm-schedule", choices=SCHEDULES, help="learning-rate schedule of the K-FAC run"
-    )
-    arm.add_argument(
-        "--kfac-arm-warmup-epochs",
-        type=_float_at_least(0.0, strict=False),
-        metavar="EPOCHS",
-        help="warm-up of the K-FAC run (unset: --warmup-epochs if given, else the task's "
-        "K-FAC warm-up if it has one, else the task's warm-up)",
-    )
+    _add_kfac_arm_arguments(parser)
     training.add_argument(
         "--max-steps-per-epoch",
         type=_positive_int,
@@ -165,6 +142,34 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "a run that misses the target counts as infinitely slow (default 1)",
     )
     _add_environment_arguments(parser)
+
+
+def _add_kfac_arm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The K-FAC run's own lr, schedule and warm-up (``compare``'s second arm)."""
+    arm = parser.add_argument_group(
+        "the K-FAC run's own schedule (unset: --lr, --schedule, --warmup-epochs if given, "
+        "else the task's K-FAC-arm defaults, else the task's)",
+        "Each arm of a comparison is tuned on its own (docs/results.md): a preconditioned "
+        "optimizer may want another learning rate or no warm-up. Each run's header line "
+        "and results.json record what it used.",
+    )
+    arm.add_argument(
+        "--kfac-arm-lr",
+        type=_float_at_least(0.0, strict=True),
+        metavar="LR",
+        help="learning rate of the K-FAC run (unset: --lr if given, else the task's K-FAC lr "
+        "if it has one, else the task's lr); its KL clip follows it unless --kfac-lr is set",
+    )
+    arm.add_argument(
+        "--kfac-arm-schedule", choices=SCHEDULES, help="learning-rate schedule of the K-FAC run"
+    )
+    arm.add_argument(
+        "--kfac-arm-warmup-epochs",
+        type=_float_at_least(0.0, strict=False),
+        metavar="EPOCHS",
+        help="warm-up of the K-FAC run (unset: --warmup-epochs if given, else the task's "
+        "K-FAC warm-up if it has one, else the task's warm-up)",
+    )
 
 
 def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:

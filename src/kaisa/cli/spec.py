@@ -95,8 +95,8 @@ def _arm_schedule(
     ``kfac_arm`` default, then the task's default; the first-order arm skips
     the first and third."""
     defaults = task.defaults
-    schedule, warmup = defaults.arm(use_kfac)
-    lr = float(_pick(args.lr, defaults.arm_lr(use_kfac, optimizer)))
+    lr, schedule, warmup = defaults.arm(use_kfac, optimizer)
+    lr = float(_pick(args.lr, lr))
     schedule = _pick(args.schedule, schedule)
     warmup = float(_pick(args.warmup_epochs, warmup))
     if use_kfac:

@@ -167,7 +167,11 @@ class Defaults:
             )
         arm_lr = self.kfac_arm.get("lr", {})
         if not isinstance(arm_lr, Mapping) or not all(
-            name in OPTIMIZERS and isinstance(v, int | float) and v > 0
+            name in OPTIMIZERS
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and v > 0
             for name, v in arm_lr.items()
         ):
             raise ValueError(
@@ -175,17 +179,13 @@ class Defaults:
                 f"({', '.join(OPTIMIZERS)}) to positive learning rates; got {arm_lr!r}"
             )
 
-    def arm(self, kfac: bool) -> tuple[str, float]:
-        """``(schedule, warmup_epochs)`` of the K-FAC arm or of the first-order arm."""
+    def arm(self, kfac: bool, optimizer: str) -> tuple[float, str, float]:
+        """``(lr, schedule, warmup_epochs)`` of the K-FAC arm or of the
+        first-order arm, with ``optimizer``."""
         own = self.kfac_arm if kfac else {}
-        return own.get("schedule", self.schedule), float(
-            own.get("warmup_epochs", self.warmup_epochs)
-        )
-
-    def arm_lr(self, kfac: bool, optimizer: str) -> float:
-        """The learning rate of the K-FAC arm or of the first-order arm with ``optimizer``."""
-        own = self.kfac_arm.get("lr", {}) if kfac else {}
-        return float(own.get(optimizer, self.lr[optimizer]))
+        lr = own.get("lr", {}).get(optimizer, self.lr[optimizer])
+        schedule = own.get("schedule", self.schedule)
+        return float(lr), schedule, float(own.get("warmup_epochs", self.warmup_epochs))
 
 
 @dataclass

@@ -104,7 +104,7 @@ class DigitsCNNTask(Task):
     # seeds 0-4).  K-FAC on that schedule: the inverse method at damping 0.1
     # takes 30 steps [25-41] over seeds 0-9; refreshing the curvature every
     # step takes no fewer, so factors and inverses are refreshed every 20
-    # steps (a factor step costs about two SGD steps here: the convolutions'
+    # steps (a factor step costs 1.5-2 SGD steps here: the convolutions'
     # patch Grams).  The metric is read after every step (23 an epoch, off
     # the clock): at epoch ends the runs' difference is rounded away.
     defaults = Defaults(
