@@ -8,6 +8,7 @@ from kaisa.config import (
     DistributedStrategy,
     KFACApprox,
     KFACConfig,
+    LargeFactor,
     LossAverage,
 )
 from kaisa.preconditioner import KFACPreconditioner
@@ -23,6 +24,7 @@ __all__ = [
     "KFACApprox",
     "KFACConfig",
     "KFACPreconditioner",
+    "LargeFactor",
     "LossAverage",
     "Topology",
     "__version__",
