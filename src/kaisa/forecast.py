@@ -82,6 +82,12 @@ class LayerCost:
     #: its products reuse the CPU workspace (:mod:`kaisa.workspace`): on CPU,
     #: owning whole parameters no other layer shares
     reuses_workspace: bool = False
+    #: the factors ``max_factor_dim`` made diagonal or block-diagonal, as kept
+    limited: tuple[FactorSpec, ...] = ()
+
+    def limited_labels(self) -> list[str]:
+        """``head.G (32000 diagonal)`` for each of :attr:`limited` (``kaisa plan``)."""
+        return [f"{self.name}.{s.name} ({s.label})" for s in self.limited]
 
 
 def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
@@ -137,6 +143,7 @@ def layer_costs(
                 rows=None if rows is None else rows.get(adapter.name),
                 reuses_workspace=whole
                 and uses_workspace(adapter.device, g * a, adapter.weight.element_size()),
+                limited=adapter.limited_specs(),
             )
         )
     return out

@@ -125,6 +125,14 @@ class LayerAdapter(ABC):
         plan, the forecast and the reports read."""
         return limit_factors(self.factor_specs(), self.max_factor_dim, self.large_factor)
 
+    def limited_specs(self) -> tuple[FactorSpec, ...]:
+        """The factors :attr:`max_factor_dim` changed, as kept (for reports)."""
+        return tuple(
+            kept
+            for declared, kept in zip(self.factor_specs(), self.effective_specs())
+            if kept != declared
+        )
+
     # -- capture -----------------------------------------------------------
     @property
     def captured_by_module_hooks(self) -> bool:

@@ -145,7 +145,9 @@ class EigenMethod(CurvatureMethod):
         work: Workspace | None = None,
     ) -> Tensor:
         dense, values = _apply_keys(factors)
-        some = state[dense[0][1]] if dense else state[_OUTER]
+        # the dtype the products run in: a basis's, else (every factor
+        # diagonal) the divisor's or the eigenvalues'
+        some = state[dense[0][1] if dense else (_OUTER if _OUTER in state else values[0])]
         v = grad.to(some.dtype)
         outs = products_into(work, v)
         for spec, key in dense:
