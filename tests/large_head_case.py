@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
     del logits
     if precond is not None:
         precond.step()
+        # the step measured is one that forms and decomposes every factor
+        assert all(layer.decomposed for layer in precond.layers.values())
     optimizer.step()
     print(high_water_mark())
     return 0
