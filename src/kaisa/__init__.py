@@ -9,6 +9,7 @@ from kaisa.config import (
     DistributedStrategy,
     KFACApprox,
     KFACConfig,
+    LargeFactor,
     LossAverage,
 )
 from kaisa.preconditioner import KFACPreconditioner
@@ -25,6 +26,7 @@ __all__ = [
     "KFACApprox",
     "KFACConfig",
     "KFACPreconditioner",
+    "LargeFactor",
     "LossAverage",
     "Topology",
     "__version__",

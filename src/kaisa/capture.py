@@ -157,6 +157,7 @@ def _input_terms(
             spec.name,
             spec.kind,
             spec.dim,
+            spec.blocks,
             adapter.has_bias,
             adapter.reduce,
             adapter.factor_compute_dtype,

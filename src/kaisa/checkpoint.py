@@ -179,7 +179,8 @@ class Checkpointer:
             if key in known and tuple(value.shape) != known[key]:
                 raise ValueError(
                     f"state_dict entry {name}.{key} has shape {tuple(value.shape)}, "
-                    f"expected {known[key]}"
+                    f"expected {known[key]} (a checkpoint of another model, or saved with "
+                    "other max_factor_dim/large_factor options, which change factor shapes)"
                 )
 
     def load(self, layers: dict[str, Mapping[str, Tensor]], compute_inverses: bool) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "DistributedStrategy",
     "KFACApprox",
     "KFACConfig",
+    "LargeFactor",
     "LossAverage",
     "TensorParallelMode",
     "resolve",
@@ -130,6 +131,27 @@ class TensorParallelMode(str, enum.Enum):
 
     EXACT = "exact"
     BLOCK = "block"
+
+
+class LargeFactor(str, enum.Enum):
+    """What a dense factor larger than ``max_factor_dim`` becomes (:mod:`kaisa.blocks`).
+
+    * ``DIAGONAL``: its diagonal, ``d`` entries (kfac-jax's diagonal factor;
+      kaisa's tied head's ``G``).  Memory does not grow with ``d`` squared.
+    * ``BLOCK``: its diagonal blocks of at most ``max_factor_dim`` rows
+      (Distributed Shampoo's ``max_preconditioner_dim``), each decomposed on
+      its own: ``≈ d · max_factor_dim`` entries.
+    """
+
+    DIAGONAL = "diagonal"
+    BLOCK = "block"
+
+
+#: the largest dense factor by default: 8192 rows are 256 MiB in float32 and
+#: about 1.5 GiB with its batch sums, eigenbasis and eigh's workspace, measured
+#: (docs/architecture.md, "Large factors"); ResNet-50's 4608-wide and a
+#: Llama-7B's 4096-wide factors stay dense, vocabulary-sized ones do not
+DEFAULT_MAX_FACTOR_DIM = 8192
 
 
 class LossAverage(str, enum.Enum):
@@ -361,6 +383,10 @@ class KFACConfig:
     loss_average: LossAverage | str = LossAverage.BATCH
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND
     tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT
+    #: a dense factor with more rows than this is kept as ``large_factor`` says
+    #: (:mod:`kaisa.blocks`); None: every factor stays dense, however large
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
+    large_factor: LargeFactor | str = LargeFactor.DIAGONAL
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise in place once
@@ -399,6 +425,9 @@ class KFACConfig:
             "tensor_parallel",
             _as_enum("tensor_parallel", self.tensor_parallel, TensorParallelMode),
         )
+        if self.max_factor_dim is not None:
+            _check_number("max_factor_dim", self.max_factor_dim, low=1, integer=True)
+        set_(self, "large_factor", _as_enum("large_factor", self.large_factor, LargeFactor))
         set_(self, "factor_dtype", _as_dtype("factor_dtype", self.factor_dtype))
         set_(self, "inv_dtype", _as_dtype("inv_dtype", self.inv_dtype))
         for name in ("factor_dtype", "inv_dtype"):

@@ -11,10 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kaisa.blocks import BlockLayout
 from kaisa.factors import all_finite, factor_finite
 
 __all__ = [
     "DecompositionError",
+    "block_damped_inverse",
+    "block_eigh",
     "damped_inverse",
     "eigen_outer",
     "pi_splits",
@@ -35,7 +38,8 @@ class DecompositionError(RuntimeError):
 
 
 def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Eigenvectors ``Q`` and eigenvalues ``λ ≥ 0`` of a PSD factor, in ``dtype``.
+    """Eigenvectors ``Q`` and eigenvalues ``λ ≥ 0`` of a PSD factor (or of a
+    batch ``[k, b, b]`` of them), in ``dtype``.
 
     Eigenvalues below zero are rounding noise of a PSD matrix and are clamped
     to zero.  If ``eigh`` does not converge in ``dtype`` it is retried once in
@@ -83,13 +87,15 @@ def pi_splits(traces: Tensor, dims: list[int]) -> Tensor:
 
 
 def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) -> Tensor:
-    """``(F + shift·I)⁻¹`` in ``dtype`` via Cholesky, falling back to a general inverse."""
+    """``(F + shift·I)⁻¹`` in ``dtype`` via Cholesky, falling back to a
+    general inverse; ``factor`` may be a batch ``[k, b, b]``."""
     matrix = factor.to(dtype, copy=True)  # the running factor is not shifted
-    matrix.diagonal().add_(shift.to(dtype) if isinstance(shift, Tensor) else shift)
+    diagonal = matrix.diagonal(dim1=-2, dim2=-1)
+    diagonal.add_(shift.to(dtype) if isinstance(shift, Tensor) else shift)
     if not bool(factor_finite(matrix)):
         raise DecompositionError("factor has non-finite entries")
     chol, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) == 0:
+    if not bool(info.any()):
         inverse = torch.cholesky_inverse(chol)
     else:
         try:
@@ -99,3 +105,23 @@ def damped_inverse(factor: Tensor, shift: float | Tensor, dtype: torch.dtype) ->
     if not bool(all_finite(inverse)):
         raise DecompositionError("inverse is non-finite")
     return inverse
+
+
+def block_eigh(flat: Tensor, layout: BlockLayout, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`symmetric_eigh` of each diagonal block of a block-diagonal
+    factor stored flat: the eigenbases flat in the same layout, and the ``d``
+    eigenvalues in the axis's order (block by block), as a dense factor's."""
+    bases, values = [], []
+    for _, view in layout.views(flat):
+        q, lam = symmetric_eigh(view, dtype)
+        bases.append(q.reshape(-1))
+        values.append(lam.reshape(-1))
+    return torch.cat(bases), torch.cat(values)
+
+
+def block_damped_inverse(
+    flat: Tensor, layout: BlockLayout, shift: float | Tensor, dtype: torch.dtype
+) -> Tensor:
+    """:func:`damped_inverse` of each diagonal block, flat in the same layout
+    (the inverse of a block-diagonal matrix is the blocks' inverses)."""
+    return torch.cat([damped_inverse(v, shift, dtype).reshape(-1) for _, v in layout.views(flat)])

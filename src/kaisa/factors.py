@@ -30,6 +30,7 @@ features]`` shape; nothing knows about modules, hooks or processes.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kaisa.config import AssignmentStrategy, LossAverage
+from kaisa.blocks import BlockLayout
+from kaisa.config import AssignmentStrategy, LargeFactor, LossAverage
 
 __all__ = [
     "FactorKind",
@@ -50,15 +52,18 @@ __all__ = [
     "grad_multiplier",
     "gram",
     "kfac_factors",
+    "limit_factors",
     "running_average_",
 ]
 
 
 class FactorKind(str, enum.Enum):
-    """How a factor is stored: a full symmetric matrix or its diagonal."""
+    """How a factor is stored: a full symmetric matrix, its diagonal, or its
+    diagonal blocks (a flat vector, :mod:`kaisa.blocks`)."""
 
     DENSE = "dense"
     DIAGONAL = "diagonal"
+    BLOCK_DIAGONAL = "block_diagonal"
 
 
 class FactorSource(str, enum.Enum):
@@ -78,6 +83,7 @@ class FactorSpec:
         dim: its size d (a ``d×d`` matrix or a ``d`` vector).
         axis: the axis of the layer's gradient tensor it acts on.
         source: inputs or output gradients.
+        blocks: the number of diagonal blocks of a block-diagonal factor (1 otherwise).
     """
 
     name: str
@@ -85,25 +91,54 @@ class FactorSpec:
     dim: int
     axis: int
     source: FactorSource
+    blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.blocks > 1) != (self.kind is FactorKind.BLOCK_DIAGONAL):
+            raise ValueError(
+                f"factor {self.name}: blocks must be > 1 exactly for a block-diagonal factor; "
+                f"got kind={self.kind.value}, blocks={self.blocks}"
+            )
+
+    @property
+    def layout(self) -> BlockLayout:
+        """How the ``dim`` rows split into diagonal blocks (one block unless block-diagonal)."""
+        return BlockLayout(self.dim, self.blocks)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.dim, self.dim) if self.kind is FactorKind.DENSE else (self.dim,)
+        if self.kind is FactorKind.DENSE:
+            return (self.dim, self.dim)
+        return (self.numel,)
 
     @property
     def numel(self) -> int:
+        if self.kind is FactorKind.BLOCK_DIAGONAL:
+            return self.layout.numel
         return self.dim * self.dim if self.kind is FactorKind.DENSE else self.dim
 
     @property
     def symmetric(self) -> bool:
-        """Whether it may travel as a triangle (``symmetry_aware``)."""
+        """Whether it may travel as a triangle (``symmetry_aware``; a
+        block-diagonal factor travels whole)."""
         return self.kind is FactorKind.DENSE
 
+    @property
+    def label(self) -> str:
+        """Its size in plans and reports: ``4096``, ``32000 diagonal`` or
+        ``32000 block-diagonal 8×4000``."""
+        if self.kind is FactorKind.DIAGONAL:
+            return f"{self.dim} diagonal"
+        if self.kind is FactorKind.BLOCK_DIAGONAL:
+            return f"{self.dim} block-diagonal {self.layout.describe()}"
+        return str(self.dim)
+
     def cost(self, strategy: AssignmentStrategy) -> float:
-        """What its decomposition costs the planner: n³ (compute) or n² (memory), n if diagonal."""
+        """What its decomposition costs the planner: n³ (compute) or n² (memory),
+        summed over the blocks of a block-diagonal factor; n if diagonal."""
         if self.kind is FactorKind.DIAGONAL:
             return float(self.dim)
-        return float(self.dim) ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
+        return self.layout.cost(3 if strategy is AssignmentStrategy.COMPUTE else 2)
 
 
 def kfac_factors(a_dim: int, g_dim: int) -> tuple[FactorSpec, ...]:
@@ -114,6 +149,25 @@ def kfac_factors(a_dim: int, g_dim: int) -> tuple[FactorSpec, ...]:
         FactorSpec("A", FactorKind.DENSE, a_dim, axis=1, source=FactorSource.INPUT),
         FactorSpec("G", FactorKind.DENSE, g_dim, axis=0, source=FactorSource.OUTPUT_GRAD),
     )
+
+
+def limit_factors(
+    specs: tuple[FactorSpec, ...], max_dim: int | None, mode: LargeFactor
+) -> tuple[FactorSpec, ...]:
+    """``specs`` with every dense factor above ``max_dim`` (``max_factor_dim``)
+    made diagonal or block-diagonal (``large_factor``, :mod:`kaisa.blocks`)."""
+    if max_dim is None:
+        return specs
+    out = []
+    for spec in specs:
+        if spec.kind is FactorKind.DENSE and spec.dim > max_dim:
+            if mode is LargeFactor.DIAGONAL:
+                spec = dataclasses.replace(spec, kind=FactorKind.DIAGONAL)
+            else:
+                blocks = BlockLayout.at_most(spec.dim, max_dim).blocks
+                spec = dataclasses.replace(spec, kind=FactorKind.BLOCK_DIAGONAL, blocks=blocks)
+        out.append(spec)
+    return tuple(out)
 
 
 def grad_multiplier(
@@ -143,9 +197,9 @@ def _foldable(
     kind: FactorKind, scale: float | Tensor, compute: torch.dtype, dtype: torch.dtype
 ) -> float | None:
     """The scale as the product's ``alpha``, where it can ride there: a
-    dense factor formed in the dtype it is kept in, scaled by a number (a
-    loss scale read on device is applied afterwards)."""
-    if kind is FactorKind.DENSE and not isinstance(scale, Tensor) and compute == dtype:
+    dense (or block-diagonal) factor formed in the dtype it is kept in,
+    scaled by a number (a loss scale read on device is applied afterwards)."""
+    if kind is not FactorKind.DIAGONAL and not isinstance(scale, Tensor) and compute == dtype:
         return float(scale)
     return None
 
@@ -156,8 +210,10 @@ def contribution(
     dtype: torch.dtype,
     scale: float | Tensor = 1.0,
     compute_dtype: torch.dtype | None = None,
+    blocks: int = 1,
 ) -> Tensor:
-    """``scale · Σ_r x_r x_rᵀ`` (or its diagonal) of ``[batch, shared, features]`` rows.
+    """``scale · Σ_r x_r x_rᵀ`` (or its diagonal, or its ``blocks`` diagonal
+    blocks, flat: :mod:`kaisa.blocks`) of ``[batch, shared, features]`` rows.
 
     K-FAC-expand: every (data point, shared position) pair is a row.  The sum
     is formed with autocast off, whatever precision the forward or backward
@@ -174,6 +230,8 @@ def contribution(
         if kind is FactorKind.DENSE:
             # the scale rides in the product (alpha) where it can: no pass over the result
             out = gram(flat, 1.0 if alpha is None else alpha)
+        elif kind is FactorKind.BLOCK_DIAGONAL:
+            out = BlockLayout(flat.shape[1], blocks).gram(flat, 1.0 if alpha is None else alpha)
         else:
             out = (flat * flat).sum(0)
     out = out.to(dtype)

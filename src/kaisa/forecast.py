@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from kaisa.comm import packed_numel
-from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig, layer_dtypes
+from kaisa.config import (
+    ComputeMethod,
+    DistributedStrategy,
+    KFACConfig,
+    LargeFactor,
+    layer_dtypes,
+)
 from kaisa.costs import CostModel
 from kaisa.factors import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.base import sole_owners
@@ -76,6 +82,12 @@ class LayerCost:
     #: its products reuse the CPU workspace (:mod:`kaisa.workspace`): on CPU,
     #: owning whole parameters no other layer shares
     reuses_workspace: bool = False
+    #: the factors ``max_factor_dim`` made diagonal or block-diagonal, as kept
+    limited: tuple[FactorSpec, ...] = ()
+
+    def limited_labels(self) -> list[str]:
+        """``head.G (32000 diagonal)`` for each of :attr:`limited` (``kaisa plan``)."""
+        return [f"{self.name}.{s.name} ({s.label})" for s in self.limited]
 
 
 def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
@@ -127,11 +139,13 @@ def layer_costs(
     out = []
     for adapter, whole in zip(adapters, owns):
         factor, inv = layer_dtypes(config, adapter.weight.dtype)
+        adapter.max_factor_dim = config.max_factor_dim
+        adapter.large_factor = LargeFactor(config.large_factor)
         g, a = adapter.matrix_shape
         out.append(
             LayerCost(
                 name=adapter.name,
-                factors=adapter.factor_specs(),
+                factors=adapter.effective_specs(),
                 grad_shape=(g, a),
                 factor_itemsize=factor.itemsize,
                 inv_itemsize=inv.itemsize,
@@ -139,6 +153,7 @@ def layer_costs(
                 rows=None if rows is None else rows.get(adapter.name),
                 reuses_workspace=whole
                 and uses_workspace(where or adapter.device, g * a, adapter.weight.element_size()),
+                limited=adapter.limited_specs(),
             )
         )
     return out
@@ -217,11 +232,22 @@ def _bytes(tensors: Sequence[HeldTensor], itemsize: int, symmetry_aware: bool) -
 
 
 def _product_flop(layer: LayerCost, method: ComputeMethod) -> float:
-    """Multiplying the gradient matrix by each dense factor's basis or inverse:
-    twice per factor for eigen (into the eigenbasis and back), once for inverse."""
+    """Multiplying the gradient matrix by each dense (or block-diagonal)
+    factor's basis or inverse: twice per factor for eigen (into the eigenbasis
+    and back), once for inverse; a block-diagonal factor's rows are its
+    blocks' (``Σ b²/d`` multiply-adds per entry instead of ``d``)."""
     numel = layer.grad_shape[0] * layer.grad_shape[1]
-    per = sum(2.0 * numel * s.dim for s in layer.factors if s.kind is FactorKind.DENSE)
+    per = sum(
+        2.0 * numel * s.numel / s.dim for s in layer.factors if s.kind is not FactorKind.DIAGONAL
+    )
     return per * (2 if method is ComputeMethod.EIGEN else 1)
+
+
+def _decompose_seconds(cost: CostModel, spec: FactorSpec, method: ComputeMethod) -> float:
+    """One factor's decomposition: a block-diagonal factor's blocks one by one."""
+    if spec.kind is FactorKind.BLOCK_DIAGONAL:
+        return sum(g.count * cost.decompose(g.size, method.value, True) for g in spec.layout.groups)
+    return cost.decompose(spec.dim, method.value, spec.kind is FactorKind.DENSE)
 
 
 @dataclass
@@ -264,8 +290,9 @@ def _add_factors(
         t.secs["factor_fold"][owner] += cost.traffic(3.0 * spec.numel * layer.factor_itemsize)
         if layer.rows is not None:
             # the rows are written and read (memory-bound), then their Gram
-            # is a product (a diagonal factor only counts)
-            dense = spec.kind is FactorKind.DENSE
+            # is a product (a diagonal factor only counts; a block-diagonal
+            # one's products are its blocks': Σ b² entries)
+            dense = spec.kind is not FactorKind.DIAGONAL
             copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
             t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
             t.secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
@@ -331,8 +358,7 @@ def forecast(
             owner = lp.owners[transfer.factors[0]]
             for i in transfer.factors:
                 spec = layer.factors[i]
-                seconds = cost.decompose(spec.dim, method_kind.value, spec.kind is FactorKind.DENSE)
-                t.secs["decompose"][owner] += seconds
+                t.secs["decompose"][owner] += _decompose_seconds(cost, spec, method_kind)
             if m > 1:
                 sent = _bytes(transfer.tensors, layer.inv_itemsize, sym)
                 t.inverse_step["second_order_broadcast"][workers] += sent

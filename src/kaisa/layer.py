@@ -96,7 +96,7 @@ class KFACLayer:
     ) -> None:
         self.adapter = adapter
         self.name = adapter.name
-        self.factors: tuple[FactorSpec, ...] = adapter.factor_specs()
+        self.factors: tuple[FactorSpec, ...] = adapter.effective_specs()
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.batch = BatchStatistics(len(self.factors))

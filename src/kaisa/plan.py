@@ -242,7 +242,7 @@ class WorkPlan:
             numel = math.prod(spec.dim for spec in lp.factors)
             workers = lp.worker_slice
             out["second_order_elements"][workers] += sum(spec.numel for spec in lp.factors) + numel
-            out["precondition_flops"][workers] += 4.0 * numel * sum(spec.dim for spec in lp.factors)
+            out["precondition_flops"][workers] += 4.0 * numel * sum(map(_width, lp.factors))
         return out
 
     def rank_load(self, rank: int) -> dict[str, float]:
@@ -292,8 +292,7 @@ class WorkPlan:
         lines.append(f"  {'layer':<32} {'factors (size on rank)':<30} workers")
         for lp in shown:
             where = ", ".join(
-                f"{s.name}:{s.dim}{'d' if s.kind is FactorKind.DIAGONAL else ''} on {o}"
-                for s, o in zip(lp.factors, lp.owners)
+                f"{s.name}:{s.dim}{_suffix(s)} on {o}" for s, o in zip(lp.factors, lp.owners)
             )
             workers = (
                 list(lp.grad_workers)
@@ -302,6 +301,21 @@ class WorkPlan:
             )
             lines.append(f"  {lp.name:<32} {where:<30} {workers}")
         return "\n".join(lines)
+
+
+def _width(spec: FactorSpec) -> int:
+    """Entries of the factor's matrix one gradient entry is multiplied by:
+    its size, or a block-diagonal factor's largest block."""
+    return spec.layout.largest if spec.kind is FactorKind.BLOCK_DIAGONAL else spec.dim
+
+
+def _suffix(spec: FactorSpec) -> str:
+    """``d`` for a diagonal factor, ``[8×4000]`` for a block-diagonal one."""
+    if spec.kind is FactorKind.DIAGONAL:
+        return "d"
+    if spec.kind is FactorKind.BLOCK_DIAGONAL:
+        return f"[{spec.layout.describe()}]"
+    return ""
 
 
 def _groups(groups: tuple[tuple[int, ...], ...], limit: int) -> str:

@@ -33,6 +33,14 @@ def describe(
         params = ", ".join(layer.adapter.param_names())
         owners = ", ".join(f"{s.name} on rank {o}" for s, o in zip(layer.factors, lp.owners))
         lines.append(f"  {layer.name:<30} {layer.adapter.describe():<40} [{params}] {owners}")
+    limited = [
+        f"{layer.name}.{spec.name} ({spec.label})"
+        for layer in layers
+        for spec in layer.adapter.limited_specs()
+    ]
+    if limited:
+        limit = layers[0].adapter.max_factor_dim
+        lines.append(f"Factors above max_factor_dim={limit}, not kept dense: {', '.join(limited)}")
     if skipped:
         lines.append("Left to the optimizer alone (not preconditioned):")
         for s in skipped:

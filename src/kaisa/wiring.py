@@ -26,6 +26,7 @@ from kaisa.config import (
     DistributedStrategy,
     KFACApprox,
     KFACConfig,
+    LargeFactor,
     LossAverage,
     layer_dtypes,
 )
@@ -126,6 +127,8 @@ def _register(
     for adapter in adapters:
         adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
         adapter.factor_compute_dtype = cast("torch.dtype | None", config.factor_compute_dtype)
+        adapter.max_factor_dim = config.max_factor_dim
+        adapter.large_factor = LargeFactor(config.large_factor)
     precondition = cast("torch.dtype | None", config.precondition_dtype)
     layers = {
         a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype), precondition) for a in adapters

@@ -93,11 +93,23 @@ def train(
     return record
 
 
+#: the options that change the single-process result (its reference is run once per value)
+_REFERENCE_OPTIONS = (
+    "compute_method",
+    "compute_eigenvalue_outer_product",
+    "inv_dtype",
+    "max_factor_dim",
+    "large_factor",
+)
+
+
 def _reference_key(config: dict[str, Any]) -> tuple[Any, ...]:
     return (
         config.get("compute_method", "eigen"),
         config.get("compute_eigenvalue_outer_product", True),
         config.get("inv_dtype"),
+        config.get("max_factor_dim", 8192),
+        config.get("large_factor", "diagonal"),
     )
 
 
@@ -126,11 +138,7 @@ def check(world_size: int, configs: list[dict[str, Any]], dtype: torch.dtype, to
     for c in configs:
         key = _reference_key(c)
         if key not in references:
-            single = {
-                k: v
-                for k, v in c.items()
-                if k in ("compute_method", "compute_eigenvalue_outer_product", "inv_dtype")
-            }
+            single = {k: v for k, v in c.items() if k in _REFERENCE_OPTIONS}
             references[key] = train(single, 0, 1, dtype, world_size)
     results = run_distributed(world_size, run_configs, configs, dtype, timeout_s=240)
     for rank, per_rank in enumerate(results):
@@ -202,6 +210,24 @@ def test_float32_equals_single_process_within_1e5() -> None:
     configs.append(dict(grad_worker_fraction=0.5, compute_method="inverse"))
     configs.append(dict(grad_worker_fraction=0.0, compute_method="inverse", symmetry_aware=True))
     check(4, configs, torch.float32, 1e-5)
+
+
+def test_large_factors_blocked_or_diagonal_equal_single_process() -> None:
+    """Above max_factor_dim (4 here: every factor of the model) the
+    block-diagonal factors travel whole, are reduced, decomposed block by
+    block on their owners and broadcast, and give the one-process result."""
+    configs = [
+        dict(max_factor_dim=4, large_factor="block", grad_worker_fraction=0.0, symmetry_aware=True),
+        dict(
+            max_factor_dim=4,
+            large_factor="block",
+            compute_method="inverse",
+            colocate_factors=False,
+            allreduce_bucket_cap_mb=0.0005,
+        ),
+        dict(max_factor_dim=4, large_factor="diagonal", grad_worker_fraction=0.0),
+    ]
+    check(2, configs, torch.float64, 1e-10)
 
 
 @pytest.mark.slow

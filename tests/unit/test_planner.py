@@ -17,7 +17,7 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa.cli.main import main
-from kaisa.config import ComputeMethod
+from kaisa.config import AssignmentStrategy, ComputeMethod
 from kaisa.costs import CostModel, measure_costs
 from kaisa.factors import FactorKind
 from kaisa.forecast import choose_fraction, forecast, fractions_for, layer_costs, probe_rows
@@ -215,3 +215,59 @@ def test_auto_fraction_uses_the_given_cost_model(tmp_path: Path) -> None:
         KFACConfig(plan_costs=3)
     with pytest.raises(FileNotFoundError):
         KFACPreconditioner(mlp(), grad_worker_fraction="auto", plan_costs=str(tmp_path / "no"))
+
+
+def test_large_factors_are_planned_per_block_and_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A factor above max_factor_dim costs the planner its blocks (Σ b³, Σ b²
+    entries), or d if diagonal, and ``kaisa plan`` names it."""
+    model = nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 4))
+    dense = layer_costs(model, max_factor_dim=None)
+    block = layer_costs(model, max_factor_dim=128, large_factor="block")
+    diagonal = layer_costs(model, max_factor_dim=128)
+    g = block[0].factors[1]
+    assert g.kind is FactorKind.BLOCK_DIAGONAL and g.layout.sizes() == [100, 100, 100]
+    assert g.cost(AssignmentStrategy.COMPUTE) == 3 * 100**3
+    assert g.cost(AssignmentStrategy.MEMORY) == 3 * 100**2
+    assert diagonal[0].factors[1].cost(AssignmentStrategy.COMPUTE) == 300
+    assert block[0].limited_labels() == ["0.G (300 block-diagonal 3×100)"]
+    assert block[1].limited_labels() == ["2.A (301 block-diagonal 1×101+2×100)"]
+    assert dense[0].limited_labels() == [] and dense[0].factors[1].kind is FactorKind.DENSE
+    memory = {
+        name: forecast(layers, 1).memory["factors"][0]
+        for name, layers in (("dense", dense), ("block", block), ("diagonal", diagonal))
+    }
+    a0, a1 = 9 * 9, 4 * 4
+    assert memory["dense"] == 4 * (a0 + 300 * 300 + 301 * 301 + a1)
+    assert memory["block"] == 4 * (a0 + 3 * 100**2 + (101**2 + 2 * 100**2) + a1)
+    assert memory["diagonal"] == 4 * (a0 + 300 + 301 + a1)
+    seconds = {
+        name: forecast(layers, 1).seconds["decompose"][0]
+        for name, layers in (("dense", dense), ("block", block))
+    }
+    assert seconds["block"] < seconds["dense"] / 4
+    module = tmp_path / "wide_models.py"
+    module.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def wide():\n"
+        "    return nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 4)), "
+        "(torch.randn(1, 8),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    args = ["plan", "--model", "wide_models:wide", "--world-size", "2", "--out", str(out)]
+    assert main([*args, "--kfac-max-factor-dim", "128", "--kfac-large-factor", "block"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "factors above max_factor_dim=128, not kept dense: 0.G (300 block-diagonal 3×100), "
+        "2.A (301 block-diagonal 1×101+2×100)" in printed
+    )
+    report = json.loads((out / "plan.json").read_text())
+    assert report["large_factors"] == [
+        "0.G (300 block-diagonal 3×100)",
+        "2.A (301 block-diagonal 1×101+2×100)",
+    ]
+    assert main([*args, "--kfac-max-factor-dim", "none"]) == 0
+    assert "not kept dense" not in capsys.readouterr().out
+    sys.modules.pop("wide_models", None)

@@ -319,6 +319,49 @@ def test_memory_usage_counts_factors_and_second_order() -> None:
     assert mem["total"] == sum(mem[k] for k in parts)
 
 
+@pytest.mark.parametrize("mode", ["block", "diagonal"])
+def test_describe_and_memory_usage_report_large_factors(mode: str) -> None:
+    """Above max_factor_dim=4 the factors of sizes 7, 8 and 9 are kept
+    block-diagonal (blocks 4+3, 4+4, 3+3+3: Σ b² entries) or diagonal; the
+    report names each and memory_usage counts what is held, not d²."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        model,
+        optimizer=opt,
+        compute_eigenvalue_outer_product=True,
+        max_factor_dim=4,
+        large_factor=mode,
+    )
+    report = precond.describe()
+    train(model, precond, opt, 1)
+    mem = precond.memory_usage()
+    f = 4  # float32
+    outer = 8 * 7 + 3 * 9
+    if mode == "block":
+        assert "Linear(A: block-diagonal 1×4+1×3, G: block-diagonal 2×4)" in report
+        assert "Linear(A: block-diagonal 3×3, G: 3×3)" in report
+        assert (
+            "not kept dense: 0.A (7 block-diagonal 1×4+1×3), 0.G (8 block-diagonal 2×4), "
+            "2.A (9 block-diagonal 3×3)" in report
+        )
+        kept = (16 + 9) + (16 + 16) + (9 + 9 + 9) + 3 * 3
+        assert mem["factors"] == f * kept
+        # the blocks' eigenbases, flat like the factors, and the outer products
+        assert mem["second_order"] == f * (kept + outer)
+    else:
+        assert "Linear(A: 7 diagonal, G: 8 diagonal)" in report
+        assert "Linear(A: 9 diagonal, G: 3×3)" in report
+        assert (
+            "max_factor_dim=4, not kept dense: 0.A (7 diagonal), 0.G (8 diagonal), "
+            "2.A (9 diagonal)" in report
+        )
+        assert mem["factors"] == f * (7 + 8 + 9 + 3 * 3)
+        assert mem["second_order"] == f * (3 * 3 + outer)  # a diagonal's basis is I
+    unlimited = KFACPreconditioner(mlp(), max_factor_dim=None).describe()
+    assert "not kept dense" not in unlimited and "Linear(A: 7×7, G: 8×8)" in unlimited
+
+
 # -- numerical failures ---------------------------------------------------------------------------
 
 

@@ -60,6 +60,10 @@ _HELP: dict[str, str] = {
     "loss_average": "what the training loss is averaged over (unset: the task's)",
     "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
     "tensor_parallel": "layers sharded by parallelize_module: 'exact' (gathered) or 'block'",
+    "max_factor_dim": "largest dense factor; a larger one becomes --kfac-large-factor "
+    "('none': no limit)",
+    "large_factor": "a factor above --kfac-max-factor-dim: 'diagonal' or 'block' "
+    "(diagonal blocks of at most that size)",
 }
 
 _TRUE = ("true", "yes", "on", "1")

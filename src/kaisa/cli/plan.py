@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kaisa.cli.options import add_kfac_arguments, kfac_overrides
+from kaisa.config import KFACConfig
 from kaisa.costs import CostModel, measure_costs
 from kaisa.forecast import choose_fraction, layer_costs, probe_rows
 from kaisa.tasks import get_task, task_names
@@ -213,6 +214,12 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
         f"costs: {cost.device}; links: {cost.describe_links()}"
     )
     print("\n".join(lines))
+    limited = [label for la in layers for label in la.limited_labels()]
+    report["large_factors"] = limited
+    if limited:
+        fields = KFACConfig.field_names()
+        limit = KFACConfig(**{k: v for k, v in kfac.items() if k in fields}).max_factor_dim
+        print(f"factors above max_factor_dim={limit}, not kept dense: {', '.join(limited)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report["plans"], args.out / "plan.png")

@@ -21,6 +21,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
+from kaisa.layers.base import describe_specs
 from kaisa.layers.linear import LinearAdapter
 
 __all__ = ["ROLES", "ProjectionAdapter", "attention_adapters"]
@@ -100,8 +101,7 @@ class ProjectionAdapter(LinearAdapter):
         return mat, None
 
     def describe(self) -> str:
-        shapes = ", ".join(f"{s.name}: {'×'.join(map(str, s.shape))}" for s in self.factor_specs())
-        return f"MultiheadAttention.{self.role}({shapes})"
+        return f"MultiheadAttention.{self.role}({describe_specs(self.effective_specs())})"
 
 
 def attention_adapters(name: str, attention: nn.MultiheadAttention) -> list[ProjectionAdapter]:

@@ -23,9 +23,17 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from kaisa.factors import FactorSource, FactorSpec, contribution, kfac_factors
+from kaisa.config import LargeFactor
+from kaisa.factors import (
+    FactorKind,
+    FactorSource,
+    FactorSpec,
+    contribution,
+    kfac_factors,
+    limit_factors,
+)
 
-__all__ = ["LayerAdapter", "param_shape", "sole_owners"]
+__all__ = ["LayerAdapter", "describe_specs", "param_shape", "sole_owners"]
 
 
 def param_shape(param: Tensor) -> torch.Size:
@@ -79,6 +87,10 @@ class LayerAdapter(ABC):
         #: ``factor_compute_dtype``; None: the factor dtype).  An adapter that
         #: overrides :meth:`factor_term` with its own product should honour it
         self.factor_compute_dtype: torch.dtype | None = None
+        #: dense factors above this many rows become ``large_factor``'s kind
+        #: (set from the options of the same names; None: no limit)
+        self.max_factor_dim: int | None = None
+        self.large_factor = LargeFactor.DIAGONAL
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -105,6 +117,21 @@ class LayerAdapter(ABC):
         """The Kronecker factors of the layer's block: dense A (inputs, acting on
         the gradient matrix's columns) and dense G (output gradients, rows)."""
         return kfac_factors(self.a_dim, self.g_dim)
+
+    def effective_specs(self) -> tuple[FactorSpec, ...]:
+        """:meth:`factor_specs` as kept: every dense factor above
+        :attr:`max_factor_dim` made diagonal or block-diagonal
+        (:func:`kaisa.factors.limit_factors`).  What the layer's state, the
+        plan, the forecast and the reports read."""
+        return limit_factors(self.factor_specs(), self.max_factor_dim, self.large_factor)
+
+    def limited_specs(self) -> tuple[FactorSpec, ...]:
+        """The factors :attr:`max_factor_dim` changed, as kept (for reports)."""
+        return tuple(
+            kept
+            for declared, kept in zip(self.factor_specs(), self.effective_specs())
+            if kept != declared
+        )
 
     # -- capture -----------------------------------------------------------
     @property
@@ -159,7 +186,9 @@ class LayerAdapter(ABC):
                 rows = rows.mean(1, keepdim=True)
             else:
                 rows = rows.sum(1, keepdim=True)
-        term = contribution(rows, spec.kind, dtype, scale, self.factor_compute_dtype)
+        term = contribution(
+            rows, spec.kind, dtype, scale, self.factor_compute_dtype, blocks=spec.blocks
+        )
         return term, float(rows.shape[0] * rows.shape[1])
 
     # -- parameters --------------------------------------------------------
@@ -278,5 +307,17 @@ class LayerAdapter(ABC):
         return tuple(s.dim for s in sorted(self.factor_specs(), key=lambda s: s.axis))
 
     def describe(self) -> str:
-        shapes = ", ".join(f"{s.name}: {'×'.join(map(str, s.shape))}" for s in self.factor_specs())
-        return f"{type(self.module).__name__}({shapes})"
+        return f"{type(self.module).__name__}({describe_specs(self.effective_specs())})"
+
+
+def describe_specs(specs: Sequence[FactorSpec]) -> str:
+    """``A: 129×129, G: 32000 diagonal`` or ``G: block-diagonal 8×4000``."""
+    parts = []
+    for s in specs:
+        if s.kind is FactorKind.DIAGONAL:
+            parts.append(f"{s.name}: {s.dim} diagonal")
+        elif s.kind is FactorKind.BLOCK_DIAGONAL:
+            parts.append(f"{s.name}: block-diagonal {s.layout.describe()}")
+        else:
+            parts.append(f"{s.name}: {s.dim}×{s.dim}")
+    return ", ".join(parts)

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from kaisa.factors import FactorKind, FactorSource, FactorSpec
-from kaisa.layers.base import LayerAdapter
+from kaisa.layers.base import LayerAdapter, describe_specs
 
 __all__ = ["LinearAdapter", "LinearCall", "TiedHeadAdapter"]
 
@@ -109,6 +109,6 @@ class TiedHeadAdapter(LinearAdapter):
 
     def describe(self) -> str:
         return (
-            f"Linear(A: {self.a_dim}×{self.a_dim}, G: {self.g_dim} diagonal) tied to "
+            f"Linear({describe_specs(self.effective_specs())}) tied to "
             f"{self.embedding}.weight: the head's factors, the embedding's curvature term left out"
         )

@@ -43,7 +43,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from kaisa.layers.base import LayerAdapter
+from kaisa.layers.base import LayerAdapter, describe_specs
 from kaisa.layers.linear import LinearAdapter
 
 __all__ = [
@@ -246,4 +246,4 @@ class ReplicatedBiasAdapter(LayerAdapter):
         return [f"{self.layer_name}.bias"]
 
     def describe(self) -> str:
-        return f"replicated bias of a rowwise Linear (A: 1×1, G: {self.g_dim}×{self.g_dim})"
+        return f"replicated bias of a rowwise Linear ({describe_specs(self.effective_specs())})"

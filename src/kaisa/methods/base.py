@@ -23,7 +23,9 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from kaisa.factors import FactorSpec
+from kaisa.blocks import BlockLayout
+from kaisa.factors import FactorKind, FactorSpec
+from kaisa.precondition import mul_axis
 from kaisa.workspace import Workspace
 
 __all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
@@ -57,6 +59,22 @@ class IdentityMemo(Generic[_T]):
         return found[1]
 
 
+def block_layout(spec: FactorSpec) -> BlockLayout | None:
+    """The layout of a block-diagonal factor's matrices (None for other kinds)."""
+    return spec.layout if spec.kind is FactorKind.BLOCK_DIAGONAL else None
+
+
+def mul_factor(
+    v: Tensor, spec: FactorSpec, m: Tensor, out: Tensor | None, transpose: bool = False
+) -> Tensor:
+    """:func:`kaisa.precondition.mul_axis` of a dense or block-diagonal
+    factor's matrix ``m`` (``mᵀ`` with ``transpose``) along the factor's axis;
+    a block-diagonal one ignores ``out``."""
+    if spec.kind is FactorKind.BLOCK_DIAGONAL:
+        return spec.layout.mul(v, m, spec.axis, transpose)
+    return mul_axis(v, m.t() if transpose else m, spec.axis, out)
+
+
 @dataclass(frozen=True)
 class HeldTensor:
     """One second-order tensor a gradient worker holds."""
@@ -64,6 +82,8 @@ class HeldTensor:
     key: str
     shape: tuple[int, ...]
     symmetric: bool = False  #: may travel as a triangle
+    #: the blocks of a block-diagonal matrix stored flat (:mod:`kaisa.blocks`)
+    layout: BlockLayout | None = None
 
     @property
     def numel(self) -> int:

@@ -16,9 +16,17 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kaisa.decompose import eigen_outer, symmetric_eigh
+from kaisa.decompose import block_eigh, eigen_outer, symmetric_eigh
 from kaisa.factors import FactorKind, FactorSpec
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, IdentityMemo, Transfer
+from kaisa.methods.base import (
+    CurvatureMethod,
+    Factors,
+    HeldTensor,
+    IdentityMemo,
+    Transfer,
+    block_layout,
+    mul_factor,
+)
 from kaisa.precondition import mul_axis, mul_axis_from, mul_axis_to
 from kaisa.workspace import Alternating, Workspace, products_into
 
@@ -28,7 +36,8 @@ _OUTER = "inv_outer"
 
 
 def _basis(spec: FactorSpec) -> HeldTensor:
-    return HeldTensor(f"q{spec.name.lower()}", (spec.dim, spec.dim))
+    """A dense factor's eigenbasis, or a block-diagonal one's blocks' bases (flat)."""
+    return HeldTensor(f"q{spec.name.lower()}", spec.shape, layout=block_layout(spec))
 
 
 def _values(spec: FactorSpec) -> HeldTensor:
@@ -39,10 +48,11 @@ def _values(spec: FactorSpec) -> HeldTensor:
 def _apply_keys(
     factors: Factors, _: bool
 ) -> tuple[tuple[tuple[FactorSpec, str], ...], tuple[str, ...]]:
-    """(dense factors in axis order with their bases' keys, every factor's
-    eigenvalues' key in axis order), once per layer."""
+    """(factors with a basis — dense or block-diagonal — in axis order with
+    their bases' keys, every factor's eigenvalues' key in axis order), once
+    per layer."""
     ordered = sorted(factors, key=lambda s: s.axis)
-    dense = tuple((s, _basis(s).key) for s in ordered if s.kind is FactorKind.DENSE)
+    dense = tuple((s, _basis(s).key) for s in ordered if s.kind is not FactorKind.DIAGONAL)
     return dense, tuple(_values(s).key for s in ordered)
 
 
@@ -72,7 +82,7 @@ class EigenMethod(CurvatureMethod):
     def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
         outer = HeldTensor(_OUTER, _grad_shape(factors))
         if colocated and self.outer_product:
-            return (*(_basis(s) for s in factors if s.kind is FactorKind.DENSE), outer)
+            return (*(_basis(s) for s in factors if s.kind is not FactorKind.DIAGONAL), outer)
         own = tuple(t for s in factors for t in _own(s))
         return (*own, outer) if self.outer_product else own
 
@@ -91,6 +101,9 @@ class EigenMethod(CurvatureMethod):
             assert factor is not None, f"factor {spec.name} is not held by its owner"
             if spec.kind is FactorKind.DIAGONAL:
                 new[_values(spec).key] = factor.to(dtype).clamp(min=0.0)
+            elif spec.kind is FactorKind.BLOCK_DIAGONAL:
+                q, lam = block_eigh(factor, spec.layout, dtype)
+                new[_basis(spec).key], new[_values(spec).key] = q, lam
             else:
                 q, lam = symmetric_eigh(factor, dtype)
                 new[_basis(spec).key], new[_values(spec).key] = q, lam
@@ -119,6 +132,8 @@ class EigenMethod(CurvatureMethod):
             return torch.full(tensor.shape, 1.0 / damping, dtype=like.dtype, device=like.device)
         if tensor.key.startswith("eig_"):
             return torch.zeros(tensor.shape, dtype=like.dtype, device=like.device)
+        if tensor.layout is not None:
+            return tensor.layout.eye(like.dtype, like.device)
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device)
 
     def apply(
@@ -130,14 +145,16 @@ class EigenMethod(CurvatureMethod):
         work: Workspace | None = None,
     ) -> Tensor:
         dense, values = _apply_keys(factors)
-        some = state[dense[0][1]] if dense else state[_OUTER]
+        # the dtype the products run in: a basis's, else (every factor
+        # diagonal) the divisor's or the eigenvalues'
+        some = state[dense[0][1] if dense else (_OUTER if _OUTER in state else values[0])]
         v = grad.to(some.dtype)
         outs = products_into(work, v)
         for spec, key in dense:
-            v = mul_axis(v, state[key], spec.axis, outs.next())
+            v = mul_factor(v, spec, state[key], outs.next())
         v = _divide(v, state, values, damping, outs.next())
         for spec, key in dense:
-            v = mul_axis(v, state[key].t(), spec.axis, outs.next())
+            v = mul_factor(v, spec, state[key], outs.next(), transpose=True)
         return v.to(grad.dtype)
 
     #: in the eigenbasis ``⟨V, ∇⟩ = ⟨C / D, C⟩`` with ``C = Q_Gᵀ ∇ Q_A``: both
@@ -148,7 +165,12 @@ class EigenMethod(CurvatureMethod):
         self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
     ) -> bool:
         dense, _ = _apply_keys(factors)
-        return len(factors) == 2 and bool(dense) and all(t.dtype == dtype for t in state.values())
+        return (
+            len(factors) == 2
+            and bool(dense)
+            and all(s.kind is FactorKind.DENSE for s, _ in dense)
+            and all(t.dtype == dtype for t in state.values())
+        )
 
     def apply_blocks(
         self,

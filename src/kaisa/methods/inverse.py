@@ -15,10 +15,18 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kaisa.decompose import damped_inverse, pi_splits
+from kaisa.decompose import block_damped_inverse, damped_inverse, pi_splits
 from kaisa.factors import FactorKind, FactorSpec
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, IdentityMemo, Transfer
-from kaisa.precondition import mul_axis, mul_axis_from, mul_axis_to
+from kaisa.methods.base import (
+    CurvatureMethod,
+    Factors,
+    HeldTensor,
+    IdentityMemo,
+    Transfer,
+    block_layout,
+    mul_factor,
+)
+from kaisa.precondition import mul_axis_from, mul_axis_to
 from kaisa.workspace import Workspace, products_into
 
 __all__ = ["InverseMethod"]
@@ -26,7 +34,9 @@ __all__ = ["InverseMethod"]
 
 def _inverse(spec: FactorSpec) -> HeldTensor:
     # a diagonal factor's inverse is a vector: nothing to fold into a triangle
-    return HeldTensor(f"{spec.name.lower()}_inv", spec.shape, spec.symmetric)
+    return HeldTensor(
+        f"{spec.name.lower()}_inv", spec.shape, spec.symmetric, layout=block_layout(spec)
+    )
 
 
 @IdentityMemo
@@ -36,7 +46,10 @@ def _apply_order(factors: Factors, _: bool) -> tuple[tuple[FactorSpec, str], ...
 
 
 def _trace(spec: FactorSpec, factor: Tensor) -> Tensor:
-    diag = factor if spec.kind is FactorKind.DIAGONAL else torch.diagonal(factor)
+    if spec.kind is FactorKind.BLOCK_DIAGONAL:
+        diag = spec.layout.diagonal(factor)
+    else:
+        diag = factor if spec.kind is FactorKind.DIAGONAL else torch.diagonal(factor)
     return diag.to(torch.float64).sum()
 
 
@@ -80,12 +93,16 @@ class InverseMethod(CurvatureMethod):
             shift = pis[i] * share
             if spec.kind is FactorKind.DIAGONAL:
                 new[_inverse(spec).key] = 1.0 / (factor.to(dtype) + shift.to(dtype))
+            elif spec.kind is FactorKind.BLOCK_DIAGONAL:
+                new[_inverse(spec).key] = block_damped_inverse(factor, spec.layout, shift, dtype)
             else:
                 new[_inverse(spec).key] = damped_inverse(factor, shift, dtype)
         return new
 
     def fallback(self, tensor: HeldTensor, n_factors: int, damping: float, like: Tensor) -> Tensor:
         value = damping ** (-1.0 / n_factors)
+        if tensor.layout is not None:
+            return tensor.layout.eye(like.dtype, like.device) * value
         if len(tensor.shape) == 1:
             return torch.full(tensor.shape, value, dtype=like.dtype, device=like.device)
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device) * value
@@ -140,4 +157,4 @@ def _apply_factor(v: Tensor, spec: FactorSpec, inv: Tensor, out: Tensor | None) 
         shape = [1] * v.dim()
         shape[spec.axis] = -1
         return torch.mul(v, inv.reshape(shape), out=out)
-    return mul_axis(v, inv, spec.axis, out)
+    return mul_factor(v, spec, inv, out)
