@@ -301,7 +301,10 @@ class Capture:
         gradient to the adapter's shape (a functional capture's slice);
         ``memo`` lets layers called on the same ``x`` share its input terms."""
         if not self.accepts(layer.adapter, module, output):
+            if self.enabled and not module.training and torch.is_grad_enabled():
+                layer.eval_forward = True  # said at step() if it is all the layer saw
             return
+        layer.eval_forward = False
         if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
             raise RuntimeError(
                 f"kaisa: layer {layer.name!r} received a DTensor input: the model was "
