@@ -185,8 +185,9 @@ class StepPipeline:
     def _report_broadcast_inputs(self) -> None:
         """A layer that saw fewer data points per pass than the rest of the
         model was fed one row broadcast over the batch (position ids of shape
-        ``[1, T]``): its G is that of the batch-summed gradient, not the
-        per-example one.  Said once per layer."""
+        ``[1, T]``) in a way :mod:`kaisa.broadcast` cannot see through (not an
+        elementwise ``+``/``-``/``*`` with the batch): its G is that of the
+        batch-summed gradient, not the per-example one.  Said once per layer."""
         per_pass = {}
         for la in self.layers:
             index = next(
@@ -203,9 +204,10 @@ class StepPipeline:
                 warnings.warn(
                     f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
                     f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
-                    "position ids of shape [1, T]), so its G factor is that of the batch-summed "
-                    "gradient. Pass per-example inputs (ids.expand(N, T)) or leave it out with "
-                    "skip_layers",
+                    "position ids of shape [1, T]) by an operation kaisa does not see through "
+                    "(it does an elementwise +, - or * with the batch), so its G factor is that "
+                    "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
+                    "leave it out with skip_layers",
                     stacklevel=4,
                 )
 
