@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -75,8 +76,12 @@ class GradientApplication:
         lr: float,
         kl_clip: float | None,
         factor_step: bool,
+        presence: Mapping[str, bool] | None = None,
     ) -> None:
-        taking_part = self._taking_part(layers, factor_step)
+        """``presence``: each layer's gradient presence, already and-ed over
+        the data-parallel group (by the finiteness check), so no second
+        collective is needed to agree on it."""
+        taking_part = self._taking_part(layers, factor_step, presence)
         clip = None if kl_clip is None else (lr, kl_clip)
         work = self._workspace(layers)
         own: list[KFACLayer] = []
@@ -209,14 +214,16 @@ class GradientApplication:
                 self._work = Workspace.for_shapes(list(shapes.values()), layers[0].adapter.device)
         return self._work
 
-    def _taking_part(self, layers: list[KFACLayer], factor_step: bool) -> list[KFACLayer]:
+    def _taking_part(
+        self, layers: list[KFACLayer], factor_step: bool, presence: Mapping[str, bool] | None
+    ) -> list[KFACLayer]:
         """Captured layers with a gradient, kept where every rank has one."""
         local: list[KFACLayer] = []
         for layer in layers:
             if not self.engine.present(layer.adapter):
                 continue
             if not layer.captured:
-                if factor_step:
+                if factor_step and not layer.eval_forward:  # eval mode: said by the pipeline
                     self._warn_once(
                         layer.name,
                         f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
@@ -229,9 +236,12 @@ class GradientApplication:
             return local
         candidates = [la for la in layers if la.captured]
         mine = {la.name for la in local}
-        agreed = self.comm.agree_all(
-            [la.name in mine for la in candidates], layers[0].adapter.device
-        )
+        if presence is None:
+            agreed = self.comm.agree_all(
+                [la.name in mine for la in candidates], layers[0].adapter.device
+            )
+        else:  # captured is the same everywhere: and-ing presence alone is enough
+            agreed = [presence[la.name] for la in candidates]
         kept = []
         for layer, ok in zip(candidates, agreed):
             if ok:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kaisa.broadcast import wrap_broadcast
 from kaisa.config import LossAverage
 from kaisa.factors import FactorSource, grad_multiplier
 from kaisa.layer import KFACLayer
@@ -126,9 +127,10 @@ class _Hook:
         self.fn = fn
         self.module = module
 
-    def __call__(self, module: nn.Module, *args: Any) -> None:
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
         if module is self.module:
-            self.fn(module, *args)
+            return self.fn(module, *args)  # a forward hook may replace the output
+        return None
 
     def __reduce__(self) -> tuple[Callable[[], _InertHook], tuple[()]]:
         return (_inert, ())
@@ -262,14 +264,33 @@ class Capture:
         if self.enabled and module.training and torch.is_grad_enabled():
             self.pass_id += 1
 
-    def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+    def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
             x = _first_tensor(inputs)
             out = layer.adapter.output_tensor(output)
-            if x is not None and out is not None:
-                self.observe(layer, module, x, out)
+            if x is None or out is None:
+                return None
+            if out is output and self._broadcast(layer, module, x, out):
+                # the call is observed where the output meets the batch (kaisa.broadcast)
+                return wrap_broadcast(out, (x, lambda xx, oo: self.observe(layer, module, xx, oo)))
+            self.observe(layer, module, x, out)
+            return None
 
         return hook
+
+    def _broadcast(self, layer: KFACLayer, module: nn.Module, x: Tensor, out: Tensor) -> bool:
+        """Whether the output may be broadcast over a batch it does not have:
+        one row of ids (position ids ``[1, T]``) of a layer that allows it."""
+        return (
+            layer.adapter.broadcast_over_batch
+            and x.dim() >= 2
+            and x.shape[0] == 1
+            and out.dim() >= 1
+            and out.shape[0] == 1
+            and not hasattr(out, "placements")
+            and not torch.compiler.is_compiling()
+            and self.accepts(layer.adapter, module, out)
+        )
 
     def wants(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now is captured at all."""
@@ -302,7 +323,10 @@ class Capture:
         gradient to the adapter's shape (a functional capture's slice);
         ``memo`` lets layers called on the same ``x`` share its input terms."""
         if not self.accepts(layer.adapter, module, output):
+            if self.enabled and not module.training and torch.is_grad_enabled():
+                layer.eval_forward = True  # said at step() if it is all the layer saw
             return
+        layer.eval_forward = False
         if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
             raise RuntimeError(
                 f"kaisa: layer {layer.name!r} received a DTensor input: the model was "

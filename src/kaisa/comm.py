@@ -312,6 +312,17 @@ class Communicator:
         # the first to decide sets the verdict; everyone reads the same one
         return bytes(store.compare_set(f"{base}/verdict", "", wanted)) == b"go"
 
+    def agree_model_parallel(self, flag: bool, device: torch.device) -> bool:
+        """``flag`` and-ed over the tensor- and pipeline-parallel groups (blocking;
+        nothing to do without them)."""
+        if not self.model_parallel:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        for group in self.model_parallel:
+            self._run("agree", dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True))
+            self.stats.record("agree", t.numel() * t.element_size())
+        return bool(t.item())
+
     def sum_model_parallel(self, value: Tensor) -> Tensor:
         """``value`` summed over the tensor- and pipeline-parallel groups (in place)."""
         for group in self.model_parallel:

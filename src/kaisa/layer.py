@@ -107,6 +107,8 @@ class KFACLayer:
         self.cast = CastCopies(precondition_dtype)
         self.captured = False
         self.decomposed = False
+        #: the last forward seen with gradients enabled ran in eval mode (not captured)
+        self.eval_forward = False
         self.failed_decompositions = 0
         self.decompositions = 0  #: factors this rank has decomposed
         self._rejected: Tensor | int = 0  # non-finite batch factors, counted on device

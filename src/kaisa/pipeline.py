@@ -23,6 +23,7 @@ from kaisa.capture import Capture
 from kaisa.comm import Communicator
 from kaisa.engines.base import Engine, GradientMarks
 from kaisa.factors import FactorSource
+from kaisa.finite import NonFiniteSteps, gradients_finite
 from kaisa.layer import KFACLayer
 from kaisa.plan import WorkPlan
 from kaisa.reduction import FactorReduction
@@ -54,7 +55,11 @@ class StepPipeline:
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
+        self.nonfinite = NonFiniteSteps()
+        #: each layer's gradient presence, agreed on with the finiteness check
+        self._presence: dict[str, bool] | None = None
         self._broadcast_reported: set[str] = set()
+        self._eval_reported: set[str] = set()
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
         if self.in_hook and self.comm.distributed:
             self.capture.on_layer_complete = self.reduction.layer_complete
@@ -65,12 +70,15 @@ class StepPipeline:
         self.check_new_backward()
         self.scaling.check_unscaled()
         factor_step = self.schedule.is_factor_step(step)
+        # the reductions backward started come first: any other collective
+        # (the validity verdict) issued before them would cross them
+        counts = self.reduce_factors() if factor_step else None
         if not self.gradients_valid():
-            self.skip(factor_step)
+            self.skip(counts is not None)
             return
         damping = self.schedule.damping(step)
-        if factor_step:
-            self.reduce_factors(step)
+        if counts is not None:
+            self.reduction.fold(counts, self.schedule.factor_decay(step))
         self.update_second_order(step, damping)
         self.apply(step, damping, factor_step)
         self.comm.stats.end_step()
@@ -100,34 +108,62 @@ class StepPipeline:
     def gradients_valid(self) -> bool:
         """The grad scaler's verdict and the engine's own (DeepSpeed's fp16
         overflow), the same on every rank: one small collective when either
-        has one, none otherwise."""
+        has one.  Without either, kaisa checks the gradients itself
+        (:meth:`gradients_finite`)."""
+        self._presence = None
+        engine_verdict = self.engine.step_is_valid()
         found = self.scaling.found_inf()
-        verdicts = [self.engine.step_is_valid(), True if found is None else found == 0]
+        if found is None and engine_verdict is True:
+            return self.gradients_finite()
+        verdicts = [engine_verdict, True if found is None else found == 0]
         verdicts = [v for v in verdicts if v is not True]
-        if not verdicts:
-            return True
         local = all(bool(v) for v in verdicts)
         return self.comm.agree_all([local], self.layers[0].adapter.device)[0]
 
-    def skip(self, factor_step: bool) -> None:
-        """A step the optimizer will skip: leave every statistic, factor,
-        decomposition and the step count as they were."""
-        if factor_step:
-            self.reduction.run(self.schedule.factor_decay(self.steps), fold=False)
+    def gradients_finite(self) -> bool:
+        """Whether every registered layer's gradient is finite on every rank
+        (:mod:`kaisa.finite`).  Where DDP has averaged the gradients a NaN on
+        one rank is a NaN on all, so each rank's own check is the verdict;
+        elsewhere it travels with the layers' gradient presence in the one
+        collective the gradient application would run anyway, and over the
+        model-parallel groups, whose ranks must skip together."""
+        adapters = [la.adapter for la in self.layers]
+        device = adapters[0].device
+        finite = gradients_finite(self.engine.local_gradients(adapters))
+        if self.comm.distributed and not self.engine.gradients_agree():
+            present = [self.engine.present(a) for a in adapters]
+            agreed = self.comm.agree_all([finite, *present], device)
+            finite = agreed[0]
+            self._presence = {la.name: ok for la, ok in zip(self.layers, agreed[1:])}
+        finite = self.comm.agree_model_parallel(finite, device)
+        if not finite:
+            self.nonfinite.record(self.steps)
+        return finite
+
+    def skip(self, reduced: bool) -> None:
+        """A step the scaler skips, or whose gradients are not finite: leave
+        every factor, decomposition, gradient and the step count as they
+        were, and drop the step's statistics (``reduced``: already summed
+        over the ranks)."""
+        if reduced:
+            self.reduction.discard()
         for layer in self.layers:
             layer.batch.reset()
             layer.pending.calls.clear()
         self.comm.stats.end_step()
         self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
 
-    def reduce_factors(self, step: int) -> None:
-        """Statistics → owners → running averages."""
+    def reduce_factors(self) -> list[float]:
+        """Statistics → owners; the counts of every factor, summed over the
+        ranks (folded into the running averages once the step is known to
+        be valid)."""
         self._report_dropped_forwards()
         self._report_broadcast_inputs()
+        self._report_eval_forwards()
         if not self.in_hook:
             for layer in self.layers:
                 self.capture.flush(layer)
-        self.reduction.run(self.schedule.factor_decay(step))
+        return self.reduction.exchange()
 
     def update_second_order(self, step: int, damping: float) -> None:
         """Decompose and broadcast on inverse steps; at once for a layer seen the first time."""
@@ -143,13 +179,15 @@ class StepPipeline:
             self.schedule.lr(step),
             self.schedule.kl_clip(step),
             factor_step,
+            self._presence,
         )
 
     def _report_broadcast_inputs(self) -> None:
         """A layer that saw fewer data points per pass than the rest of the
         model was fed one row broadcast over the batch (position ids of shape
-        ``[1, T]``): its G is that of the batch-summed gradient, not the
-        per-example one.  Said once per layer."""
+        ``[1, T]``) in a way :mod:`kaisa.broadcast` cannot see through (not an
+        elementwise ``+``/``-``/``*`` with the batch): its G is that of the
+        batch-summed gradient, not the per-example one.  Said once per layer."""
         per_pass = {}
         for la in self.layers:
             index = next(
@@ -166,11 +204,41 @@ class StepPipeline:
                 warnings.warn(
                     f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
                     f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
-                    "position ids of shape [1, T]), so its G factor is that of the batch-summed "
-                    "gradient. Pass per-example inputs (ids.expand(N, T)) or leave it out with "
-                    "skip_layers",
+                    "position ids of shape [1, T]) by an operation kaisa does not see through "
+                    "(it does an elementwise +, - or * with the batch), so its G factor is that "
+                    "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
+                    "leave it out with skip_layers",
                     stacklevel=4,
                 )
+
+    def _report_eval_forwards(self) -> None:
+        """A layer with a gradient whose forwards this step all ran in eval
+        mode: kaisa captures training-mode forwards only, so its factors
+        miss this step.  Said once per layer; an eval forward that is not
+        backpropagated (a validation pass) is ignored without a word."""
+        names = [
+            la.name
+            for la in self.layers
+            if la.eval_forward
+            and not la.batch.has_data
+            and not la.pending.calls
+            and la.name not in self._eval_reported
+            and self.engine.present(la.adapter)
+        ]
+        if not names:
+            return
+        self._eval_reported.update(names)
+        listed = ", ".join(repr(n) for n in names[:3])
+        if len(names) > 3:
+            listed += f" and {len(names) - 3} more"
+        warnings.warn(
+            f"kaisa: layer(s) {listed} have a gradient but their forward ran in eval mode "
+            "(model.eval()): kaisa captures training-mode forwards only, so their factors "
+            "were not updated this step (a layer never captured keeps its raw gradient). "
+            "Call model.train() before training forwards (after an evaluation, say); to "
+            "train without dropout, set its probability to 0 instead of calling eval()",
+            stacklevel=4,
+        )
 
     def _report_dropped_forwards(self) -> None:
         dropped = {la.name: la.batch.pending_forwards for la in self.layers}

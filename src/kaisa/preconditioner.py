@@ -188,6 +188,13 @@ class KFACPreconditioner(KfacPytorchAttributes):
         return self._parts.pipeline.steps
 
     @property
+    def nonfinite_steps(self) -> int:
+        """Steps skipped because a registered layer's gradient held a NaN or
+        Inf (a ``GradScaler``'s own skips are not counted): each left kaisa
+        as it was, with its gradients unchanged (:mod:`kaisa.finite`)."""
+        return self._parts.pipeline.nonfinite.count
+
+    @property
     def layers(self) -> dict[str, KFACLayer]:
         return self._parts.layers
 

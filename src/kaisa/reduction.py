@@ -153,44 +153,40 @@ class FactorReduction:
         return store
 
     # -- at step() ------------------------------------------------------------------
-    def run(self, decay: float, *, fold: bool = True) -> None:
-        """Reduce every layer's sums and counts and fold them in on the owners.
-
-        ``fold=False`` (a skipped step) still completes every collective that
-        backward hooks may have started, so ranks stay in step, and then
-        forgets the result.
-        """
-        if self.comm.distributed:
-            for layer in self.layers:
-                if layer.name not in self._filled:
-                    self._fill(layer)
-            self._send_ready(force=True)
-            counts = torch.tensor(
-                [c for layer in self.layers for c in self._filled[layer.name]],
-                dtype=torch.float64,
-            )
-            device = self.layers[0].adapter.device
-            received: list[Tensor] = []
-            self.comm.allreduce_sum(counts.to(device), received.extend, kind="factor_counts")
-            self.comm.wait()
-            counts = received[0].cpu()  # one host sync per factor step, for all layers
-            self._reset_buckets()
-        else:
-            counts = torch.tensor(
-                [c for layer in self.layers for c in layer.batch.counts], dtype=torch.float64
-            )
+    def exchange(self) -> list[float]:
+        """Finish every reduction (those backward hooks started included) and
+        return the counts of all ranks, factor by factor.  Must run before any
+        other collective of the step: a rank whose hooks sent a bucket during
+        backward has that reduction queued ahead of anything else."""
+        if not self.comm.distributed:
             for layer in self.layers:
                 for i, value in enumerate(layer.batch.sums):
                     if value is not None:
                         self._reduced[(layer.name, i)] = value
-        if fold:
-            self._fold(counts.tolist(), decay)
-        else:
-            self._reduced.clear()
-            for layer in self.layers:
-                layer.batch.reset()
+            return [c for layer in self.layers for c in layer.batch.counts]
+        for layer in self.layers:
+            if layer.name not in self._filled:
+                self._fill(layer)
+        self._send_ready(force=True)
+        counts = torch.tensor(
+            [c for layer in self.layers for c in self._filled[layer.name]], dtype=torch.float64
+        )
+        device = self.layers[0].adapter.device
+        received: list[Tensor] = []
+        self.comm.allreduce_sum(counts.to(device), received.extend, kind="factor_counts")
+        self.comm.wait()
+        reduced: list[float] = received[0].cpu().tolist()  # one host sync per factor step
+        self._reset_buckets()
+        return reduced
 
-    def _fold(self, counts: list[float], decay: float) -> None:
+    def discard(self) -> None:
+        """Forget what :meth:`exchange` reduced and this step's statistics."""
+        self._reduced.clear()
+        for layer in self.layers:
+            layer.batch.reset()
+
+    def fold(self, counts: list[float], decay: float) -> None:
+        """Divide by the counts and fold into the running averages (owners)."""
         k = 0
         for layer in self.layers:
             owners = self.plan.layer(layer.name).owners

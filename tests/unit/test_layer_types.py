@@ -235,30 +235,40 @@ def test_tied_head_uses_head_factors_with_diagonal_g() -> None:
     assert "tied to emb.weight" in precond.describe()
 
 
-def test_position_ids_broadcast_over_the_batch_are_reported() -> None:
+def test_position_ids_broadcast_over_the_batch_are_seen_through_or_reported() -> None:
+    """Ids [1, T] whose embedding the model adds to the batch: captured per
+    example where the broadcast happens (kaisa.broadcast; test_broadcast.py),
+    so the factors equal those of per-example ids and nothing is reported.
+    A use kaisa cannot see through (the model's own expand) is reported."""
+
     class Positional(nn.Module):
-        def __init__(self, expand: bool) -> None:
+        def __init__(self, mode: str) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.expand = expand
+            self.mode = mode
             self.tok, self.pos, self.head = nn.Embedding(9, 4), nn.Embedding(5, 4), nn.Linear(4, 2)
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
             positions = torch.arange(idx.shape[1])[None]
-            if self.expand:
+            if self.mode == "per-example":
                 positions = positions.expand(idx.shape[0], -1)
-            return self.head(self.tok(idx) + self.pos(positions))
+            p = self.pos(positions)
+            tokens = self.tok(idx)
+            return self.head(tokens + (p.expand_as(tokens) if self.mode == "own-expand" else p))
 
     idx = torch.randint(0, 9, (6, 5))
-    for expand in (False, True):
-        model = Positional(expand)
+    found = {}
+    for mode in ("broadcast", "per-example", "own-expand"):
+        model = Positional(mode)
         precond = KFACPreconditioner(model)
         model(idx).sum().backward()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             precond.step()
         messages = [str(w.message) for w in caught if "broadcast" in str(w.message)]
-        if expand:
-            assert not messages
-        else:
+        found[mode] = precond.layers["pos"].factor("G")
+        if mode == "own-expand":
             assert len(messages) == 1 and "'pos'" in messages[0] and "expand" in messages[0]
+        else:
+            assert not messages
+    assert rel_err(found["broadcast"], found["per-example"]) <= TOL

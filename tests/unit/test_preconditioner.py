@@ -374,11 +374,12 @@ def test_non_finite_backward_does_not_poison_factors() -> None:
     x, y = batch(seed=9)
     opt.zero_grad()
     (F.cross_entropy(model(x), y) * float("inf")).backward()
-    precond.step()  # must not raise
+    with pytest.warns(UserWarning, match="non-finite gradients"):
+        precond.step()  # must not raise: the step is skipped (test_safety.py)
     for n, la in precond.layers.items():
         assert torch.equal(la.factor("G"), before[n])
         assert torch.isfinite(la.state["qg"]).all()
-    assert precond.layers["2"].nonfinite_updates >= 1
+    assert precond.nonfinite_steps == 1
     opt.zero_grad()  # the next healthy step trains normally
     losses = train(model, precond, opt, 3, seed0=10)
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -34,7 +34,14 @@ if TYPE_CHECKING:
     from kaisa.layers.registry import SkippedModule
     from kaisa.workspace import Workspace
 
-__all__ = ["Engine", "EngineDefaults", "GradientMarks", "assemble_by_workers", "gather_onto"]
+__all__ = [
+    "Engine",
+    "EngineDefaults",
+    "GradientMarks",
+    "assemble_by_workers",
+    "gather_onto",
+    "unique_parameters",
+]
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,19 @@ class Engine(ABC):
         not plain tensors to write in place (the default)."""
         return None
 
+    def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
+        """The gradient tensors this rank holds for ``adapters``' parameters —
+        whole, or its part of a partitioned one — for the check that skips a
+        step whose gradients are not finite (:mod:`kaisa.finite`).  Default:
+        each ``param.grad``, a DTensor's local shard."""
+        out = []
+        for p in unique_parameters(adapters):
+            grad = p.grad
+            if grad is not None:
+                to_local = getattr(grad, "to_local", None)
+                out.append(to_local() if callable(to_local) else grad)
+        return out
+
     def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
         """The dtype :meth:`read` returns for the layer (for receive buffers)."""
         return adapter.weight.dtype
@@ -199,6 +219,11 @@ class Engine(ABC):
     def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
         """Something per layer that changes whenever a backward pass writes its
         gradient (see :class:`GradientMarks`)."""
+
+
+def unique_parameters(adapters: Sequence[LayerAdapter]) -> list[nn.Parameter]:
+    """Every parameter of ``adapters`` once (a packed q/k/v weight is shared)."""
+    return list(dict.fromkeys(p for a in adapters for p in a.parameters()))
 
 
 class GradientMarks:

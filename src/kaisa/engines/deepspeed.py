@@ -45,7 +45,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, EngineDefaults, assemble_by_workers, gather_onto
+from kaisa.engines.base import (
+    Engine,
+    EngineDefaults,
+    assemble_by_workers,
+    gather_onto,
+    unique_parameters,
+)
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter, param_shape
 from kaisa.topology import Topology
@@ -193,6 +199,10 @@ class DeepSpeedEngine(Engine):
         if not weight.requires_grad:
             return False
         return layout_of(weight) is not None
+
+    def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
+        parts = (_local_part(p) for p in unique_parameters(adapters))
+        return [t for t in parts if t is not None]
 
     def gradients_agree(self) -> bool:
         # ZeRO ≥ 1 keeps a (zero where unused) gradient for every trainable

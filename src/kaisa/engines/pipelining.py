@@ -286,6 +286,9 @@ class PipeliningEngine(Engine):
     def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
         return self.inner.gradient_dtype(adapter)
 
+    def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
+        return self.inner.local_gradients(adapters)
+
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         self.inner.write(adapter, matrix)
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, GradientMarks
+from kaisa.engines.base import Engine, GradientMarks, unique_parameters
 from kaisa.layers.base import LayerAdapter, sole_owners
 from kaisa.workspace import Workspace
 
@@ -84,6 +84,10 @@ class TorchEngine(Engine):
 
     def present(self, adapter: LayerAdapter) -> bool:
         return self.access.read(adapter.weight) is not None
+
+    def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
+        grads = (self.access.read(p) for p in unique_parameters(adapters))
+        return [g for g in grads if g is not None]
 
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         return adapter.matrix_of([self.access.read(p) for p in adapter.parameters()])

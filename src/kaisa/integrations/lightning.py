@@ -11,7 +11,14 @@ belongs::
 ``accumulation_steps`` is taken from ``accumulate_grad_batches``, the KL
 clip's learning rate from the (first) optimizer, and the grad scaler from
 the precision plugin, unless given.  The preconditioner's state is saved in
-and restored from Lightning checkpoints.
+and restored from Lightning checkpoints: the running factors and the step
+count, and with ``include_second_order=True`` the eigenbases/inverses too.
+Only then is a resume exact at any step; without them they are recomputed
+at the first step after the resume, from factors that already hold that
+step's batch, so the resumed run equals the uninterrupted one only where
+that step is an inverse update step anyway (see the README, "Checkpoints").
+The second-order state costs about as much again as the factors (eigen: the
+eigenbases, as large as the factors, plus their eigenvalues).
 """
 
 from __future__ import annotations
@@ -31,11 +38,18 @@ class KFACCallback(Callback):
     """Runs a :class:`~kaisa.KFACPreconditioner` inside ``Trainer.fit``.
 
     Args:
+        include_second_order: save the eigenbases/inverses in checkpoints
+            (about the factors' size again), so a resume is exact at any step.
         **kwargs: keyword arguments of :class:`~kaisa.KFACPreconditioner`.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, include_second_order: bool = False, **kwargs: Any) -> None:
         super().__init__()
+        if not isinstance(include_second_order, bool):
+            raise TypeError(
+                f"include_second_order must be a bool; got {type(include_second_order).__name__}"
+            )
+        self.include_second_order = include_second_order
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -48,8 +62,8 @@ class KFACCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             kwargs.setdefault("grad_scaler", scaler)
-        if self.preconditioner is not None:  # a second fit() continues from the first
-            self._pending_state = self.preconditioner.state_dict()
+        if self.preconditioner is not None:  # a second fit() continues from the first, exactly
+            self._pending_state = self.preconditioner.state_dict(include_second_order=True)
         self.preconditioner = KFACPreconditioner(pl_module, **kwargs)
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
@@ -66,7 +80,9 @@ class KFACCallback(Callback):
             self.preconditioner.remove_hooks()
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.preconditioner is None else self.preconditioner.state_dict()
+        if self.preconditioner is None:
+            return {}
+        return self.preconditioner.state_dict(include_second_order=self.include_second_order)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:

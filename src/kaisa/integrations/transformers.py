@@ -19,14 +19,24 @@ micro-batches, and all ranks with ``average_tokens_across_devices``, where
 the Trainer multiplies the loss by the world size).  The callback then uses
 ``loss_average='items'`` and reads ``N`` from every forward call, so the G
 factor sees per-token gradients whatever the padding.
+
+The preconditioner's state is saved with every Trainer checkpoint
+(``kaisa.pt`` in ``checkpoint-<step>``, written by the main process; every
+rank takes part in gathering it) and restored when training resumes from
+one (``resume_from_checkpoint``): the running factors and the step count,
+and with ``include_second_order=True`` the eigenbases/inverses too, which
+makes the resume exact at any step (about the factors' size again; see the
+README, "Checkpoints").
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import TrainerCallback
 
@@ -41,10 +51,20 @@ class KFACCallback(TrainerCallback):
     """Runs a :class:`~kaisa.KFACPreconditioner` inside ``Trainer.train``.
 
     Args:
+        include_second_order: save the eigenbases/inverses in checkpoints
+            (about the factors' size again), so a resume is exact at any step.
         **kwargs: keyword arguments of :class:`~kaisa.KFACPreconditioner`.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    #: the preconditioner's file in a Trainer checkpoint folder
+    STATE_NAME = "kaisa.pt"
+
+    def __init__(self, include_second_order: bool = False, **kwargs: Any) -> None:
+        if not isinstance(include_second_order, bool):
+            raise TypeError(
+                f"include_second_order must be a bool; got {type(include_second_order).__name__}"
+            )
+        self.include_second_order = include_second_order
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None
         self._items_hook: Any = None
@@ -70,10 +90,37 @@ class KFACCallback(TrainerCallback):
         if "loss_average" not in options and _accepts_loss_kwargs(model):
             options["loss_average"] = LossAverage.ITEMS
         self.preconditioner = KFACPreconditioner(model, **options)
+        self._resume(args, state)
         if self.preconditioner.config.loss_average is LossAverage.ITEMS:
             spread = args.average_tokens_across_devices and args.world_size > 1
             self._items_divisor = args.world_size if spread else 1
             self._items_hook = model.register_forward_pre_hook(self._read_items, with_kwargs=True)
+
+    def _resume(self, args: Any, state: Any) -> None:
+        """Load the state saved with the checkpoint training resumes from."""
+        if not state.global_step or self.preconditioner is None:
+            return
+        folder = args.resume_from_checkpoint
+        if not isinstance(folder, str) or not os.path.isdir(folder):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        path = os.path.join(folder, self.STATE_NAME)
+        if not os.path.isfile(path):
+            warnings.warn(
+                f"kaisa: training resumes at step {state.global_step} but {path} does not exist: "
+                "the preconditioner starts afresh (its factors from the next batch)",
+                stacklevel=3,
+            )
+            return
+        self.preconditioner.load_state_dict(torch.load(path, map_location="cpu"))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.preconditioner is None:
+            return
+        saved = self.preconditioner.state_dict(include_second_order=self.include_second_order)
+        if state.is_world_process_zero:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            torch.save(saved, os.path.join(folder, self.STATE_NAME))
 
     def _read_items(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         items = kwargs.get("num_items_in_batch")

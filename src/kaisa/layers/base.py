@@ -76,6 +76,10 @@ class LayerAdapter(ABC):
     #: inputs may be DTensors (tensor parallelism); elsewhere a DTensor input
     #: means the model was parallelised after the preconditioner was built
     sees_dtensors = False
+    #: a call on one row of inputs may be broadcast over the batch by the model
+    #: (position ids ``[1, T]``): its per-example output gradients are taken
+    #: where the broadcast happens (:mod:`kaisa.broadcast`)
+    broadcast_over_batch = False
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name

@@ -29,6 +29,7 @@ class EmbeddingAdapter(LayerAdapter):
 
     module: nn.Embedding
     supports_reduce = False  # a mean of one-hots is not one-hot: A would be dense
+    broadcast_over_batch = True  # position embeddings of ids [1, T]
 
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__(name, module)
