@@ -12,6 +12,8 @@ checkpoints whose names carry ``module.`` or ``_orig_mod.`` still load.
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = ["STATE_VERSION", "Checkpointer", "normalise_name"]
 
 STATE_VERSION = 2
 _WRAPPER_PARTS = ("module", "_orig_mod")
+_INSTANCES = itertools.count()
 
 
 def normalise_name(name: str) -> str:
@@ -53,8 +56,41 @@ class Checkpointer:
         self.method = method
         self.second_order = second_order
         self.rank = comm.rank
+        #: names this preconditioner's save rounds in the rendezvous store:
+        #: the same on every rank when they construct in the same order
+        self._uid = next(_INSTANCES)
+        self._rounds: dict[int, int] = {}
 
     # -- saving ---------------------------------------------------------------------
+    def save(
+        self,
+        steps: int,
+        include_factors: bool,
+        include_second_order: bool,
+        damping: float,
+        timeout_s: float,
+    ) -> tuple[dict[str, dict[str, Tensor]], dict[str, int] | None]:
+        """The layers' state and, for a call not every rank made within
+        ``timeout_s``, what marks it partial (this rank's share only)."""
+        # rounds are named by the step and the call's number at that step, so
+        # a call some ranks skipped does not shift later rounds' names
+        if steps not in self._rounds:
+            self._rounds = {steps: -1}
+        self._rounds[steps] += 1
+        if self.comm.all_present(
+            f"state_dict/{self._uid}/{steps}/{self._rounds[steps]}", timeout_s
+        ):
+            return self.gather(include_factors, include_second_order, damping), None
+        warnings.warn(
+            f"kaisa: state_dict() was called on rank {self.rank} but not on every rank of the "
+            f"{self.comm.world_size}-rank data-parallel group within {timeout_s:g} s. kaisa "
+            "keeps each factor on its owner only, so this checkpoint holds this rank's share: "
+            "loading it restores those layers and starts the others' statistics afresh. For a "
+            "complete checkpoint call state_dict() on every rank (and save on one)",
+            stacklevel=3,
+        )
+        return self.local(), {"rank": self.rank, "world_size": self.comm.world_size}
+
     def gather(
         self, include_factors: bool, include_second_order: bool, damping: float
     ) -> dict[str, dict[str, Tensor]]:
@@ -183,8 +219,16 @@ class Checkpointer:
                     "other max_factor_dim/large_factor options, which change factor shapes)"
                 )
 
-    def load(self, layers: dict[str, Mapping[str, Tensor]], compute_inverses: bool) -> bool:
-        """Keep what the plan gives this rank; return whether a recompute is due."""
+    def load(
+        self,
+        layers: dict[str, Mapping[str, Tensor]],
+        compute_inverses: bool,
+        partial: Any = None,
+    ) -> bool:
+        """Keep what the plan gives this rank; return whether a recompute is due.
+
+        ``partial``: the mark of a checkpoint taken on some ranks only; the
+        layers it lacks start afresh, with a warning naming them."""
         complete = True
         for name, entry in layers.items():
             layer = self.layers[name]
@@ -208,6 +252,13 @@ class Checkpointer:
                     if t.key in entry:
                         layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()
             layer.decomposed = layer.captured
+        if partial:
+            fresh = [n for n, la in self.layers.items() if not la.captured]
+            warnings.warn(
+                f"kaisa: this checkpoint was taken on some ranks only ({partial}); layers "
+                f"whose factors it lacks start their statistics afresh: {fresh}",
+                stacklevel=3,
+            )
         return compute_inverses and not complete
 
 

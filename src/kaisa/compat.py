@@ -17,7 +17,9 @@ kfac-pytorch is never imported: its enum members are recognised by name
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,9 +73,9 @@ class KfacPytorchAttributes:
 
     _schedule: Schedule
 
-    if TYPE_CHECKING:
+    _parts: Any
 
-        def _refresh_capture(self) -> None: ...
+    if TYPE_CHECKING:
 
         @property
         def steps(self) -> int: ...
@@ -98,6 +100,36 @@ class KfacPytorchAttributes:
     _factor_decay = _ScheduleOption()
     _kl_clip = _ScheduleOption()
     _lr = _ScheduleOption()
+
+    @property
+    def _steps(self) -> int:
+        """kfac-pytorch's step counter (its tests and schedulers set it)."""
+        return self.steps
+
+    @_steps.setter
+    def _steps(self, value: int) -> None:
+        self._parts.pipeline.steps = int(value)
+        self._refresh_capture()
+
+    def _refresh_capture(self) -> None:
+        """Capture in the coming passes iff the next step is a factor step."""
+        # an interval out of range is refused by the next step() that uses it
+        with suppress(TypeError, ValueError, ZeroDivisionError):
+            self._parts.capture.enabled = self._schedule.is_factor_step(self.steps)
+
+    def _warn_memory_opt_without_colocation(self) -> None:
+        """kfac-pytorch forces ``colocate_factors=True`` under MEM-OPT and warns;
+        kaisa honours the choice (exactly), and says so, so that a migrating
+        user is not surprised by where the factors live."""
+        if self.colocate_factors or self.distributed_strategy is not DistributedStrategy.MEM_OPT:
+            return
+        warnings.warn(
+            "colocate_factors=False under MEM-OPT (one gradient worker per layer): kaisa keeps "
+            "it, so a layer's factors may be decomposed on different ranks and both sent to the "
+            "layer's worker (kfac-pytorch would force colocate_factors=True). The result is "
+            "the same either way; colocation saves the second transfer",
+            stacklevel=3,
+        )
 
     # -- configuration, as kfac-pytorch exposes it --------------------------------------
     @property

@@ -7,11 +7,9 @@ parts, :mod:`kaisa.pipeline` runs ``step()`` phase by phase,
 
 from __future__ import annotations
 
-import itertools
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,14 +18,14 @@ from torch import nn
 from kaisa.checkpoint import STATE_VERSION
 from kaisa.comm import Communicator
 from kaisa.compat import KfacPytorchAttributes, is_kfac_pytorch_state, refuse_kfac_pytorch_state
-from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig
+from kaisa.config import ComputeMethod, KFACConfig
 from kaisa.engines import Engine, GradientAccess, select_engine
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule
 from kaisa.plan import WorkPlan
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.scaling import LossScaling
-from kaisa.schedule import Schedule
+from kaisa.schedule import Schedule, warn_unaligned_intervals
 from kaisa.sharded import restore_sharded, sharded_state
 from kaisa.topology import Topology
 from kaisa.wiring import build, check_runtime_arguments
@@ -35,7 +33,6 @@ from kaisa.wiring import build, check_runtime_arguments
 __all__ = ["KFACPreconditioner"]
 
 logger = logging.getLogger("kaisa")
-_INSTANCES = itertools.count()
 
 
 class KFACPreconditioner(KfacPytorchAttributes):
@@ -124,17 +121,7 @@ class KFACPreconditioner(KfacPytorchAttributes):
         self.model = model
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
-        if (
-            isinstance(config.inv_update_steps, int)
-            and isinstance(config.factor_update_steps, int)
-            and config.inv_update_steps % config.factor_update_steps != 0
-        ):
-            warnings.warn(
-                f"inv_update_steps ({config.inv_update_steps}) is not a multiple of "
-                f"factor_update_steps ({config.factor_update_steps}): some decompositions will "
-                "reuse unchanged factors",
-                stacklevel=2,
-            )
+        warn_unaligned_intervals(config)
         self._parts = build(
             model,
             config,
@@ -147,28 +134,10 @@ class KFACPreconditioner(KfacPytorchAttributes):
             loss_divisor=given.loss_divisor,
         )
         self._attached = engine.attach(self.step, self.paused)
-        #: names this preconditioner's state_dict() rounds in the rendezvous
-        #: store: the same on every rank when they construct in the same order
-        self._uid = next(_INSTANCES)
-        self._state_dict_calls: dict[int, int] = {}
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
         )
         self._warn_memory_opt_without_colocation()
-
-    def _warn_memory_opt_without_colocation(self) -> None:
-        """kfac-pytorch forces ``colocate_factors=True`` under MEM-OPT and warns;
-        kaisa honours the choice (exactly), and says so, so that a migrating
-        user is not surprised by where the factors live."""
-        if self.colocate_factors or self.distributed_strategy is not DistributedStrategy.MEM_OPT:
-            return
-        warnings.warn(
-            "colocate_factors=False under MEM-OPT (one gradient worker per layer): kaisa keeps "
-            "it, so a layer's factors may be decomposed on different ranks and both sent to the "
-            "layer's worker (kfac-pytorch would force colocate_factors=True). The result is "
-            "the same either way; colocation saves the second transfer",
-            stacklevel=3,
-        )
 
     # -- the step ------------------------------------------------------------------
     @torch.no_grad()
@@ -234,22 +203,6 @@ class KFACPreconditioner(KfacPytorchAttributes):
             raise ValueError(f"loss_items must be a positive number or None; got {value!r}")
         self._parts.capture.loss_items = None if value is None else float(value)
 
-    @property
-    def _steps(self) -> int:
-        """kfac-pytorch's step counter (its tests and schedulers set it)."""
-        return self.steps
-
-    @_steps.setter
-    def _steps(self, value: int) -> None:
-        self._parts.pipeline.steps = int(value)
-        self._refresh_capture()
-
-    def _refresh_capture(self) -> None:
-        """Capture in the coming passes iff the next step is a factor step."""
-        # an interval out of range is refused by the next step() that uses it
-        with suppress(TypeError, ValueError, ZeroDivisionError):
-            self._parts.capture.enabled = self._schedule.is_factor_step(self.steps)
-
     # -- hooks ------------------------------------------------------------------------
     def remove_hooks(self) -> None:
         """Take every hook kaisa registered off the model (and the engine)."""
@@ -305,28 +258,11 @@ class KFACPreconditioner(KfacPytorchAttributes):
         }
         if not (include_factors or include_second_order):
             return state
-        checkpointer = self._parts.checkpointer
-        # rounds are named by the step and the call's number at that step, so
-        # a call some ranks skipped does not shift later rounds' names
-        if self.steps not in self._state_dict_calls:
-            self._state_dict_calls = {self.steps: -1}
-        nth = self._state_dict_calls[self.steps] = self._state_dict_calls[self.steps] + 1
-        round_key = f"state_dict/{self._uid}/{self.steps}/{nth}"
-        if self.comm.all_present(round_key, timeout_s):
-            state["layers"] = checkpointer.gather(
-                include_factors, include_second_order, self.damping
-            )
-            return state
-        state["layers"] = checkpointer.local()
-        state["partial"] = {"rank": self.rank, "world_size": self.plan.world_size}
-        warnings.warn(
-            f"kaisa: state_dict() was called on rank {self.rank} but not on every rank of the "
-            f"{self.plan.world_size}-rank data-parallel group within {timeout_s:g} s. kaisa keeps "
-            "each factor on its owner only, so this checkpoint holds this rank's share: loading "
-            "it restores those layers and starts the others' statistics afresh. For a complete "
-            "checkpoint call state_dict() on every rank (and save on one)",
-            stacklevel=2,
+        state["layers"], partial = self._parts.checkpointer.save(
+            self.steps, include_factors, include_second_order, self.damping, timeout_s
         )
+        if partial is not None:
+            state["partial"] = partial
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], compute_inverses: bool = True) -> None:
@@ -345,15 +281,9 @@ class KFACPreconditioner(KfacPytorchAttributes):
         steps, layers = self._parts.checkpointer.validate(state_dict, self.config, restore)
         pipeline = self._parts.pipeline
         if layers is not None:
-            pipeline.stale = self._parts.checkpointer.load(layers, compute_inverses)
-            if state_dict.get("partial"):
-                fresh = [n for n, la in self.layers.items() if not la.captured]
-                warnings.warn(
-                    f"kaisa: this checkpoint was taken on some ranks only "
-                    f"({state_dict['partial']}); layers whose factors it lacks start their "
-                    f"statistics afresh: {fresh}",
-                    stacklevel=2,
-                )
+            pipeline.stale = self._parts.checkpointer.load(
+                layers, compute_inverses, partial=state_dict.get("partial")
+            )
         self._schedule.restore(restore)
         pipeline.steps = steps
         self._parts.capture.enabled = self._schedule.is_factor_step(steps)

@@ -15,6 +15,7 @@ The current values may be changed during training (``precond.damping =
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from kaisa.config import KFACConfig, check_value, resolve
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "warn_unaligned_intervals"]
 
 #: the options a checkpoint restores
 RESTORED = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
@@ -111,3 +112,14 @@ class Schedule:
         if values:
             self._config = dataclasses.replace(self._config, **values)
             self.values.update(values)
+
+
+def warn_unaligned_intervals(config: KFACConfig) -> None:
+    """Decompositions between factor updates reuse unchanged factors: say so."""
+    f, i = config.factor_update_steps, config.inv_update_steps
+    if isinstance(f, int) and isinstance(i, int) and i % f != 0:
+        warnings.warn(
+            f"inv_update_steps ({i}) is not a multiple of factor_update_steps ({f}): some "
+            "decompositions will reuse unchanged factors",
+            stacklevel=3,
+        )
