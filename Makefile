@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint venv bench clean
+.PHONY: demo test lint venv bench clean docs-check docs-update docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,20 @@ test: venv lint
 	$(PY) -m pytest -q --durations=15
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
 	$(VENV)/bin/mypy
+
+## The docs' generated regions (plans, bytes, memory) against the commands that print
+## them: a diff and exit 1 on drift (tools/docs_check.py; the test suite runs it too).
+docs-check: venv
+	$(PY) tools/docs_check.py
+
+## Rewrite every generated region of README.md and docs/*.md from its command.
+docs-update: venv
+	$(PY) tools/docs_check.py --write
+
+docs: docs-update
 
 ## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).
 bench: venv

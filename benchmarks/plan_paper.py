@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -56,6 +57,9 @@ from kaisa.forecast import (
 )
 from kaisa.zoo import bert_large, resnet50
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_paper_tables import memory_table, overhead_table, stages_table
+
 MIB = 2**20
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 #: the world size of the thesis' Fig. 6.3 (64 V100s): every fraction is swept there
@@ -64,6 +68,11 @@ FIG63_WORLD = 64
 #: kfac-pytorch's ImageNet example (--kfac-cov-update-freq 10,
 #: --kfac-update-freq 100); used for both models
 INTERVALS: dict[str, Any] = dict(factor_update_steps=10, inv_update_steps=100)
+#: the K-FAC settings planned: those intervals and the eigendecomposition the
+#: paper's KAISA (and kfac-pytorch) uses, not kaisa's default (the inverse)
+KFAC: dict[str, Any] = dict(**INTERVALS, compute_method="eigen")
+#: the runs are on GPUs: no CPU workspace (kaisa.workspace) is held
+DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,7 @@ def model_layers(model: PaperModel) -> tuple[list[LayerCost], float]:
     start = time.perf_counter()
     net, example = model.build()
     rows = probe_rows(net, example, scale=model.batch)
-    layers = layer_costs(net, rows, **INTERVALS)
+    layers = layer_costs(net, rows, device=DEVICE, **KFAC)
     return layers, time.perf_counter() - start
 
 
@@ -179,11 +188,11 @@ def plan_model(
     budget = model.budget_mib * MIB
     rows, choices = [], {}
     for world in tqdm(worlds, desc=f"{key} @ {cost.describe_links()}", leave=False):
-        free, _ = choose_fraction(layers, world, cost, None, **INTERVALS)
-        within, _ = choose_fraction(layers, world, cost, budget, **INTERVALS)
+        free, _ = choose_fraction(layers, world, cost, None, **KFAC)
+        within, _ = choose_fraction(layers, world, cost, budget, **KFAC)
         choices[world] = {"auto": free, "auto_within_budget": within}
         for f in paper_fractions(world):
-            fc = forecast(layers, world, cost, grad_worker_fraction=f, **INTERVALS)
+            fc = forecast(layers, world, cost, grad_worker_fraction=f, **KFAC)
             rows.append(row(key, fc, free, within, budget))
     return rows, choices
 
@@ -196,7 +205,7 @@ def fraction_label(f: float, world: int) -> str:
 
 def print_table(key: str, rows: list[dict], choices: dict[int, dict[str, float]]) -> None:
     model = MODELS[key]
-    print(f"\n{model.name} ({model.note}); intervals {INTERVALS}")
+    print(f"\n{model.name} ({model.note}); {KFAC}, layers on {DEVICE}")
     print(
         f"{'W':>5} {'f':>6} {'KFAC MiB':>9} {'MB/step':>8} {'MB factor':>9} {'MB inverse':>10} "
         f"{'overhead ms':>11}"
@@ -353,7 +362,7 @@ def fig63_sweep(key: str, layers: list[LayerCost], cost: CostModel, auto: float)
     sweep = [
         row(key, fc, auto, -1.0, 0.0)
         for fc in (
-            forecast(layers, FIG63_WORLD, cost, grad_worker_fraction=f, **INTERVALS)
+            forecast(layers, FIG63_WORLD, cost, grad_worker_fraction=f, **KFAC)
             for f in fractions_for(FIG63_WORLD)
         )
     ]
@@ -374,6 +383,7 @@ DOC_NAMES = {
     "plan_paper.png": "plan-paper-memory-vs-comm.png",
     "plan_paper_scaling.png": "plan-paper-scaling.png",
     "plan_paper_fig63.png": "plan-paper-fig63.png",
+    "plan_paper_costs_4gpn_25gbit.json": "plan-paper-costs.json",
 }
 
 
@@ -405,19 +415,66 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tflops", type=float, default=14.0, help="matrix-product rate (float32 without TF32: 14)"
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--markdown",
+        choices=["memory", "overhead", "stages"],
+        default=None,
+        help="print only this table of docs/planning.md, as markdown, for the one model of "
+        "--models (writes nothing); tools/docs_check.py regenerates the docs with it",
+    )
+    parser.add_argument(
+        "--print-costs",
+        action="store_true",
+        help="print the first scenario's cost model as JSON (docs/plan-paper-costs.json) and stop",
+    )
+    args = parser.parse_args()
+    if args.markdown and len(args.models) != 1:
+        parser.error(f"argument --markdown: needs exactly one of --models; got {args.models}")
+    return args
+
+
+def print_markdown(args: argparse.Namespace, scenarios: list[Links]) -> None:
+    """One table of docs/planning.md (``--markdown``): the first scenario's
+    rows; the overhead table's 'auto' columns group the scenarios by
+    ranks per node, one pick per link speed."""
+    key = args.models[0]
+    layers, _ = model_layers(MODELS[key])
+    worlds = tuple(args.world_size)
+    cost = gpu_costs(scenarios[0], args.tflops)
+    rows, _ = plan_model(key, layers, cost, worlds)
+    if args.markdown == "memory":
+        lines = memory_table(rows, worlds, FIG63_WORLD)
+    elif args.markdown == "stages":
+        lines = stages_table(rows, FIG63_WORLD)
+    else:
+        picks: dict[str, dict[int, list[float]]] = {}
+        for links in scenarios:
+            name = f"{links.gpus_per_node} per node" if links.gpus_per_node else "one level"
+            _, choices = plan_model(key, layers, gpu_costs(links, args.tflops), worlds)
+            for w, c in choices.items():
+                picks.setdefault(name, {}).setdefault(w, []).append(c["auto"])
+        lines = overhead_table(rows, worlds, picks)
+    print("\n".join(lines))
 
 
 def main() -> None:
     args = parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     scenarios = [
         Links(gpn or None, gbit, args.intra_gbit, args.intra_latency_us)
         for gpn in args.gpus_per_node
         for gbit in args.link_gbit
     ]
+    if args.print_costs:
+        print(json.dumps(asdict(gpu_costs(scenarios[0], args.tflops)), indent=2))
+        return
+    if args.markdown:
+        print_markdown(args, scenarios)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "intervals": INTERVALS,
+        "kfac": KFAC,
+        "device": DEVICE,
         "models": {},
         "cost_models": {},
         "rows": [],

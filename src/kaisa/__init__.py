@@ -3,6 +3,7 @@
 from kaisa.allocator import tune_cpu_allocator
 from kaisa.config import (
     KFAC_PYTORCH_DEFAULTS,
+    AllreduceMethod,
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KFAC_PYTORCH_DEFAULTS",
+    "AllreduceMethod",
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",

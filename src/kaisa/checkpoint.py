@@ -89,6 +89,22 @@ class Checkpointer:
             for name, entries in out.items()
         }
 
+    def local(self) -> dict[str, dict[str, Tensor]]:
+        """What this rank holds, without communication: the factors it owns
+        and the second-order tensors of the layers it is a worker of (for a
+        ``state_dict()`` called on some ranks only)."""
+        out: dict[str, dict[str, Tensor]] = {}
+        for name, layer in self.layers.items():
+            entry: dict[str, Tensor] = {}
+            for spec, running in zip(layer.factors, layer.running):
+                if running is not None:
+                    entry[spec.name] = running.detach().clone()
+            if layer.decomposed:
+                for key, value in layer.state.items():
+                    entry[key] = value.detach().clone()
+            out[name] = entry
+        return out
+
     def _gather_into(
         self, out: dict[str, Any], key: str, packed: Tensor, src: int, shape: tuple[int, ...]
     ) -> None:
@@ -173,10 +189,12 @@ class Checkpointer:
             layer = self.layers[name]
             lp = self.plan.layer(name)
             dev = layer.adapter.device
-            layer.captured = any(spec.name in entry for spec in layer.factors)
+            # a layer missing a factor (a checkpoint taken on some ranks only)
+            # starts its statistics afresh, as a layer never seen does
+            layer.captured = all(spec.name in entry for spec in layer.factors)
             for i, (spec, owner) in enumerate(zip(layer.factors, lp.owners)):
                 value = entry.get(spec.name)
-                keep = value is not None and self.rank == owner
+                keep = layer.captured and value is not None and self.rank == owner
                 layer.running[i] = None
                 if value is not None and keep:
                     layer.running[i] = value.to(dev, layer.factor_dtype).clone()
@@ -184,7 +202,7 @@ class Checkpointer:
             if layer.captured and not all(t.key in entry for t in held):
                 complete = False
             layer.state.clear()
-            if lp.is_grad_worker(self.rank):
+            if layer.captured and lp.is_grad_worker(self.rank):
                 for t in held:
                     if t.key in entry:
                         layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()

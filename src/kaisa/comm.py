@@ -283,6 +283,35 @@ class Communicator:
         self.stats.record("agree", t.numel() * t.element_size())
         return [bool(v) for v in t.tolist()]
 
+    def all_present(self, key: str, timeout_s: float) -> bool:
+        """Whether every rank of the group reaches this call (named ``key``,
+        the same on every rank) within ``timeout_s``; the same answer on every
+        rank that calls, latecomers included.
+
+        Uses the rendezvous store, not a collective, so a call made on some
+        ranks only (kfac-pytorch's ``state_dict()`` on rank 0) never leaves a
+        collective half-run: the ranks present wait ``timeout_s``, agree
+        (an atomic compare-and-set) that the round is partial, and go on.
+        True where there is no store to ask (the caller then runs its
+        collective as before).
+        """
+        if not self.distributed:
+            return True
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return True
+        base = f"kaisa/{key}/{','.join(map(str, self.global_ranks))}"
+        if store.add(f"{base}/arrived", 1) == self.world_size:
+            store.set(f"{base}/all", "1")
+        try:
+            store.wait([f"{base}/all"], datetime.timedelta(seconds=timeout_s))
+            wanted = "go"
+        except (RuntimeError, dist.DistStoreError):
+            wanted = "partial"
+        # the first to decide sets the verdict; everyone reads the same one
+        return bytes(store.compare_set(f"{base}/verdict", "", wanted)) == b"go"
+
     def sum_model_parallel(self, value: Tensor) -> Tensor:
         """``value`` summed over the tensor- and pipeline-parallel groups (in place)."""
         for group in self.model_parallel:

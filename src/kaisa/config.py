@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "KFAC_PYTORCH_DEFAULTS",
+    "AllreduceMethod",
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
@@ -40,7 +41,27 @@ IntOrSchedule = int | Callable[[int], int]
 FloatOrSchedule = float | Callable[[int], float]
 
 
-class ComputeMethod(str, enum.Enum):
+class _SameNameEquality:
+    """Enum mixin: a member also equals another library's member of the same
+    enum class name and member name, so a script that switched only its
+    import can keep comparing against ``kfac.enums`` members
+    (``precond.compute_method == kfac.enums.ComputeMethod.EIGEN``)."""
+
+    name: str
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and not isinstance(other, type(self)):
+            return type(other).__name__ == type(self).__name__ and other.name == self.name
+        return bool(super().__eq__(other))
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+
+class ComputeMethod(_SameNameEquality, str, enum.Enum):
     """How the damped factor inverses are represented.
 
     ``EIGEN`` eigendecomposes A and G and applies ``(A⊗G + γI)⁻¹`` exactly;
@@ -53,14 +74,14 @@ class ComputeMethod(str, enum.Enum):
     INVERSE = "inverse"
 
 
-class AssignmentStrategy(str, enum.Enum):
+class AssignmentStrategy(_SameNameEquality, str, enum.Enum):
     """Cost model used to balance decompositions over ranks: n³ or n²."""
 
     COMPUTE = "compute"
     MEMORY = "memory"
 
 
-class DistributedStrategy(enum.Enum):
+class DistributedStrategy(_SameNameEquality, enum.Enum):
     """Named gradient-worker fractions of the KAISA paper."""
 
     COMM_OPT = "comm-opt"  #: f = 1
@@ -69,6 +90,14 @@ class DistributedStrategy(enum.Enum):
     #: chosen at start-up by the planner (:func:`kaisa.forecast.choose_fraction`):
     #: the least predicted overhead within ``memory_budget_mb``
     AUTO = "auto"
+
+
+class AllreduceMethod(_SameNameEquality, enum.Enum):
+    """How factors travel (kfac-pytorch's ``allreduce_method`` attribute):
+    bucketed when ``allreduce_bucket_cap_mb`` > 0, one tensor per call at 0."""
+
+    ALLREDUCE = "allreduce"
+    ALLREDUCE_BUCKETED = "allreduce-bucketed"
 
 
 class KFACApprox(str, enum.Enum):
@@ -141,6 +170,14 @@ def _as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
     if isinstance(value, enum_cls):
         return value
     allowed = ", ".join(repr(m.value) for m in enum_cls)
+    if isinstance(value, enum.Enum):
+        # another library's member (kfac-pytorch's ``kfac.enums``) by its name:
+        # a script that only switched its import keeps passing its enums
+        if value.name in enum_cls.__members__:
+            return enum_cls[value.name]
+        raise ValueError(
+            f"{name} must be one of {allowed} (or an enum member of the same name); got {value!r}"
+        )
     if isinstance(value, str):
         for member in enum_cls:
             if value.lower().replace("_", "-") == str(member.value).replace("_", "-"):
@@ -231,14 +268,32 @@ _RANGES: dict[str, dict[str, Any]] = {
 }
 
 
+#: what a callable may return beyond a constant's range: a ``factor_decay``
+#: schedule returning 0 at the first steps (kfac-pytorch's
+#: ``exp_decay_factor_averaging``) means "take the batch's statistics"
+_CALLABLE_RANGES: dict[str, dict[str, Any]] = {
+    **_RANGES,
+    "factor_decay": {"low": 0.0, "high": 1.0},
+}
+
+
 def resolve(name: str, value: Any, step: int) -> Any:
     """Evaluate a possibly-callable hyperparameter at ``step`` and validate it."""
     result = value(step) if callable(value) else value
     if name == "kl_clip" and result is None:
         return None
-    if name in _RANGES:
-        _check_number(f"{name}({step})" if callable(value) else name, result, **_RANGES[name])
+    if callable(value) and name in _CALLABLE_RANGES:
+        _check_number(f"{name}({step})", result, **_CALLABLE_RANGES[name])
+    elif name in _RANGES:
+        _check_number(name, result, **_RANGES[name])
     return result
+
+
+def check_value(name: str, value: Any) -> None:
+    """Validate a schedule option's new value (a number in range, or a callable)."""
+    if callable(value) or (name == "kl_clip" and value is None):
+        return
+    _check_number(name, value, **_RANGES[name])
 
 
 #: kfac-pytorch's defaults where kaisa's differ: ``KFACPreconditioner(model,
@@ -356,7 +411,7 @@ class KFACConfig:
         for name in ("factor_compute_dtype", "precondition_dtype"):
             set_(self, name, _as_product_dtype(name, getattr(self, name)))
         fraction = self.grad_worker_fraction
-        if isinstance(fraction, str):
+        if isinstance(fraction, (str, enum.Enum)):
             fraction = _as_enum("grad_worker_fraction", fraction, DistributedStrategy)
         elif not isinstance(fraction, DistributedStrategy):
             _check_number("grad_worker_fraction", fraction, low=0.0, high=1.0)

@@ -107,9 +107,19 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 
 
 def layer_costs(
-    model: nn.Module, rows: Mapping[str, int] | None = None, **kfac: Any
+    model: nn.Module,
+    rows: Mapping[str, int] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    **kfac: Any,
 ) -> list[LayerCost]:
-    """The layers ``KFACPreconditioner(model, **kfac)`` would register, as sizes."""
+    """The layers ``KFACPreconditioner(model, **kfac)`` would register, as sizes.
+
+    ``device``: where the run's layers will live, when not where ``model``
+    is now (a model built on the CPU to plan a GPU run): the CPU workspace
+    (:mod:`kaisa.workspace`) is held only on the CPU, so a plan for a GPU
+    must not count it.  None: each layer's own device."""
+    where = torch.device(device) if device is not None else None
     config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
     adapters, _ = register_layers(model, config.skip_layers)
     # as TorchEngine.rescalable: a layer that owns whole parameters, unshared
@@ -128,7 +138,7 @@ def layer_costs(
                 grad_itemsize=adapter.weight.dtype.itemsize,
                 rows=None if rows is None else rows.get(adapter.name),
                 reuses_workspace=whole
-                and uses_workspace(adapter.device, g * a, adapter.weight.element_size()),
+                and uses_workspace(where or adapter.device, g * a, adapter.weight.element_size()),
             )
         )
     return out

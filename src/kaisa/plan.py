@@ -307,12 +307,16 @@ class WorkPlan:
 def _groups(groups: tuple[tuple[int, ...], ...], limit: int) -> str:
     if len(groups) <= limit and all(len(g) <= limit for g in groups):
         return str(list(map(list, groups)))
-    return f"{len(groups)} groups of {len(groups[0])} (e.g. {_span(groups[0])})"
+    noun = "group" if len(groups) == 1 else "groups"
+    return f"{len(groups)} {noun} of {len(groups[0])} (e.g. {_span(groups[0])})"
 
 
 def _span(group: tuple[int, ...]) -> str:
-    step = group[1] - group[0] if len(group) > 1 else 1
-    return f"{group[0]}, {group[0] + step}, …, {group[-1]}"
+    """A group's ranks, elided in the middle only where there is a middle:
+    ``0``, ``0, 64``, ``0, 64, 128``, ``0, 64, …, 4032``."""
+    if len(group) <= 3:
+        return ", ".join(map(str, group))
+    return f"{group[0]}, {group[1]}, …, {group[-1]}"
 
 
 def make_plan(

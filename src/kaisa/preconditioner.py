@@ -7,10 +7,11 @@ parts, :mod:`kaisa.pipeline` runs ``step()`` phase by phase,
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -18,12 +19,13 @@ from torch import nn
 
 from kaisa.checkpoint import STATE_VERSION
 from kaisa.comm import Communicator
-from kaisa.config import ComputeMethod, KFACConfig
+from kaisa.compat import KfacPytorchAttributes, is_kfac_pytorch_state, refuse_kfac_pytorch_state
+from kaisa.config import ComputeMethod, DistributedStrategy, KFACConfig
 from kaisa.engines import Engine, GradientAccess, select_engine
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule
 from kaisa.plan import WorkPlan
-from kaisa.report import describe, memory_usage
+from kaisa.report import describe, log_registration, memory_usage
 from kaisa.scaling import LossScaling
 from kaisa.schedule import Schedule
 from kaisa.sharded import restore_sharded, sharded_state
@@ -33,9 +35,10 @@ from kaisa.wiring import build, check_runtime_arguments
 __all__ = ["KFACPreconditioner"]
 
 logger = logging.getLogger("kaisa")
+_INSTANCES = itertools.count()
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(KfacPytorchAttributes):
     """Distributed K-FAC gradient preconditioner.
 
     Construct once, then call :meth:`step` after ``loss.backward()`` and
@@ -144,7 +147,28 @@ class KFACPreconditioner:
             loss_divisor=given.loss_divisor,
         )
         self._attached = engine.attach(self.step, self.paused)
-        logger.log(loglevel, "%s", self.describe())
+        #: names this preconditioner's state_dict() rounds in the rendezvous
+        #: store: the same on every rank when they construct in the same order
+        self._uid = next(_INSTANCES)
+        self._state_dict_calls: dict[int, int] = {}
+        log_registration(
+            logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
+        )
+        self._warn_memory_opt_without_colocation()
+
+    def _warn_memory_opt_without_colocation(self) -> None:
+        """kfac-pytorch forces ``colocate_factors=True`` under MEM-OPT and warns;
+        kaisa honours the choice (exactly), and says so, so that a migrating
+        user is not surprised by where the factors live."""
+        if self.colocate_factors or self.distributed_strategy is not DistributedStrategy.MEM_OPT:
+            return
+        warnings.warn(
+            "colocate_factors=False under MEM-OPT (one gradient worker per layer): kaisa keeps "
+            "it, so a layer's factors may be decomposed on different ranks and both sent to the "
+            "layer's worker (kfac-pytorch would force colocate_factors=True). The result is "
+            "the same either way; colocation saves the second transfer",
+            stacklevel=3,
+        )
 
     # -- the step ------------------------------------------------------------------
     @torch.no_grad()
@@ -190,10 +214,6 @@ class KFACPreconditioner:
         return self._parts.comm.rank
 
     @property
-    def lr(self) -> float:
-        return self._schedule.lr(self.steps)
-
-    @property
     def loss_items(self) -> float | None:
         """``N`` of a loss ``Σ ℓ / N`` (``loss_average='items'``): set it before
         each optimizer step's backward passes, as this rank's share of ``N``."""
@@ -208,16 +228,20 @@ class KFACPreconditioner:
         self._parts.capture.loss_items = None if value is None else float(value)
 
     @property
-    def damping(self) -> float:
-        return self._schedule.damping(self.steps)
+    def _steps(self) -> int:
+        """kfac-pytorch's step counter (its tests and schedulers set it)."""
+        return self.steps
 
-    @property
-    def factor_decay(self) -> float:
-        return self._schedule.factor_decay(self.steps)
+    @_steps.setter
+    def _steps(self, value: int) -> None:
+        self._parts.pipeline.steps = int(value)
+        self._refresh_capture()
 
-    @property
-    def kl_clip(self) -> float | None:
-        return self._schedule.kl_clip(self.steps)
+    def _refresh_capture(self) -> None:
+        """Capture in the coming passes iff the next step is a factor step."""
+        # an interval out of range is refused by the next step() that uses it
+        with suppress(TypeError, ValueError, ZeroDivisionError):
+            self._parts.capture.enabled = self._schedule.is_factor_step(self.steps)
 
     # -- hooks ------------------------------------------------------------------------
     def remove_hooks(self) -> None:
@@ -246,25 +270,56 @@ class KFACPreconditioner:
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(
-        self, include_factors: bool = True, include_second_order: bool = False
+        self,
+        include_factors: bool = True,
+        include_second_order: bool = False,
+        *,
+        timeout_s: float = 10.0,
     ) -> dict[str, Any]:
         """Steps, non-callable hyperparameters and (by default) the running factors.
 
-        Collective when distributed: every rank of the data-parallel group
-        must call it, and every rank gets the whole state, so that a
-        checkpoint taken at any world size and fraction loads into any other.
+        When every rank of the data-parallel group calls it, every rank gets
+        the whole state (a collective), so that a checkpoint taken at any
+        world size and fraction loads into any other.
         ``include_second_order`` also stores the eigenbases/inverses, which
         makes a resume exact at any step without recomputing them.
+
+        Called on some ranks only (kfac-pytorch's examples save on rank 0
+        only; kfac-pytorch keeps every factor on every rank, kaisa each on its
+        owner), those ranks wait ``timeout_s`` for the others, then return,
+        with a warning, what they hold: their own factors and second-order
+        tensors, marked ``'partial'``.  Never a hang.  Loading it restores
+        those layers and starts the others' statistics afresh.
         """
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "steps": self.steps,
             "hyperparameters": self.config.hyperparameters(),
         }
-        if include_factors or include_second_order:
-            state["layers"] = self._parts.checkpointer.gather(
+        if not (include_factors or include_second_order):
+            return state
+        checkpointer = self._parts.checkpointer
+        # rounds are named by the step and the call's number at that step, so
+        # a call some ranks skipped does not shift later rounds' names
+        if self.steps not in self._state_dict_calls:
+            self._state_dict_calls = {self.steps: -1}
+        nth = self._state_dict_calls[self.steps] = self._state_dict_calls[self.steps] + 1
+        round_key = f"state_dict/{self._uid}/{self.steps}/{nth}"
+        if self.comm.all_present(round_key, timeout_s):
+            state["layers"] = checkpointer.gather(
                 include_factors, include_second_order, self.damping
             )
+            return state
+        state["layers"] = checkpointer.local()
+        state["partial"] = {"rank": self.rank, "world_size": self.plan.world_size}
+        warnings.warn(
+            f"kaisa: state_dict() was called on rank {self.rank} but not on every rank of the "
+            f"{self.plan.world_size}-rank data-parallel group within {timeout_s:g} s. kaisa keeps "
+            "each factor on its owner only, so this checkpoint holds this rank's share: loading "
+            "it restores those layers and starts the others' statistics afresh. For a complete "
+            "checkpoint call state_dict() on every rank (and save on one)",
+            stacklevel=2,
+        )
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], compute_inverses: bool = True) -> None:
@@ -276,12 +331,22 @@ class KFACPreconditioner:
         stored second-order tensors they are recomputed by their owners at
         the next step (``compute_inverses``).
         """
+        if is_kfac_pytorch_state(state_dict):
+            raise refuse_kfac_pytorch_state()
         saved = state_dict.get("hyperparameters", {}) if isinstance(state_dict, Mapping) else {}
         restore = self._schedule.restorable(saved if isinstance(saved, Mapping) else {})
         steps, layers = self._parts.checkpointer.validate(state_dict, self.config, restore)
         pipeline = self._parts.pipeline
         if layers is not None:
             pipeline.stale = self._parts.checkpointer.load(layers, compute_inverses)
+            if state_dict.get("partial"):
+                fresh = [n for n, la in self.layers.items() if not la.captured]
+                warnings.warn(
+                    f"kaisa: this checkpoint was taken on some ranks only "
+                    f"({state_dict['partial']}); layers whose factors it lacks start their "
+                    f"statistics afresh: {fresh}",
+                    stacklevel=2,
+                )
         self._schedule.restore(restore)
         pipeline.steps = steps
         self._parts.capture.enabled = self._schedule.is_factor_step(steps)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule
 from kaisa.plan import WorkPlan
 
-__all__ = ["describe", "memory_usage"]
+__all__ = ["describe", "log_registration", "memory_usage"]
 
 
 def memory_usage(layers: list[KFACLayer], workspace: int = 0) -> dict[str, int]:
@@ -38,3 +40,28 @@ def describe(
                 f"  {s.name or '<root>':<30} {s.kind:<16} {s.reason} [{', '.join(s.parameters)}]"
             )
     return "\n".join(lines)
+
+
+def log_registration(
+    logger: logging.Logger,
+    level: int,
+    header: str,
+    layers: list[KFACLayer],
+    skipped: list[SkippedModule],
+    plan: WorkPlan,
+) -> None:
+    """The registration report as log records, one a layer (as kfac-pytorch
+    logs them, so log filters written for it keep working), one a skipped
+    module, then the work plan."""
+    if not logger.isEnabledFor(level):
+        return
+    logger.log(level, "%s", header)
+    for layer in layers:
+        owners = ", ".join(
+            f"{s.name} on rank {o}" for s, o in zip(layer.factors, plan.layer(layer.name).owners)
+        )
+        described = layer.adapter.describe()
+        logger.log(level, 'Registered name="%s": %s; %s', layer.name, described, owners)
+    for s in skipped:
+        logger.log(level, 'Skipped name="%s" (%s): %s', s.name or "<root>", s.kind, s.reason)
+    logger.log(level, "KFAC layer assignments: %s", plan.describe())

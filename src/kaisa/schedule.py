@@ -6,6 +6,10 @@ The learning rate the KL clip assumes is read from the optimizer's first
 param group when the user gave an optimizer and no ``lr``.  A checkpoint
 restores the non-callable schedule values, as ``torch.optim`` restores its
 param groups; structural options (method, fraction, dtypes) are not.
+
+The current values may be changed during training (``precond.damping =
+…``, validated at once, or kfac-pytorch's ``LambdaParamScheduler`` writing
+``precond._damping``, checked when next used), as kfac-pytorch allows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kaisa.config import KFACConfig, resolve
+from kaisa.config import KFACConfig, check_value, resolve
 
 __all__ = ["Schedule"]
 
@@ -31,12 +35,43 @@ class Schedule:
     def __init__(
         self, config: KFACConfig, optimizer: torch.optim.Optimizer | None, lr_from_optimizer: bool
     ) -> None:
-        self.config = config
+        self._config = config
         self.optimizer = optimizer
         self.lr_from_optimizer = lr_from_optimizer
+        #: the schedule options' current values: numbers or callables of the step
+        self.values: dict[str, Any] = {k: getattr(config, k) for k in RESTORED}
+
+    @property
+    def config(self) -> KFACConfig:
+        """The options, with the schedule options at their current values."""
+        changed = {k: v for k, v in self.values.items() if v is not getattr(self._config, k)}
+        return dataclasses.replace(self._config, **changed) if changed else self._config
 
     def value(self, name: str, step: int) -> Any:
-        return resolve(name, getattr(self.config, name), step)
+        return resolve(name, self.values[name], step)
+
+    def current(self, name: str, step: int) -> Any:
+        """The option's value at ``step`` as set, unvalidated (a view for users:
+        what is out of range is refused when the step uses it)."""
+        if name == "lr" and self.lr_from_optimizer:
+            return self.lr(step)
+        value = self.values[name]
+        return value(step) if callable(value) else value
+
+    def stored(self, name: str) -> Any:
+        """The option as held: a number or a callable (the learning rate read
+        from the optimizer is a callable of the step)."""
+        if name == "lr" and self.lr_from_optimizer:
+            return self.lr
+        return self.values[name]
+
+    def set(self, name: str, value: Any, *, check: bool) -> None:
+        """Change an option; ``check`` validates now rather than at its next use."""
+        if check:
+            check_value(name, value)
+        if name == "lr":
+            self.lr_from_optimizer = False
+        self.values[name] = value
 
     def lr(self, step: int) -> float:
         if self.lr_from_optimizer:
@@ -67,11 +102,12 @@ class Schedule:
             k: saved[k]
             for k in RESTORED
             if k in saved
-            and not callable(getattr(self.config, k))
+            and not callable(self.values[k])
             and not (k == "lr" and self.lr_from_optimizer)
         }
 
     def restore(self, values: Mapping[str, Any]) -> None:
         """Take checkpointed values (validated by :class:`KFACConfig`)."""
         if values:
-            self.config = dataclasses.replace(self.config, **values)
+            self._config = dataclasses.replace(self._config, **values)
+            self.values.update(values)

@@ -148,6 +148,28 @@ def test_plan_is_deterministic_and_describable() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("world", "fraction", "workers", "receivers"),
+    [
+        # MEM-OPT past max_rows: 128 one-rank columns, one row of 128
+        (128, 1 / 128, "128 groups of 1 (e.g. 0)", "1 group of 128 (e.g. 0, 1, …, 127)"),
+        (128, 1.0, "1 group of 128 (e.g. 0, 1, …, 127)", "128 groups of 1 (e.g. 0)"),
+        # columns of two and three ranks are shown whole, not as a span
+        (192, 2 / 192, "96 groups of 2 (e.g. 0, 96)", "2 groups of 96 (e.g. 0, 1, …, 95)"),
+        (195, 3 / 195, "65 groups of 3 (e.g. 0, 65, 130)", "3 groups of 65 (e.g. 0, 1, …, 64)"),
+        (260, 4 / 260, "65 groups of 4 (e.g. 0, 65, …, 195)", "4 groups of 65 (e.g. 0, 1, …, 64)"),
+    ],
+)
+def test_describe_summarises_groups_as_they_are(
+    world: int, fraction: float, workers: str, receivers: str
+) -> None:
+    """A summarised group names its own ranks: a one-rank group was shown as
+    ``(e.g. 0, 1, …, 0)`` (issue 21)."""
+    lines = make_plan([LayerSpec.kfac("a", 4, 4)], world, fraction).describe().splitlines()
+    assert lines[1] == f"  worker groups:   {workers}"
+    assert lines[2] == f"  receiver groups: {receivers}"
+
+
 def test_memory_per_rank_shrinks_with_fraction() -> None:
     layers = [LayerSpec.kfac(f"l{i}", 256, 256) for i in range(8)]
     elems = {}

@@ -57,7 +57,20 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         choices=["cpu", "cuda"],
         help="time eigh, Cholesky inverse and matmul on this device first",
     )
-    plan.add_argument("--save-costs", type=Path, help="write the cost model used as JSON")
+    plan.add_argument(
+        "--save-costs",
+        type=Path,
+        metavar="FILE",
+        help="write the cost model used as JSON (its folder is created)",
+    )
+    plan.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where the run's layers live: the CPU workspace (three buffers the size of the "
+        "largest gradient, kaisa.workspace) is counted on cpu only (default: the device of "
+        "--measure-costs, else where the model is built: the CPU for --task)",
+    )
     plan.add_argument(
         "--bandwidth-gbps",
         type=float,
@@ -115,30 +128,53 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...] | 
     return model, tuple(example), args.batch_size or 32
 
 
-def _cost_model(args: argparse.Namespace) -> CostModel:
+def _cost_model(args: argparse.Namespace, error: Any) -> CostModel:
     """The cost model of --costs / --measure-costs / the defaults, with the
-    link options that are given on top (the file's figures otherwise)."""
+    link options that are given on top (the file's figures otherwise);
+    every failure names the option it comes from."""
 
     def scaled(value: float | None, factor: float) -> float | None:
         return value * factor if value is not None else None
 
+    cost = CostModel()
     if args.costs:
-        cost = CostModel.load(args.costs)
+        try:
+            cost = CostModel.load(args.costs)
+        except (ValueError, TypeError, OSError) as exc:
+            error(f"argument --costs: {exc}")
     elif args.measure_costs:
-        cost = measure_costs(args.measure_costs)
-    else:
-        cost = CostModel()
-    # the cost model counts bytes and seconds; links are rated in bits, hops in µs
-    cost = cost.with_link(
-        scaled(args.bandwidth_gbps, 1e9 / 8),
-        scaled(args.latency_us, 1e-6),
-        ranks_per_node=args.ranks_per_node,
-        intra_bandwidth=scaled(args.intra_node_bandwidth_gbps, 1e9 / 8),
-        intra_latency=scaled(args.intra_node_latency_us, 1e-6),
-    )
+        try:
+            cost = measure_costs(args.measure_costs)
+        except (RuntimeError, AssertionError) as exc:
+            error(f"argument --measure-costs: cannot time kernels on {args.measure_costs}: {exc}")
+    try:
+        # the cost model counts bytes and seconds; links are rated in bits, hops in µs
+        cost = cost.with_link(
+            scaled(args.bandwidth_gbps, 1e9 / 8),
+            scaled(args.latency_us, 1e-6),
+            ranks_per_node=args.ranks_per_node,
+            intra_bandwidth=scaled(args.intra_node_bandwidth_gbps, 1e9 / 8),
+            intra_latency=scaled(args.intra_node_latency_us, 1e-6),
+        )
+    except ValueError as exc:
+        error(f"argument --bandwidth-gbps/--latency-us/--ranks-per-node/--intra-node-*: {exc}")
     if args.save_costs:
-        cost.save(args.save_costs)
+        try:
+            args.save_costs.parent.mkdir(parents=True, exist_ok=True)
+            cost.save(args.save_costs)
+        except OSError as exc:
+            error(f"argument --save-costs: cannot write {args.save_costs}: {exc}")
     return cost
+
+
+def _device(args: argparse.Namespace, error: Any) -> str | None:
+    """Where the planned run's layers live (None: where the model was built)."""
+    if args.device and args.measure_costs and args.device != args.measure_costs:
+        error(
+            f"argument --device: {args.device} contradicts --measure-costs "
+            f"{args.measure_costs} (the costs are timed where the run will be)"
+        )
+    return args.device or args.measure_costs
 
 
 def run_plan(args: argparse.Namespace, error: Any) -> int:
@@ -146,39 +182,35 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
         error("argument --world-size: every world size must be >= 1")
     kfac = {**(get_task(args.task).defaults.kfac if args.task else {}), **kfac_overrides(args)}
     kfac.pop("grad_worker_fraction", None)
-    try:
-        cost = _cost_model(args)
-    except (ValueError, OSError) as exc:
-        error(f"argument --costs/--ranks-per-node/--intra-node-*: {exc}")
+    device = _device(args, error)
+    cost = _cost_model(args, error)
     try:
         model, example, batch = _load_model(args)
     except (ImportError, AttributeError, ValueError, OSError) as exc:
         error(f"argument --model: {exc}")
     rows = probe_rows(model, example, batch / _batch_of(example)) if example else None
-    layers = layer_costs(model, rows, **kfac)
+    layers = layer_costs(model, rows, device=device, **kfac)
     budget = args.memory_budget_mib * MIB if args.memory_budget_mib is not None else None
     report: dict[str, Any] = {"cost_model": vars(cost), "batch_size": batch, "plans": []}
     lines = [
         f"{'W':>5} {'fraction':>9} {'workers':>7} {'KFAC MiB':>9} {'MB/step':>9} "
         f"{'MB factor':>9} {'MB inverse':>10} {'overhead ms':>11}  fits"
     ]
+    settings: dict[str, Any] = {}
     for world in args.world_size:
         chosen, options = choose_fraction(layers, world, cost, budget, **kfac)
+        # what the forecasts used, library defaults included (not what was given)
+        settings = {k: options[0].config[k] for k in _SETTINGS}
         for fc in options:
             s = fc.summary(budget)
             s["recommended"] = fc.fraction == chosen
             report["plans"].append(s)
-            lines.append(
-                f"{world:>5} {fc.fraction:>9.4g} {fc.grad_workers:>7} "
-                f"{s['memory_max_bytes'] / MIB:>9.1f} {s['bytes_per_step'] / 1e6:>9.2f} "
-                f"{s['bytes_factor_step'] / 1e6:>9.2f} {s['bytes_inverse_step'] / 1e6:>10.2f} "
-                f"{1e3 * s['overhead_s']:>11.2f}  {'yes' if s['fits'] else 'no':<4}"
-                + ("  <- recommended" if s["recommended"] else "")
-            )
-    intervals = {k: kfac.get(k, 1) for k in ("factor_update_steps", "inv_update_steps")}
+            lines.append(_row(world, fc.fraction, fc.grad_workers, s))
+    where = device or _model_device(model)
+    report.update(settings=settings, device=where)
     print(
-        f"{len(layers)} layers, batch {batch} per rank, {intervals}, costs: {cost.device}; "
-        f"links: {cost.describe_links()}"
+        f"{len(layers)} layers, batch {batch} per rank, {settings}, layers on {where}, "
+        f"costs: {cost.device}; links: {cost.describe_links()}"
     )
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -186,6 +218,27 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
     _plot(report["plans"], args.out / "plan.png")
     print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
     return 0
+
+
+#: the K-FAC settings the header names (as the forecasts saw them)
+_SETTINGS = ("factor_update_steps", "inv_update_steps", "compute_method")
+
+
+def _row(world: int, fraction: float, workers: int, s: dict[str, Any]) -> str:
+    """One line of the table (no trailing spaces: the docs quote it verbatim)."""
+    line = (
+        f"{world:>5} {fraction:>9.4g} {workers:>7} "
+        f"{s['memory_max_bytes'] / MIB:>9.1f} {s['bytes_per_step'] / 1e6:>9.2f} "
+        f"{s['bytes_factor_step'] / 1e6:>9.2f} {s['bytes_inverse_step'] / 1e6:>10.2f} "
+        f"{1e3 * s['overhead_s']:>11.2f}  {'yes' if s['fits'] else 'no':<4}"
+        + ("  <- recommended" if s["recommended"] else "")
+    )
+    return line.rstrip()
+
+
+def _model_device(model: nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return first.device.type if first is not None else "cpu"
 
 
 def _batch_of(example: tuple[Any, ...] | None) -> int:

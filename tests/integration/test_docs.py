@@ -1,0 +1,112 @@
+"""The docs' generated regions equal what their commands print (tools/docs_check.py).
+
+The quick regions run in the fast suite, the slow ones (BERT-Large, every
+link scenario) under ``slow``, so ``make test`` checks every region; outputs
+are cached by a digest of the sources, so a re-run without a change is quick.
+A region whose numbers were edited by hand, or whose command now prints
+something else, fails with a diff; ``make docs-update`` rewrites them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_check", ROOT / "tools" / "docs_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["docs_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+docs_check = load_tool()
+
+
+def check(*args: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = docs_check.main(list(args))
+    return code, out.getvalue()
+
+
+def test_the_quick_regions_match_their_commands() -> None:
+    code, diff = check("--skip-slow")
+    assert code == 0, f"docs drifted from their commands (make docs-update):\n{diff}"
+
+
+@pytest.mark.slow
+def test_the_slow_regions_match_their_commands() -> None:
+    code, diff = check("--only-slow")
+    assert code == 0, f"docs drifted from their commands (make docs-update):\n{diff}"
+
+
+def test_every_plan_table_in_the_docs_is_generated() -> None:
+    """A ``kaisa plan`` table or a table of plan_paper.py pasted by hand
+    would not be checked: each must sit inside a region."""
+    looks_generated = re.compile(r"^(\s+W\s+fraction workers|\| W \| (MiB|ms) 1/W|\| f \| capture)")
+    for path in docs_check.doc_paths(ROOT):
+        lines = path.read_text().splitlines()
+        inside = set()
+        for region in docs_check.find_regions(path):
+            inside.update(range(region.start, region.end))
+        for i, line in enumerate(lines):
+            if looks_generated.match(line):
+                assert i in inside, (
+                    f"{path.name}:{i + 1} is a plan table outside a generated region"
+                )
+    regions = [r for p in docs_check.doc_paths(ROOT) for r in docs_check.find_regions(p)]
+    assert sum("kaisa plan" in r.command for r in regions) >= 2  # README and planning.md
+
+
+def small_tree(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(body)
+    return tmp_path
+
+
+COMMAND = "python -c \"print('| W | MiB |'); print('| 64 | 668.9 |   ')\""
+
+
+def test_a_number_edited_by_hand_fails_with_a_diff_and_write_restores_it(tmp_path: Path) -> None:
+    region = f"<!-- generated: {COMMAND} -->\n| W | MiB |\n| 64 | 668.9 |\n<!-- end generated -->\n"
+    root = small_tree(tmp_path, f"# doc\n\n{region}\ntext after\n")
+    files = ["--root", str(root), "--no-cache", "README.md"]
+    assert check(*files) == (0, "")  # trailing spaces of the output do not count
+    edited = region.replace("| 64 | 668.9 |\n", "| 64 | 695.9 |\n")
+    (root / "README.md").write_text(f"# doc\n\n{edited}\ntext after\n")
+    code, diff = check(*files)
+    assert code == 1 and "-| 64 | 695.9 |" in diff and "+| 64 | 668.9 |" in diff
+    assert check("--write", *files)[0] == 0
+    assert (root / "README.md").read_text() == f"# doc\n\n{region}\ntext after\n"
+
+
+def test_code_regions_are_fenced_and_bad_regions_refused(tmp_path: Path) -> None:
+    region = (
+        "<!-- generated code: python -c \"print('a')\" -->\n```\nb\n```\n<!-- end generated -->\n"
+    )
+    root = small_tree(tmp_path, region)
+    files = ["--root", str(root), "--no-cache", "README.md"]
+    code, diff = check(*files)
+    assert code == 1 and "-b" in diff and "+a" in diff
+    (root / "README.md").write_text("<!-- generated: rm -rf / -->\n<!-- end generated -->\n")
+    with pytest.raises(ValueError, match="must start with kaisa or python"):
+        check(*files)
+    (root / "README.md").write_text("<!-- generated: python -c 'print(1)' -->\n")
+    with pytest.raises(ValueError, match="no <!-- end generated -->"):
+        check(*files)
+    (root / "README.md").write_text("<!-- generated fast: python -c 'print(1)' -->\n")
+    with pytest.raises(ValueError, match="unknown flags"):
+        check(*files)
