@@ -1,0 +1,1 @@
+"""Stand-in for the parts of ``torchtext`` kfac-pytorch's language-model example uses (README.md)."""

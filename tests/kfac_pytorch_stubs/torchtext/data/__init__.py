@@ -1,0 +1,1 @@
+"""``torchtext.data`` stand-in: only ``utils.get_tokenizer``."""
