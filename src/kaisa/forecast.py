@@ -386,7 +386,9 @@ def forecast(
         if exchange and not plan.colocate_factors:
             t.inverse_step["allreduce"] += 8 * exchange
         if not gradients_agree:
-            t.every_step["agree"] += 4 * len(layers)
+            # each layer's gradient presence, and the gradients' finiteness
+            # verdict riding in the same vote (kaisa.pipeline.gradients_finite)
+            t.every_step["agree"] += 4 * (len(layers) + 1)
         cap = max(config.allreduce_bucket_cap_mb * 2**20, 1.0)
         reduce_bytes = float(t.factor_step["factor_reduce"][0])
         calls = max(len(set(o for la in plan.layers for o in la.owners)), reduce_bytes / cap)
