@@ -22,12 +22,10 @@ from framework_case import (  # noqa: E402
 from lightning_case import Module  # noqa: E402
 
 
-def test_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    module = Module()
-    callback = KFACCallback(**KW)
-    trainer = pl.Trainer(
-        max_steps=STEPS,
+def make_trainer(tmp_path, callback: KFACCallback, **limits) -> pl.Trainer:
+    """A float64 CPU Trainer with the callback, accumulating ACCUMULATE micro-batches."""
+    return pl.Trainer(
+        **limits,
         accelerator="cpu",
         devices=1,
         precision="64-true",
@@ -39,6 +37,13 @@ def test_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
+
+
+def test_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    module = Module()
+    callback = KFACCallback(**KW)
+    trainer = make_trainer(tmp_path, callback, max_steps=STEPS)
     loader = torch.utils.data.DataLoader(micro_batches(), batch_size=None, shuffle=False)
     trainer.fit(module, loader)
     assert callback.preconditioner is not None
@@ -52,19 +57,7 @@ def test_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
 def fit(tmp_path, epochs: int, callback: KFACCallback, ckpt_path=None) -> Module:
     """Epochs of 3 optimizer steps (inverse updates at steps 0, 2, 4, …)."""
     module = Module()
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        accumulate_grad_batches=ACCUMULATE,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = make_trainer(tmp_path, callback, max_epochs=epochs)
     loader = torch.utils.data.DataLoader(micro_batches(), batch_size=None, shuffle=False)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if ckpt_path is None:
