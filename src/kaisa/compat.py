@@ -131,6 +131,14 @@ class KfacPytorchAttributes:
             stacklevel=3,
         )
 
+    def reset_batch(self) -> None:
+        """kfac-pytorch's: forget the statistics captured since the last
+        ``step()``.  The next step folds none into the factors (it still
+        preconditions with the factors it has).  Statistics already sent
+        during backward are dropped on arrival, so call it on every rank,
+        as ``step()`` is."""
+        self._parts.pipeline.drop_statistics = True
+
     # -- configuration, as kfac-pytorch exposes it --------------------------------------
     @property
     def compute_method(self) -> ComputeMethod:

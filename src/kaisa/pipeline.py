@@ -52,6 +52,8 @@ class StepPipeline:
     steps: int = 0
     #: the second-order tensors must be recomputed at the next step (after a load)
     stale: bool = False
+    #: the statistics captured since the last step are not folded (``reset_batch()``)
+    drop_statistics: bool = False
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
@@ -76,6 +78,10 @@ class StepPipeline:
         if not self.gradients_valid():
             self.skip(counts is not None)
             return
+        if counts is not None and self.drop_statistics:
+            self.reduction.discard()
+            counts = None
+        self.drop_statistics = False
         damping = self.schedule.damping(step)
         if counts is not None:
             self.reduction.fold(counts, self.schedule.factor_decay(step))
@@ -147,6 +153,7 @@ class StepPipeline:
         over the ranks)."""
         if reduced:
             self.reduction.discard()
+        self.drop_statistics = False
         for layer in self.layers:
             layer.batch.reset()
             layer.pending.calls.clear()

@@ -311,3 +311,25 @@ def test_one_log_record_per_registered_layer(caplog: pytest.LogCaptureFixture) -
     ]
     assert sum(m.startswith('Skipped name="1"') for m in messages) == 1
     assert sum(m.startswith("KFAC layer assignments: WorkPlan") for m in messages) == 1
+
+
+def test_reset_batch_folds_nothing_at_the_next_step_and_still_preconditions() -> None:
+    model = mlp()
+    p = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    step(model, p)
+    before = [t.clone() for la in p.layers.values() for t in la.running]
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    raw = model[0].weight.grad.clone()
+    p.reset_batch()
+    p.step()
+    after = [t for la in p.layers.values() for t in la.running]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing folded
+    assert not torch.allclose(model[0].weight.grad, raw)  # still preconditioned
+    step(model, p, seed=6)  # and the step after folds again
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(before, (t for la in p.layers.values() for t in la.running))
+    )
