@@ -17,6 +17,10 @@ comparison that would measure the data, not the products.
 
 Prints a table and writes ``precision.json`` to ``--out``.  A CPU without
 native bfloat16 products (AVX-512 BF16 / AMX) gains nothing from the option.
+``--markdown memory`` prints only the second-order memory of each variant as
+a markdown table (one step each, no timing, no float64 run, nothing
+written): exactly reproducible, so docs/benchmarks.md holds it in a region
+that ``tools/docs_check.py`` re-runs.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from kaisa import KFACPreconditioner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_time import MODELS, time_steps
 
-BASE: dict[str, Any] = dict(factor_update_steps=1, inv_update_steps=10)
+# eigen pinned, as in step_time.py: the rows recorded before kaisa's default
+# became inverse stay comparable (and the docs say eigen)
+BASE: dict[str, Any] = dict(compute_method="eigen", factor_update_steps=1, inv_update_steps=10)
 BF16 = torch.bfloat16
 VARIANTS: dict[str, dict[str, Any]] = {
     "float32 (default)": {},
@@ -46,6 +52,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gram bf16": dict(factor_compute_dtype=BF16),
     "both bf16": dict(precondition_dtype=BF16, factor_compute_dtype=BF16),
 }
+#: how docs/benchmarks.md names the models and the variants
+MODEL_NAMES = {"mlp-784-512-512-10": "MLP 784-512-512-10", "cnn": "CNN"}
+VARIANT_NAMES = {"precondition bf16": "preconditioning bf16", "gram bf16": "Gram bf16"}
 
 
 def preconditioned(model_name: str, kfac: dict[str, Any], dtype: torch.dtype, batch: int) -> dict:
@@ -73,6 +82,19 @@ def accuracy(got: dict, ref: dict) -> tuple[float, float]:
     return max(errs), min(coss)
 
 
+def memory_table(models: list[str], batch: int) -> list[str]:
+    """Second-order bytes of every variant after one step (``memory_usage()``,
+    the cast copies included), as the markdown table of docs/benchmarks.md."""
+    lines = ["| model | products in | second-order bytes |", "|---|---|---|"]
+    for model_name in models:
+        for i, (variant, kfac) in enumerate(VARIANTS.items()):
+            one = preconditioned(model_name, copy.deepcopy(kfac), torch.float32, batch)
+            model = MODEL_NAMES.get(model_name, model_name) if i == 0 else ""
+            name = VARIANT_NAMES.get(variant, variant)
+            lines.append(f"| {model} | {name} | {one['second_order']:,} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -82,7 +104,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--denormals", choices=["flush", "keep"], default="flush")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument(
+        "--markdown",
+        choices=["memory"],
+        default=None,
+        help="print only the second-order memory table in markdown (no timing), write nothing",
+    )
     args = parser.parse_args()
+    if args.markdown == "memory":
+        print("\n".join(memory_table(args.models, args.batch)))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(args.denormals == "flush")

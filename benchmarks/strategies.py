@@ -13,6 +13,12 @@ all-reduce used by kfac-pytorch: the factor memory every rank would hold, and
 the time of one ``reduce`` vs one ``all_reduce`` of the same payload.
 
 Rank 0 prints a table, writes ``strategies.json`` and ``strategies.png``.
+With ``--markdown`` it prints only the memory and bytes of each fraction as a
+markdown table and writes nothing: no timing, so the table is exactly
+reproducible, and docs/benchmarks.md holds it in a region that
+``tools/docs_check.py`` re-runs (with fewer steps: the bytes of an ordinary
+and of an inverse step and the memory are the same at every step count that
+has both).
 """
 
 from __future__ import annotations
@@ -129,7 +135,17 @@ def main() -> None:
     parser.add_argument("--inv-update-steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--width", type=int, default=32)
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print only the memory and bytes table in markdown (no timings), write nothing",
+    )
     args = parser.parse_args()
+    if args.steps < 2 or args.steps <= args.inv_update_steps:
+        raise SystemExit(
+            f"--steps must exceed --inv-update-steps ({args.inv_update_steps}) and 1, "
+            f"so that ordinary and inverse steps are both measured; got {args.steps}"
+        )
     if "WORLD_SIZE" not in os.environ:
         raise SystemExit("run me under torchrun, e.g. torchrun --nproc_per_node=4 " + __file__)
     torch.set_num_threads(1)
@@ -141,6 +157,11 @@ def main() -> None:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
         results.append({"fraction": fraction, "ranks": gathered})
+    if args.markdown:
+        if rank == 0:
+            print("\n".join(markdown(results, world)))
+        dist.destroy_process_group()
+        return
     factor_numel = results[0]["ranks"][0]["factor_bytes_if_allreduced"] // 4
     timing = reduce_vs_allreduce(factor_numel)
     if rank == 0:
@@ -148,8 +169,8 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def report(results: list[dict[str, Any]], timing: dict[str, float], world: int, args: Any) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
+def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per fraction: the largest rank's memory and rank 0's bytes."""
     rows = []
     for entry in results:
         ranks = entry["ranks"]
@@ -160,12 +181,53 @@ def report(results: list[dict[str, Any]], timing: dict[str, float], world: int, 
                 "max_rank_memory_mb": max(r["memory"]["total"] for r in ranks) / 2**20,
                 "max_rank_second_order_mb": max(r["memory"]["second_order"] for r in ranks) / 2**20,
                 "max_rank_factors_mb": max(r["memory"]["factors"] for r in ranks) / 2**20,
+                "max_rank_workspace_mb": max(r["memory"]["workspace"] for r in ranks) / 2**20,
                 "factors_if_allreduced_mb": ranks[0]["factor_bytes_if_allreduced"] / 2**20,
                 "mb_per_plain_step": sum(ranks[0]["bytes_plain_step"].values()) / 2**20,
                 "mb_per_inverse_step": sum(ranks[0]["bytes_inverse_step"].values()) / 2**20,
                 "median_step_s": max(r["step_time_s"] for r in ranks),
             }
         )
+    return rows
+
+
+#: the columns of :func:`markdown`'s memory, keys of ``memory_usage()``
+MEMORY_KINDS = ("total", "second_order", "factors", "workspace")
+
+
+def fraction_label(fraction: float, world: int) -> str:
+    """``1 (COMM-OPT)``, ``1/2 (HYBRID-OPT)``, ``1/4 (MEM-OPT)``, ..."""
+    if fraction == 1:
+        return "1 (COMM-OPT)"
+    name = "MEM-OPT" if round(fraction * world) == 1 else "HYBRID-OPT"
+    return f"1/{round(1 / fraction)} ({name})"
+
+
+def markdown(results: list[dict[str, Any]], world: int) -> list[str]:
+    """The memory and bytes table of docs/benchmarks.md, in bytes: each
+    memory column its largest rank, traffic what rank 0 sends or contributes."""
+    lines = [
+        "| grad_worker_fraction | workers/layer | K-FAC bytes / rank | 2nd-order | factors "
+        "| workspace | factors if all-reduced | bytes / ordinary step | bytes / inverse step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in results:
+        ranks = entry["ranks"]
+        memory = [max(r["memory"][k] for r in ranks) for k in MEMORY_KINDS]
+        rank0 = ranks[0]
+        sent = [
+            sum(rank0["bytes_plain_step"].values()),
+            sum(rank0["bytes_inverse_step"].values()),
+        ]
+        cells = [fraction_label(entry["fraction"], world), str(rank0["grad_workers"])]
+        cells += [f"{b:,.0f}" for b in (*memory, rank0["factor_bytes_if_allreduced"], *sent)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(results: list[dict[str, Any]], timing: dict[str, float], world: int, args: Any) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = summarise(results)
     header = (
         f"{'f':>6} {'workers':>7} {'mem/rank MB':>12} {'2nd-ord MB':>11} {'factors MB':>11} "
         f"{'(allreduce)':>12} {'MB/step':>9} {'MB/inv step':>12} {'step s':>8}"

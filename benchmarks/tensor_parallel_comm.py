@@ -2,6 +2,10 @@
 
     PYTHONPATH=src python benchmarks/tensor_parallel_comm.py --out runs/bench
 
+(``--markdown``: the table alone, as docs/benchmarks.md holds it in a region
+that ``tools/docs_check.py`` re-runs; every number is a byte count, exactly
+reproducible.)
+
 Runs each model on a 2 × 2 mesh (dp × tp, W = 4 forked gloo ranks on the
 CPU) for two steps with ``factor_update_steps=inv_update_steps=2``: step 0
 updates factors and decompositions, step 1 only preconditions.  kaisa's
@@ -217,24 +221,47 @@ def table(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
-    args = parser.parse_args()
-    rows = table(args.out)
-    print("float32; tp bytes on the network, kaisa's dp-side bytes as comm_stats() counts them")
-    print(
+def label(mesh_shape: tuple[int, int], config: str) -> str:
+    """A row's configuration as the docs name it: the GPT-NeoX formula is
+    MEM-OPT on a dp > 1 mesh, and one dp rank has no fraction (f = 1/dp is 1)."""
+    dp_size = mesh_shape[0]
+    if config.startswith("GPT-NeoX"):
+        return "GPT-NeoX (formula, MEM-OPT)" if dp_size > 1 else "GPT-NeoX (formula)"
+    if dp_size == 1:
+        return config.split(",")[0]
+    return config.replace("f=0.5", "f=½")
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The bytes table of docs/benchmarks.md (bytes only: exactly reproducible)."""
+    lines = [
         "| dp × tp | model | configuration | tp bytes, factor step | tp bytes, other step "
-        "| dp-side bytes, factor step | dp-side bytes, other step |"
-    )
-    print("|---|---|---|---|---|---|---|")
+        "| kaisa dp-side bytes, factor step | kaisa dp-side bytes, other step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         dp = ["—", "—"] if "step_dp" not in r else [f"{r['factor_step_dp']:,}", f"{r['step_dp']:,}"]
         mesh = " × ".join(map(str, r["mesh"]))
-        print(
-            f"| {mesh} | {r['model']} | {r['config']} | {r['factor_step_tp']:,} "
-            f"| {r['step_tp']:,} | {dp[0]} | {dp[1]} |"
+        lines.append(
+            f"| {mesh} | {r['model']} | {label(r['mesh'], r['config'])} "
+            f"| {r['factor_step_tp']:,} | {r['step_tp']:,} | {dp[0]} | {dp[1]} |"
         )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the table alone (docs/benchmarks.md holds it; tools/docs_check.py checks it)",
+    )
+    args = parser.parse_args()
+    rows = table(args.out)
+    if not args.markdown:
+        print("float32; tp bytes on the network, kaisa's dp-side bytes as comm_stats() counts them")
+    print("\n".join(markdown(rows)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The docs' generated regions equal what their commands print (tools/docs_check.py).
 
 The quick regions run in the fast suite, the slow ones (BERT-Large, every
-link scenario) under ``slow``, so ``make test`` checks every region; outputs
+link scenario, the benchmarks' bytes and memory tables: strategies.py under
+torchrun on 4 ranks, tensor_parallel_comm.py, precision.py) under ``slow``,
+so ``make test`` checks every region; outputs
 are cached by a digest of the sources, so a re-run without a change is quick.
 A region whose numbers were edited by hand, or whose command now prints
 something else, fails with a diff; ``make docs-update`` rewrites them.
@@ -53,22 +55,36 @@ def test_the_slow_regions_match_their_commands() -> None:
     assert code == 0, f"docs drifted from their commands (make docs-update):\n{diff}"
 
 
-def test_every_plan_table_in_the_docs_is_generated() -> None:
-    """A ``kaisa plan`` table or a table of plan_paper.py pasted by hand
-    would not be checked: each must sit inside a region."""
-    looks_generated = re.compile(r"^(\s+W\s+fraction workers|\| W \| (MiB|ms) 1/W|\| f \| capture)")
+#: the first line of every table a command prints: a plan, plan_paper.py's
+#: tables, and the bytes and memory tables of strategies.py,
+#: tensor_parallel_comm.py and precision.py (``--markdown``)
+GENERATED_TABLE = re.compile(
+    r"^(\s+W\s+fraction workers|\| W \| (MiB|ms) 1/W|\| f \| capture"
+    r"|\| grad_worker_fraction \| workers/layer \| K-FAC bytes"
+    r"|\| dp × tp \| model \| configuration \| tp bytes"
+    r"|\| model \| products in \| second-order bytes)"
+)
+
+
+def test_every_plan_and_bytes_table_in_the_docs_is_generated() -> None:
+    """A ``kaisa plan`` table, a table of plan_paper.py or a benchmark's
+    bytes or memory table pasted by hand would not be checked: each must
+    sit inside a region."""
     for path in docs_check.doc_paths(ROOT):
         lines = path.read_text().splitlines()
         inside = set()
         for region in docs_check.find_regions(path):
             inside.update(range(region.start, region.end))
         for i, line in enumerate(lines):
-            if looks_generated.match(line):
+            if GENERATED_TABLE.match(line):
                 assert i in inside, (
-                    f"{path.name}:{i + 1} is a plan table outside a generated region"
+                    f"{path.name}:{i + 1} is a generated table outside a generated region"
                 )
     regions = [r for p in docs_check.doc_paths(ROOT) for r in docs_check.find_regions(p)]
     assert sum("kaisa plan" in r.command for r in regions) >= 2  # README and planning.md
+    benchmarks = ("strategies.py", "tensor_parallel_comm.py", "precision.py")
+    for name in benchmarks:  # docs/benchmarks.md
+        assert any(name in r.command and "--markdown" in r.command for r in regions), name
 
 
 def small_tree(tmp_path: Path, body: str) -> Path:
