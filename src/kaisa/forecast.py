@@ -328,7 +328,13 @@ def forecast(
     layer's decompositions: its worker column; gradients: each receiver
     row), so a node-aware ``cost`` tells the in-node ones from the others.
     """
-    config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
+    unknown = sorted(set(kfac) - set(KFACConfig.field_names()))
+    if unknown:  # a misspelt option would otherwise forecast the default silently
+        raise TypeError(
+            f"forecast() got unknown option(s) {unknown}; "
+            f"allowed: {sorted(KFACConfig.field_names())}"
+        )
+    config = KFACConfig(**kfac)
     cost = cost or CostModel()
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in layers],

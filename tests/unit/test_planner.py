@@ -271,3 +271,9 @@ def test_large_factors_are_planned_per_block_and_reported(
     assert main([*args, "--kfac-max-factor-dim", "none"]) == 0
     assert "not kept dense" not in capsys.readouterr().out
     sys.modules.pop("wide_models", None)
+
+
+def test_forecast_refuses_an_unknown_option() -> None:
+    layers = layer_costs(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['inv_update_step'\]"):
+        forecast(layers, 2, inv_update_step=10)
