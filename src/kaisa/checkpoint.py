@@ -228,7 +228,9 @@ class Checkpointer:
         """Keep what the plan gives this rank; return whether a recompute is due.
 
         ``partial``: the mark of a checkpoint taken on some ranks only; the
-        layers it lacks start afresh, with a warning naming them."""
+        statistics of the layers whose factors it lacks start afresh, with a
+        warning naming them (their second-order state, where it holds it
+        whole, is kept until their next inverse update)."""
         complete = True
         for name, entry in layers.items():
             layer = self.layers[name]
@@ -244,14 +246,20 @@ class Checkpointer:
                 if value is not None and keep:
                     layer.running[i] = value.to(dev, layer.factor_dtype).clone()
             held: tuple[HeldTensor, ...] = self.method.held(layer.factors, lp.colocated)
-            if layer.captured and not all(t.key in entry for t in held):
+            has_second_order = all(t.key in entry for t in held)
+            if layer.captured and not has_second_order:
                 complete = False
+            # a layer whose factors start afresh but whose second-order state
+            # is whole (a partial checkpoint under COMM-OPT holds every
+            # layer's) keeps preconditioning with it until its next inverse
+            # update, which decomposes the restarted factors
+            restored = layer.captured or has_second_order
             layer.state.clear()
-            if layer.captured and lp.is_grad_worker(self.rank):
+            if restored and lp.is_grad_worker(self.rank):
                 for t in held:
                     if t.key in entry:
                         layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()
-            layer.decomposed = layer.captured
+            layer.decomposed = restored
         if partial:
             fresh = [n for n, la in self.layers.items() if not la.captured]
             warnings.warn(

@@ -80,6 +80,14 @@ def _rank_zero_only(rank: int, world: int) -> dict[str, Any]:
         fresh.load_state_dict(objects[0])
     out["load_warned"] = any("start their statistics afresh" in str(w.message) for w in caught)
     out["captured"] = {n: la.captured for n, la in fresh.layers.items()}
+    # under COMM-OPT rank 0 held every layer's second-order state: all of it
+    # is restored, the fresh layers' too, until their next inverse update
+    out["decomposed"] = {n: la.decomposed for n, la in fresh.layers.items()}
+    out["state_restored"] = all(
+        torch.equal(la.state[k], objects[0]["layers"][n][k])
+        for n, la in fresh.layers.items()
+        for k in la.state
+    ) and all(la.state for la in fresh.layers.values())
     _train(resumed, fresh, rank, 2)  # and trains on: the fresh layers are captured anew
     out["captured_after"] = all(la.captured for la in fresh.layers.values())
     return out
@@ -102,6 +110,7 @@ def test_state_dict_on_rank_zero_only_returns_its_share_without_hanging() -> Non
     for r in (r0, r1):
         assert r["load_warned"]
         assert r["captured"] == {n: all(o == 0 for o in owners[n]) for n in owners}
+        assert all(r["decomposed"].values()) and r["state_restored"]
         assert r["captured_after"]
     assert any(r0["captured"].values()) and not all(r0["captured"].values())
 
