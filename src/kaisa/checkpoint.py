@@ -24,6 +24,7 @@ from kaisa.comm import Communicator
 from kaisa.config import KFACConfig
 from kaisa.layer import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor
+from kaisa.mirror import FactorMirror
 from kaisa.plan import WorkPlan
 from kaisa.second_order import SecondOrderUpdate
 
@@ -60,6 +61,8 @@ class Checkpointer:
         #: the same on every rank when they construct in the same order
         self._uid = next(_INSTANCES)
         self._rounds: dict[int, int] = {}
+        #: every factor on rank 0, once a save on rank 0 alone asked for it
+        self.mirror = FactorMirror(layers, plan, comm, f"mirror/{self._uid}")
 
     # -- saving ---------------------------------------------------------------------
     def save(
@@ -81,15 +84,29 @@ class Checkpointer:
             f"state_dict/{self._uid}/{steps}/{self._rounds[steps]}", timeout_s
         ):
             return self.gather(include_factors, include_second_order, damping), None
+        self.mirror.request(steps)
+        mirrored = self.mirror.refreshed
+        held = (
+            f"this rank's share and every other factor as of the inverse update at step "
+            f"{mirrored} (the mirror a first such save starts)"
+            if mirrored is not None
+            else "this rank's share (the next such saves also hold every other factor, as of "
+            "the last inverse update: this one starts a mirror onto rank 0)"
+            if self.rank == 0
+            else "this rank's share"
+        )
         warnings.warn(
             f"kaisa: state_dict() was called on rank {self.rank} but not on every rank of the "
             f"{self.comm.world_size}-rank data-parallel group within {timeout_s:g} s. kaisa "
-            "keeps each factor on its owner only, so this checkpoint holds this rank's share: "
-            "loading it restores those layers and starts the others' statistics afresh. For a "
-            "complete checkpoint call state_dict() on every rank (and save on one)",
+            f"keeps each factor on its owner only, so this checkpoint holds {held}; loading it "
+            "starts the statistics of any layer it lacks afresh. For a complete, current "
+            "checkpoint call state_dict() on every rank (and save on one)",
             stacklevel=3,
         )
-        return self.local(), {"rank": self.rank, "world_size": self.comm.world_size}
+        partial = {"rank": self.rank, "world_size": self.comm.world_size}
+        if mirrored is not None:
+            partial["mirrored_at"] = mirrored
+        return self.local(), partial
 
     def gather(
         self, include_factors: bool, include_second_order: bool, damping: float
@@ -127,14 +144,16 @@ class Checkpointer:
 
     def local(self) -> dict[str, dict[str, Tensor]]:
         """What this rank holds, without communication: the factors it owns
-        and the second-order tensors of the layers it is a worker of (for a
+        (and on rank 0 the mirror of the others', :mod:`kaisa.mirror`) and the
+        second-order tensors of the layers it is a worker of (for a
         ``state_dict()`` called on some ranks only)."""
         out: dict[str, dict[str, Tensor]] = {}
         for name, layer in self.layers.items():
             entry: dict[str, Tensor] = {}
             for spec, running in zip(layer.factors, layer.running):
-                if running is not None:
-                    entry[spec.name] = running.detach().clone()
+                copy = self.mirror.factors.get((name, spec.name)) if running is None else running
+                if copy is not None:
+                    entry[spec.name] = copy.detach().clone()
             if layer.decomposed:
                 for key, value in layer.state.items():
                     entry[key] = value.detach().clone()

@@ -222,7 +222,9 @@ class Communicator:
         )
 
     # -- enqueueing ----------------------------------------------------------
-    def reduce_sum(self, flat: Tensor, dst: int, callback: Callback | None) -> None:
+    def reduce_sum(
+        self, flat: Tensor, dst: int, callback: Callback | None, *, kind: str = "factor_reduce"
+    ) -> None:
         """Sum ``flat`` over the group onto ``dst`` now; ``callback([sum])`` runs there.
 
         The caller lays the buffer out (the same on every rank); it is sent
@@ -240,8 +242,8 @@ class Communicator:
             group=self.group(range(self.world_size)),
             async_op=True,
         )
-        self.stats.record("factor_reduce", flat.numel() * flat.element_size())
-        self._launched.append(_Launched("factor_reduce", work, flat, [item]))
+        self.stats.record(kind, flat.numel() * flat.element_size())
+        self._launched.append(_Launched(kind, work, flat, [item]))
 
     def broadcast(
         self,
@@ -295,13 +297,10 @@ class Communicator:
         True where there is no store to ask (the caller then runs its
         collective as before).
         """
-        if not self.distributed:
+        store = self._store() if self.distributed else None
+        if store is None:
             return True
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except (AttributeError, RuntimeError, ValueError):
-            return True
-        base = f"kaisa/{key}/{','.join(map(str, self.global_ranks))}"
+        base = self._store_key(key)
         if store.add(f"{base}/arrived", 1) == self.world_size:
             store.set(f"{base}/all", "1")
         try:
@@ -311,6 +310,29 @@ class Communicator:
             wanted = "partial"
         # the first to decide sets the verdict; everyone reads the same one
         return bytes(store.compare_set(f"{base}/verdict", "", wanted)) == b"go"
+
+    def _store(self) -> Any:
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+
+    def publish(self, key: str, value: str) -> None:
+        """Write ``key`` in the rendezvous store (for this group), without a collective."""
+        store = self._store()
+        if store is not None:
+            store.set(self._store_key(key), value)
+
+    def published(self, key: str) -> str | None:
+        """What :meth:`publish` wrote under ``key``, or None (one store round trip)."""
+        store = self._store()
+        full = self._store_key(key)
+        if store is None or not store.check([full]):
+            return None
+        return bytes(store.get(full)).decode()
+
+    def _store_key(self, key: str) -> str:
+        return f"kaisa/{key}/{','.join(map(str, self.global_ranks))}"
 
     def agree_model_parallel(self, flag: bool, device: torch.device) -> bool:
         """``flag`` and-ed over the tensor- and pipeline-parallel groups (blocking;

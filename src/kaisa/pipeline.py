@@ -16,6 +16,7 @@ Who does what is fixed once, at construction, by the work plan
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kaisa.apply import GradientApplication
@@ -54,6 +55,8 @@ class StepPipeline:
     stale: bool = False
     #: the statistics captured since the last step are not folded (``reset_batch()``)
     drop_statistics: bool = False
+    #: runs on every rank at each inverse update (the checkpoint mirror, kaisa.mirror)
+    on_inverse_step: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
@@ -174,10 +177,13 @@ class StepPipeline:
 
     def update_second_order(self, step: int, damping: float) -> None:
         """Decompose and broadcast on inverse steps; at once for a layer seen the first time."""
-        every = self.stale or self.schedule.is_inverse_step(step)
+        inverse_step = self.schedule.is_inverse_step(step)
+        every = self.stale or inverse_step
         due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
         self.second_order.run(due, damping)
         self.stale = False
+        if inverse_step and self.on_inverse_step is not None:
+            self.on_inverse_step(step)
 
     def apply(self, step: int, damping: float, factor_step: bool) -> None:
         self.application.run(

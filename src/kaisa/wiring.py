@@ -205,5 +205,6 @@ def build(
         scaling=scaling,
     )
     checkpointer = Checkpointer(layers, plan, comm, method, second_order)
+    pipeline.on_inverse_step = checkpointer.mirror.at_inverse_step
     logging.getLogger("kaisa").debug("%s", plan.describe())
     return Parts(engine, layers, skipped, plan, comm, method, capture, pipeline, checkpointer)

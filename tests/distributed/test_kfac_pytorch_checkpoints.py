@@ -143,3 +143,48 @@ def test_kfac_pytorch_strategies_and_reported_fractions_at_two_ranks() -> None:
             (1.0, "COMM_OPT"),
         ]
     )
+
+
+def _mirrored(rank: int, world: int) -> dict[str, Any]:
+    model = _model()
+    precond = KFACPreconditioner(
+        model, factor_update_steps=1, inv_update_steps=2, grad_worker_fraction=0.5
+    )  # MEM-OPT at W = 2: each layer's factors and second order on one rank
+    _train(model, precond, rank, 3)
+    out: dict[str, Any] = {"owners": {n: precond.plan.layer(n).owners for n in precond.layers}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if rank == 0:
+            out["first"] = precond.state_dict(timeout_s=1.0)  # asks for the mirror (from step 5)
+    out["mirror_bytes_before"] = precond.comm_stats()["total"].get("checkpoint_mirror", {})
+    _train(model, precond, rank, 4)  # steps 3..6: the inverse update at 6 refreshes it
+    out["mine"] = {
+        (n, s.name): r.clone()
+        for n, la in precond.layers.items()
+        for s, r in zip(la.factors, la.running)
+        if r is not None
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank == 0:
+            out["second"] = precond.state_dict(timeout_s=1.0)
+    out["said"] = " ".join(str(w.message) for w in caught)
+    out["mirror_bytes"] = precond.comm_stats()["total"].get("checkpoint_mirror", {})
+    return out
+
+
+def test_a_save_on_rank_zero_alone_starts_a_mirror_that_completes_the_next_ones() -> None:
+    r0, r1 = run_distributed(2, _mirrored, timeout_s=120.0)
+    owners = r0["owners"]
+    theirs = [n for n in owners if all(o == 1 for o in owners[n])]
+    assert theirs, owners  # some layer lives on rank 1 alone
+    first, second = r0["first"], r0["second"]
+    assert all(not first["layers"][n] for n in theirs)  # the first save: rank 0's share
+    assert not r0["mirror_bytes_before"] and not r1["mirror_bytes_before"]  # nothing sent yet
+    assert second["partial"]["mirrored_at"] == 6 and "as of the inverse update" in r0["said"]
+    for name in owners:  # the second: every layer's factors
+        assert {"A", "G"} <= set(second["layers"][name]), name
+    for name in theirs:  # rank 1's, exactly as rank 1 held them after step 6
+        for factor in ("A", "G"):
+            assert torch.equal(second["layers"][name][factor], r1["mine"][(name, factor)])
+    assert r0["mirror_bytes"]["calls"] > 0 and r1["mirror_bytes"]["calls"] > 0
