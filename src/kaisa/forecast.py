@@ -495,7 +495,11 @@ def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) ->
     """``grad_worker_fraction='auto'``: :func:`choose_fraction` on the registered
     layers with the cost model of ``config.plan_costs`` (the default figures
     when None) and ``config.memory_budget_mb``.  Every input is the same on
-    every rank (the same file), so every rank picks the same fraction."""
+    every rank (the same file), so every rank picks the same fraction.  On
+    the CPU the products' workspace counts against the budget, as
+    :func:`layer_costs` counts it."""
+    # the CPU workspace counts as it does in layer_costs (a CPU run holds it)
+    owns = sole_owners([la.adapter for la in layers])
     costs = [
         LayerCost(
             name=la.name,
@@ -504,8 +508,14 @@ def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) ->
             factor_itemsize=la.factor_dtype.itemsize,
             inv_itemsize=la.inv_dtype.itemsize,
             grad_itemsize=la.adapter.weight.dtype.itemsize,
+            reuses_workspace=whole
+            and uses_workspace(
+                la.adapter.device,
+                la.adapter.matrix_shape[0] * la.adapter.matrix_shape[1],
+                la.adapter.weight.element_size(),
+            ),
         )
-        for la in layers
+        for la, whole in zip(layers, owns)
     ]
     kfac = {name: getattr(config, name) for name in KFACConfig.field_names()}
     budget = config.memory_budget_mb * 2**20 if config.memory_budget_mb is not None else None

@@ -277,3 +277,30 @@ def test_forecast_refuses_an_unknown_option() -> None:
     layers = layer_costs(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['inv_update_step'\]"):
         forecast(layers, 2, inv_update_step=10)
+
+
+def test_auto_fraction_counts_the_cpu_workspace_against_the_budget(tmp_path: Path) -> None:
+    """'auto' on the CPU sees the memory layer_costs (and kaisa plan) count: a
+    budget between COMM-OPT's memory without and with the products' workspace
+    rules COMM-OPT out."""
+    from kaisa.config import KFACConfig
+    from kaisa.forecast import auto_fraction
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    layers = list(KFACPreconditioner(model).layers.values())
+    kfac = dict(factor_update_steps=10, inv_update_steps=100)
+    counted = layer_costs(model, **kfac)
+    slow = CostModel(bandwidth=1e6)  # per-step gradient broadcasts dear: COMM-OPT wins
+    path = tmp_path / "costs.json"
+    slow.save(path)
+    free, _ = choose_fraction(counted, 4, slow, None, **kfac)
+    assert free == 1.0
+    f1 = forecast(counted, 4, slow, grad_worker_fraction=1.0, **kfac).memory
+    workspace = int(f1["workspace"].max())
+    assert workspace > 0
+    budget_mb = (f1["total"].max() - workspace / 2) / 2**20  # fits only without the workspace
+    expected, _ = choose_fraction(counted, 4, slow, budget_mb * 2**20, **kfac)
+    assert expected < 1.0
+    config = KFACConfig(memory_budget_mb=budget_mb, plan_costs=str(path), **kfac)
+    assert auto_fraction(layers, 4, config) == expected
