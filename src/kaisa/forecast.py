@@ -312,6 +312,17 @@ def _add_grad_broadcast(
         t.secs["grad_comm"][first : first + n] += cost.collective(grad_bytes, row, calls)
 
 
+def _config_of(kfac: dict[str, Any]) -> KFACConfig:
+    """The options forecast; a misspelt one would otherwise forecast the default silently."""
+    unknown = sorted(set(kfac) - set(KFACConfig.field_names()))
+    if unknown:
+        raise TypeError(
+            f"forecast() got unknown option(s) {unknown}; "
+            f"allowed: {sorted(KFACConfig.field_names())}"
+        )
+    return KFACConfig(**kfac)
+
+
 def forecast(
     layers: Sequence[LayerCost],
     world_size: int,
@@ -328,13 +339,7 @@ def forecast(
     layer's decompositions: its worker column; gradients: each receiver
     row), so a node-aware ``cost`` tells the in-node ones from the others.
     """
-    unknown = sorted(set(kfac) - set(KFACConfig.field_names()))
-    if unknown:  # a misspelt option would otherwise forecast the default silently
-        raise TypeError(
-            f"forecast() got unknown option(s) {unknown}; "
-            f"allowed: {sorted(KFACConfig.field_names())}"
-        )
-    config = KFACConfig(**kfac)
+    config = _config_of(kfac)
     cost = cost or CostModel()
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in layers],
@@ -384,26 +389,41 @@ def forecast(
             t.memory["workspace"][:] = workspace_bytes(
                 largest, first.grad_itemsize, _compute_itemsize(first, config)
             )
+    _add_group_collectives(t, plan, config, cost, exchange, gradients_agree, len(layers))
+    return _finish(t, plan, config, method_kind.value, sym)
+
+
+def _add_group_collectives(
+    t: _Tally,
+    plan: WorkPlan,
+    config: KFACConfig,
+    cost: CostModel,
+    exchange: int,
+    gradients_agree: bool,
+    n_layers: int,
+) -> None:
+    """The collectives over the whole group: factor sums and counts, the
+    eigenvalue exchange, the presence vote; none in one process."""
+    w = plan.world_size
     if w == 1:
         for table in (t.factor_step, t.inverse_step, t.every_step):
             for v in table.values():
                 v[:] = 0
-    else:
-        if exchange and not plan.colocate_factors:
-            t.inverse_step["allreduce"] += 8 * exchange
-        if not gradients_agree:
-            # each layer's gradient presence, and the gradients' finiteness
-            # verdict riding in the same vote (kaisa.pipeline.gradients_finite)
-            t.every_step["agree"] += 4 * (len(layers) + 1)
-        cap = max(config.allreduce_bucket_cap_mb * 2**20, 1.0)
-        reduce_bytes = float(t.factor_step["factor_reduce"][0])
-        calls = max(len(set(o for la in plan.layers for o in la.owners)), reduce_bytes / cap)
-        everyone = range(w)
-        counts, allreduce = t.factor_step["factor_counts"][0], t.inverse_step["allreduce"][0]
-        t.secs["factor_comm"] += cost.collective(int(reduce_bytes), everyone, int(np.ceil(calls)))
-        t.secs["factor_comm"] += cost.collective(int(counts), everyone, 1, True)
-        t.secs["inverse_comm"] += cost.collective(int(allreduce), everyone, 1, True)
-    return _finish(t, plan, config, method_kind.value, sym)
+        return
+    if exchange and not plan.colocate_factors:
+        t.inverse_step["allreduce"] += 8 * exchange
+    if not gradients_agree:
+        # each layer's gradient presence, and the gradients' finiteness
+        # verdict riding in the same vote (kaisa.pipeline.gradients_finite)
+        t.every_step["agree"] += 4 * (n_layers + 1)
+    cap = max(config.allreduce_bucket_cap_mb * 2**20, 1.0)
+    reduce_bytes = float(t.factor_step["factor_reduce"][0])
+    calls = max(len(set(o for la in plan.layers for o in la.owners)), reduce_bytes / cap)
+    everyone = range(w)
+    counts, allreduce = t.factor_step["factor_counts"][0], t.inverse_step["allreduce"][0]
+    t.secs["factor_comm"] += cost.collective(int(reduce_bytes), everyone, int(np.ceil(calls)))
+    t.secs["factor_comm"] += cost.collective(int(counts), everyone, 1, True)
+    t.secs["inverse_comm"] += cost.collective(int(allreduce), everyone, 1, True)
 
 
 def _compute_itemsize(layer: LayerCost, config: KFACConfig) -> int:

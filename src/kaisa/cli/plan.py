@@ -81,6 +81,14 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     plan.add_argument(
         "--latency-us", type=float, default=None, help="µs per collective hop (between nodes)"
     )
+    _add_node_arguments(plan)
+    plan.add_argument("--out", type=Path, default=Path("runs/plan"))
+    add_kfac_arguments(plan)
+    return plan
+
+
+def _add_node_arguments(plan: argparse.ArgumentParser) -> None:
+    """The two-level link's options (ranks per node, the intra-node link)."""
     nodes = plan.add_argument_group(
         "nodes",
         "a two-level link: consecutive ranks share a node; a collective inside one node runs at "
@@ -106,9 +114,6 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         default=None,
         help="µs per hop inside a node (default: --latency-us)",
     )
-    plan.add_argument("--out", type=Path, default=Path("runs/plan"))
-    add_kfac_arguments(plan)
-    return plan
 
 
 def _load_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...] | None, int]:
