@@ -50,18 +50,7 @@ def linear_like(model: torch.nn.Module) -> set[str]:
 
 
 def test_gpt2_from_config() -> None:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=LENGTH,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = small_gpt2()
     precond = KFACPreconditioner(model, damping=0.01, kl_clip=0.01, loss_average="items")
     ids = tokens()
     precond.loss_items = BATCH * (LENGTH - 1)  # the loss averages the shifted targets
