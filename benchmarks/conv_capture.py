@@ -82,7 +82,7 @@ def median_ms(fn: Any, reps: int) -> float:
 def measure(batch: int, steps: int, reps: int) -> dict[str, float]:
     """One process's figures for the kaisa on ``sys.path``."""
     from kaisa import KFACPreconditioner
-    from kaisa.factors import FactorSource
+    from kaisa.core.specs import FactorSource
 
     torch.manual_seed(0)
     model = cnn()

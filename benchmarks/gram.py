@@ -1,6 +1,6 @@
-"""A factor's Gram ``xᵀ x``: one matrix product against ``kaisa.factors.gram``.
+"""A factor's Gram ``xᵀ x``: one matrix product against ``kaisa.core.statistics.gram``.
 
-``kaisa.factors.gram`` forms a tall CPU Gram by blocks (the 6 blocks on and
+``kaisa.core.statistics.gram`` forms a tall CPU Gram by blocks (the 6 blocks on and
 above the diagonal of a 3 × 3 grid, the others as their transposes) because
 torch exposes no ``syrk``.  This times both on the shapes K-FAC meets: an
 MLP's batch of 128 rows, and a convolution's patch chunks of thousands of
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from conv_capture import median_ms  # the same timer as the capture benchmark
-from kaisa.factors import gram
+from kaisa.core.statistics import gram
 
 SHAPES = [(128, 513), (128, 785), (512, 513), (1024, 257), (1024, 513), (1800, 577), (7000, 290)]
 

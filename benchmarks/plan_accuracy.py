@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from kaisa import KFACPreconditioner
-from kaisa.costs import measure_costs
-from kaisa.forecast import forecast, layer_costs, probe_rows
+from kaisa.planner.costs import measure_costs
+from kaisa.planner.forecast import forecast, layer_costs
+from kaisa.planner.probe import probe_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_time import MODELS

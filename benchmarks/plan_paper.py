@@ -44,8 +44,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kaisa.costs import CostModel
-from kaisa.forecast import (
+from kaisa.planner.costs import CostModel
+from kaisa.planner.forecast import (
     STAGES,
     Forecast,
     LayerCost,
@@ -53,8 +53,8 @@ from kaisa.forecast import (
     forecast,
     fractions_for,
     layer_costs,
-    probe_rows,
 )
+from kaisa.planner.probe import probe_rows
 from kaisa.zoo import bert_large, resnet50
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,7 +71,7 @@ INTERVALS: dict[str, Any] = dict(factor_update_steps=10, inv_update_steps=100)
 #: the K-FAC settings planned: those intervals and the eigendecomposition the
 #: paper's KAISA (and kfac-pytorch) uses, not kaisa's default (the inverse)
 KFAC: dict[str, Any] = dict(**INTERVALS, compute_method="eigen")
-#: the runs are on GPUs: no CPU workspace (kaisa.workspace) is held
+#: the runs are on GPUs: no CPU workspace (kaisa.core.workspace) is held
 DEVICE = "cuda"
 
 

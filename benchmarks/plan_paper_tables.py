@@ -16,7 +16,7 @@ from typing import Any
 
 #: the columns of the tables: MEM-OPT, 1/8, 1/4, HYBRID-OPT, COMM-OPT
 COLUMNS = ("1/W", "1/8", "1/4", "1/2", "1")
-#: stage keys of kaisa.forecast.STAGES and the names the table gives them
+#: stage keys of kaisa.planner.forecast.STAGES and the names the table gives them
 STAGE_NAMES = {
     "capture": "capture",
     "factor_comm": "factor reduce",

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from kaisa.plan import LayerSpec, make_plan
+from kaisa.distributed.plan import LayerSpec, make_plan
 
 
 def measure(layers: int, world: int, fraction: float) -> dict[str, float]:

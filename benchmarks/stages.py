@@ -26,7 +26,7 @@ code changes.  The same wrappers log the shape of every kernel a stage runs,
 and the *floor* of the stage is then measured in the same process: the bare
 kernels it cannot avoid, on random tensors of those shapes, as many times as
 the stage ran them (A rows: one copy of the rows' bytes; A and G Gram: one
-``kaisa.factors.gram``, i.e. ``x.T @ x``, by blocks where kaisa uses them;
+``kaisa.core.statistics.gram``, i.e. ``x.T @ x``, by blocks where kaisa uses them;
 Embedding A: one ``bincount``; running average: one ``lerp_`` per factor;
 decomposition: ``torch.linalg.eigh`` or ``cholesky`` + ``cholesky_inverse``
 per dense factor; products: ``Q_Gᵀ ∇ Q_A`` and back (eigen)
@@ -68,8 +68,9 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kaisa import KFACPreconditioner, tune_cpu_allocator
-from kaisa.factors import FactorKind, FactorSource, FactorSpec, gram
-from kaisa.layer import KFACLayer
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
+from kaisa.core.statistics import gram
 from kaisa.tasks.digits import DigitsCNNTask
 from kaisa.tasks.transformer import CharTransformer
 
@@ -363,7 +364,7 @@ def kernel_fn(kernel: Kernel) -> Callable[[], Any]:
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
     if kind == "gram":
-        # kaisa.factors.gram: by blocks on CPU from width 256 (the cheapest
+        # kaisa.core.statistics.gram: by blocks on CPU from width 256 (the cheapest
         # bare Gram kaisa has), one product otherwise
         x = torch.randn(*kernel[1])
         return lambda: gram(x)

@@ -123,7 +123,7 @@ def _ratio(value: float | None) -> str:
 def minor_faults() -> int:
     """Pages this process has faulted in so far (0 where ``resource`` is missing):
     on CPU, fresh allocations the C allocator had handed back to the system
-    are faulted in again, page by page (kaisa.workspace)."""
+    are faulted in again, page by page (kaisa.core.workspace)."""
     try:
         import resource
     except ImportError:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.plan import allowed_fractions
+from kaisa.distributed.plan import allowed_fractions
 
 
 def model_for_bench(width: int) -> nn.Module:

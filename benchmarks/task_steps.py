@@ -81,7 +81,7 @@ def floor_blocks(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, tor
     Conv1d, attention's q/k/v rows and embeddings count as well as Linear and
     Conv2d; a diagonal factor (an embedding's A) is a vector, a scaling."""
     from kaisa import KFACPreconditioner
-    from kaisa.factors import FactorKind
+    from kaisa.core.specs import FactorKind
 
     precond = KFACPreconditioner(model)
     blocks = []

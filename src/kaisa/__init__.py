@@ -12,8 +12,8 @@ from kaisa.config import (
     LargeFactor,
     LossAverage,
 )
+from kaisa.distributed.topology import Topology
 from kaisa.preconditioner import KFACPreconditioner
-from kaisa.topology import Topology
 
 __version__ = "0.1.0"
 

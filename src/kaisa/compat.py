@@ -33,8 +33,8 @@ from kaisa.config import (
 )
 
 if TYPE_CHECKING:
-    from kaisa.plan import WorkPlan
-    from kaisa.schedule import Schedule
+    from kaisa.distributed.plan import WorkPlan
+    from kaisa.step.schedule import Schedule
 
 __all__ = ["KfacPytorchAttributes", "is_kfac_pytorch_state", "refuse_kfac_pytorch_state"]
 
@@ -264,8 +264,8 @@ def kfac_pytorch_schedule(state: Mapping[str, Any]) -> dict[str, Any]:
     :func:`refuse_kfac_pytorch_state` for why they are not converted)."""
     if not is_kfac_pytorch_state(state):
         raise ValueError("kfac_pytorch_schedule takes a kfac-pytorch state_dict")
-    from kaisa.checkpoint import STATE_VERSION
-    from kaisa.schedule import RESTORED
+    from kaisa.checkpoint.state import STATE_VERSION
+    from kaisa.step.schedule import RESTORED
 
     return {
         "version": STATE_VERSION,

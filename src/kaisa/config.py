@@ -88,7 +88,7 @@ class DistributedStrategy(_SameNameEquality, enum.Enum):
     COMM_OPT = "comm-opt"  #: f = 1
     HYBRID_OPT = "hybrid-opt"  #: f = 1/2
     MEM_OPT = "mem-opt"  #: f = 1/world_size
-    #: chosen at start-up by the planner (:func:`kaisa.forecast.choose_fraction`):
+    #: chosen at start-up by the planner (:func:`kaisa.planner.forecast.choose_fraction`):
     #: the least predicted overhead within ``memory_budget_mb``
     AUTO = "auto"
 
@@ -119,7 +119,7 @@ class KFACApprox(str, enum.Enum):
 
 class TensorParallelMode(str, enum.Enum):
     """How a layer sharded by ``parallelize_module`` (``ColwiseParallel`` /
-    ``RowwiseParallel``) is preconditioned (see :mod:`kaisa.engines.tensor_parallel`).
+    ``RowwiseParallel``) is preconditioned (see :mod:`kaisa.engines.tensor_parallel.engine`).
 
     * ``EXACT``: the factors of the unsharded layer, gathered onto one
       tensor-parallel rank per layer; the preconditioned gradient equals the
@@ -134,7 +134,7 @@ class TensorParallelMode(str, enum.Enum):
 
 
 class LargeFactor(str, enum.Enum):
-    """What a dense factor larger than ``max_factor_dim`` becomes (:mod:`kaisa.blocks`).
+    """What a dense factor larger than ``max_factor_dim`` becomes (:mod:`kaisa.core.blocks`).
 
     * ``DIAGONAL``: its diagonal, ``d`` entries (kfac-jax's diagonal factor;
       kaisa's tied head's ``G``).  Memory does not grow with ``d`` squared.
@@ -384,7 +384,7 @@ class KFACConfig:
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND
     tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT
     #: a dense factor with more rows than this is kept as ``large_factor`` says
-    #: (:mod:`kaisa.blocks`); None: every factor stays dense, however large
+    #: (:mod:`kaisa.core.blocks`); None: every factor stays dense, however large
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
     large_factor: LargeFactor | str = LargeFactor.DIAGONAL
 

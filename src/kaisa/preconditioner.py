@@ -1,8 +1,8 @@
 """``KFACPreconditioner``: the public facade.
 
 It validates its arguments and delegates: :mod:`kaisa.wiring` builds the
-parts, :mod:`kaisa.pipeline` runs ``step()`` phase by phase,
-:mod:`kaisa.checkpoint` saves and restores, :mod:`kaisa.report` reports.
+parts, :mod:`kaisa.step.pipeline` runs ``step()`` phase by phase,
+:mod:`kaisa.checkpoint.state` saves and restores, :mod:`kaisa.report` reports.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.checkpoint import STATE_VERSION
-from kaisa.comm import Communicator
+from kaisa.checkpoint.sharded import restore_sharded, sharded_state
+from kaisa.checkpoint.state import STATE_VERSION
 from kaisa.compat import KfacPytorchAttributes, is_kfac_pytorch_state, refuse_kfac_pytorch_state
 from kaisa.config import ComputeMethod, KFACConfig
+from kaisa.core.layer_state import KFACLayer
+from kaisa.distributed.communicator import Communicator
+from kaisa.distributed.plan import WorkPlan
+from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine, GradientAccess, select_engine
-from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule
-from kaisa.plan import WorkPlan
 from kaisa.report import describe, log_registration, memory_usage
-from kaisa.scaling import LossScaling
-from kaisa.schedule import Schedule, warn_unaligned_intervals
-from kaisa.sharded import restore_sharded, sharded_state
-from kaisa.topology import Topology
+from kaisa.step.loss_scaling import LossScaling
+from kaisa.step.schedule import Schedule, warn_unaligned_intervals
 from kaisa.wiring import build, check_runtime_arguments
 
 __all__ = ["KFACPreconditioner"]
@@ -160,7 +160,7 @@ class KFACPreconditioner(KfacPytorchAttributes):
     def nonfinite_steps(self) -> int:
         """Steps skipped because a registered layer's gradient held a NaN or
         Inf (a ``GradScaler``'s own skips are not counted): each left kaisa
-        as it was, with its gradients unchanged (:mod:`kaisa.finite`)."""
+        as it was, with its gradients unchanged (:mod:`kaisa.step.nonfinite`)."""
         return self._parts.pipeline.nonfinite.count
 
     @property
@@ -290,20 +290,20 @@ class KFACPreconditioner(KfacPytorchAttributes):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's share of the state for ``torch.distributed.checkpoint``
-        (the factors it owns; see :mod:`kaisa.sharded`).  Not collective; the
+        (the factors it owns; see :mod:`kaisa.checkpoint.sharded`).  Not collective; the
         same call's result is the template ``dcp.load`` fills."""
-        return sharded_state(self)
+        return sharded_state(self._parts, self.config, self.rank)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at
         any world size or fraction (collective)."""
-        restore_sharded(self, state)
+        restore_sharded(self._parts, self._schedule, self.config, self.rank, state)
 
     # -- reporting ------------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by this rank: factors, batch statistics, second-order
         tensors, and on CPU the buffers the products reuse (``workspace``:
-        three times the largest gradient matrix, see :mod:`kaisa.workspace`)."""
+        three times the largest gradient matrix, see :mod:`kaisa.core.workspace`)."""
         workspace = self._parts.pipeline.application.workspace_bytes
         return memory_usage(list(self.layers.values()), workspace)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from kaisa.layer import KFACLayer
+from kaisa.core.layer_state import KFACLayer
+from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.registry import SkippedModule
-from kaisa.plan import WorkPlan
 
 __all__ = ["describe", "log_registration", "memory_usage"]
 

@@ -5,7 +5,7 @@ Wiring is kept apart from the step loop (as kfac-pytorch keeps
 checks the runtime arguments, unwraps the model through the engine, registers
 layers, fixes the dtype policy, makes the work plan over the topology's
 data-parallel group, creates the communicator, the hooks and the phases,
-and hands them to :class:`kaisa.pipeline.StepPipeline`.
+and hands them to :class:`kaisa.step.pipeline.StepPipeline`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kaisa.apply import GradientApplication
-from kaisa.capture import Capture
-from kaisa.checkpoint import Checkpointer
-from kaisa.comm import Communicator, group_ranks
+from kaisa.checkpoint.state import Checkpointer
 from kaisa.config import (
     ComputeMethod,
     DistributedStrategy,
@@ -30,18 +27,21 @@ from kaisa.config import (
     LossAverage,
     layer_dtypes,
 )
+from kaisa.core.layer_state import KFACLayer
+from kaisa.distributed.communicator import Communicator, group_ranks
+from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
+from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine
-from kaisa.forecast import auto_fraction
-from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule, register_layers
 from kaisa.methods import CurvatureMethod, method_for
-from kaisa.pipeline import StepPipeline
-from kaisa.plan import LayerSpec, WorkPlan, make_plan
-from kaisa.reduction import FactorReduction
-from kaisa.scaling import LossScaling
-from kaisa.schedule import Schedule
-from kaisa.second_order import SecondOrderUpdate
-from kaisa.topology import Topology
+from kaisa.planner.forecast import auto_fraction
+from kaisa.step.apply import GradientApplication
+from kaisa.step.capture.calls import Capture
+from kaisa.step.loss_scaling import LossScaling
+from kaisa.step.pipeline import StepPipeline
+from kaisa.step.reduce import FactorReduction
+from kaisa.step.schedule import Schedule
+from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["Parts", "build", "check_runtime_arguments"]
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.comm import CommunicationError
+from kaisa.distributed.communicator import CommunicationError
 
 from harness import run_distributed
 from test_invariance import B, make_model, rel

@@ -2,7 +2,7 @@
 
 For every strategy at W=1, 2, 4 (and symmetry-aware packing, the inverse
 method with split factors, no eigenvalue outer product, hand-averaged
-gradients), the bytes ``kaisa.forecast`` predicts for each rank and kind of
+gradients), the bytes ``kaisa.planner.forecast`` predicts for each rank and kind of
 step equal ``comm_stats()['step']`` kind by kind, and the predicted K-FAC
 memory equals ``memory_usage()`` on every rank — well inside the 10% the
 issue allows.  The model has conv, linear, embedding (diagonal factor) and
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.forecast import forecast, layer_costs
+from kaisa.planner.forecast import forecast, layer_costs
 
 from harness import run_distributed
 
@@ -127,7 +127,7 @@ def auto_run(rank: int, world: int, budget_mb: float) -> tuple[float, int]:
 
 
 def test_auto_fraction_fits_the_budget_and_every_rank_agrees() -> None:
-    from kaisa.forecast import choose_fraction
+    from kaisa.planner.forecast import choose_fraction
 
     layers = layer_costs(net())
     options = {fc.fraction: fc for fc in choose_fraction(layers, 4, **INTERVALS)[1]}

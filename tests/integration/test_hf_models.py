@@ -125,7 +125,7 @@ def small_gpt2() -> torch.nn.Module:
 def test_stock_gpt2_trains_without_a_kaisa_warning() -> None:
     """No position_ids: GPT-2 builds them as [1, T] and broadcasts the
     position embedding over the batch; kaisa takes its per-example gradients
-    where the broadcast happens (kaisa.broadcast), so there is nothing to warn about."""
+    where the broadcast happens (kaisa.step.capture.broadcast), so there is nothing to warn about."""
     model = small_gpt2()
     precond = KFACPreconditioner(model, damping=0.01, kl_clip=0.01, loss_average="items")
     precond.loss_items = BATCH * (LENGTH - 1)

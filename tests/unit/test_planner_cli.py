@@ -13,9 +13,9 @@ from torch import nn
 import kaisa.cli.plan as plan_cli
 from kaisa.cli.main import main
 from kaisa.config import KFACConfig
-from kaisa.costs import CostModel
-from kaisa.forecast import layer_costs
-from kaisa.workspace import MIN_BYTES, workspace_bytes
+from kaisa.core.workspace import MIN_BYTES, workspace_bytes
+from kaisa.planner.costs import CostModel
+from kaisa.planner.forecast import layer_costs
 
 MODULE = "plan_models_cli"
 #: a hidden layer of 256 × 257 float32 (263 KB ≥ the workspace's 128 KiB) and a small head
@@ -100,7 +100,7 @@ def test_each_failure_names_its_own_option(
 def test_a_gpu_plan_leaves_out_the_cpu_workspace(
     plan_args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The workspace is CPU-only (kaisa.workspace): --device cuda, or costs
+    """The workspace is CPU-only (kaisa.core.workspace): --device cuda, or costs
     measured on cuda, must not count it; a CPU plan does."""
     out = Path(plan_args[-1])
     big = 256 * 257

@@ -11,7 +11,7 @@ from torch import nn
 
 import kaisa
 from kaisa import KFACPreconditioner
-from kaisa.decompose import DecompositionError
+from kaisa.core.decompose import DecompositionError
 
 from kfac_reference import rel_err
 
@@ -314,7 +314,7 @@ def test_memory_usage_counts_factors_and_second_order() -> None:
     assert mem["factors"] == f * (7 * 7 + 8 * 8 + 9 * 9 + 3 * 3)
     # Q_A, Q_G and the eigenvalue outer product per layer
     assert mem["second_order"] == f * (7 * 7 + 8 * 8 + 8 * 7 + 9 * 9 + 3 * 3 + 3 * 9)
-    assert mem["workspace"] == 0  # layers this small allocate (tests/unit/test_workspace.py)
+    assert mem["workspace"] == 0  # layers this small allocate (tests/unit/core/test_workspace.py)
     parts = ("factors", "second_order", "batch_statistics", "workspace")
     assert mem["total"] == sum(mem[k] for k in parts)
 
@@ -404,7 +404,7 @@ def test_failed_decomposition_keeps_previous(monkeypatch) -> None:
 
 
 def test_eigh_that_does_not_converge_is_retried_in_float64(monkeypatch) -> None:
-    from kaisa import decompose
+    from kaisa.core import decompose
 
     real = torch.linalg.eigh
     calls = []

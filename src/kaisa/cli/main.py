@@ -36,7 +36,7 @@ from kaisa.cli.spec import ScheduleError, build_specs
 from kaisa.cli.sweep import run_seeds
 from kaisa.cli.train import RunResult, warm_up
 from kaisa.config import DistributedStrategy
-from kaisa.plan import grad_workers_for
+from kaisa.distributed.plan import grad_workers_for
 from kaisa.tasks.base import OPTIMIZERS
 from kaisa.tasks.registry import TASKS, get_task
 

@@ -21,8 +21,9 @@ from torch import nn
 
 from kaisa.cli.options import add_kfac_arguments, kfac_overrides
 from kaisa.config import KFACConfig
-from kaisa.costs import CostModel, measure_costs
-from kaisa.forecast import choose_fraction, layer_costs, probe_rows
+from kaisa.planner.costs import CostModel, measure_costs
+from kaisa.planner.forecast import choose_fraction, layer_costs
+from kaisa.planner.probe import probe_rows
 from kaisa.tasks import get_task, task_names
 
 MIB = 2**20
@@ -69,7 +70,7 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         choices=["cpu", "cuda"],
         default=None,
         help="where the run's layers live: the CPU workspace (three buffers the size of the "
-        "largest gradient, kaisa.workspace) is counted on cpu only (default: the device of "
+        "largest gradient, kaisa.core.workspace) is counted on cpu only (default: the device of "
         "--measure-costs, else where the model is built: the CPU for --task)",
     )
     plan.add_argument(

@@ -29,11 +29,11 @@ def select_engine(model: nn.Module, gradient_access: GradientAccess | None = Non
     with ``fully_shard`` gets :class:`~kaisa.engines.fsdp.FSDP2Engine`; one
     whose weights are DTensors sharded by ``parallelize_module``, or that
     holds Megatron-core parallel linears split over a tensor-parallel group,
-    gets :class:`~kaisa.engines.tensor_parallel.TensorParallelEngine`."""
+    gets :class:`~kaisa.engines.tensor_parallel.engine.TensorParallelEngine`."""
     from kaisa.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
     from kaisa.engines.fsdp import FSDP2Engine, is_fsdp2_model
-    from kaisa.engines.tensor_parallel import TensorParallelEngine
-    from kaisa.engines.tp_shards import tensor_parallel_group
+    from kaisa.engines.tensor_parallel.engine import TensorParallelEngine
+    from kaisa.engines.tensor_parallel.shards import tensor_parallel_group
 
     if is_deepspeed_engine(model):
         if gradient_access is not None:

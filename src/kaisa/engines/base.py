@@ -27,12 +27,12 @@ from torch import Tensor, nn
 from kaisa.layers.base import LayerAdapter
 
 if TYPE_CHECKING:
-    from kaisa.capture import Capture
-    from kaisa.comm import Communicator
     from kaisa.config import KFACConfig
-    from kaisa.layer import KFACLayer
+    from kaisa.core.layer_state import KFACLayer
+    from kaisa.core.workspace import Workspace
+    from kaisa.distributed.communicator import Communicator
     from kaisa.layers.registry import SkippedModule
-    from kaisa.workspace import Workspace
+    from kaisa.step.capture.calls import Capture
 
 __all__ = [
     "Engine",
@@ -139,7 +139,7 @@ class Engine(ABC):
         such a layer writes its ``V`` as soon as it is formed, before the KL
         clip's ``ν`` (known only once every layer's ``⟨V, ∇⟩`` is), so no
         ``V`` is held and its products can reuse one workspace
-        (:mod:`kaisa.workspace`).  The others hold ``V`` and are written
+        (:mod:`kaisa.core.workspace`).  The others hold ``V`` and are written
         ``ν·V``.  No layer by default."""
         return [False] * len(adapters)
 
@@ -164,7 +164,7 @@ class Engine(ABC):
     def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
         """The gradient tensors this rank holds for ``adapters``' parameters —
         whole, or its part of a partitioned one — for the check that skips a
-        step whose gradients are not finite (:mod:`kaisa.finite`).  Default:
+        step whose gradients are not finite (:mod:`kaisa.step.nonfinite`).  Default:
         each ``param.grad``, a DTensor's local shard."""
         out = []
         for p in unique_parameters(adapters):

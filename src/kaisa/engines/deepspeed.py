@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kaisa.distributed.topology import Topology
 from kaisa.engines.base import (
     Engine,
     EngineDefaults,
@@ -54,7 +55,6 @@ from kaisa.engines.base import (
 )
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter, param_shape
-from kaisa.topology import Topology
 
 __all__ = ["DeepSpeedEngine", "is_deepspeed_engine"]
 

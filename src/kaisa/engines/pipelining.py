@@ -54,10 +54,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kaisa.distributed.topology import Topology
 from kaisa.engines.base import Engine, EngineDefaults
 from kaisa.engines.pytorch import GradientAccess, unwrap_model
 from kaisa.layers.base import LayerAdapter
-from kaisa.topology import Topology
 
 __all__ = ["PipeliningEngine", "is_pipeline_schedule"]
 

@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from kaisa.core.workspace import Workspace
 from kaisa.engines.base import Engine, GradientMarks, unique_parameters
 from kaisa.layers.base import LayerAdapter, sole_owners
-from kaisa.workspace import Workspace
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
 

@@ -2,7 +2,7 @@
 
 The module applies its projections functionally
 (``F.multi_head_attention_forward``), so no module hook sees them; the
-functional capture (:mod:`kaisa.functional`) observes each ``F.linear`` call
+functional capture (:mod:`kaisa.step.capture.attention`) observes each ``F.linear`` call
 made with these weights instead and hands over inputs and output gradients
 already in the canonical ``[batch, shared, features]`` shape.
 

@@ -1,7 +1,7 @@
 """The layer adapter interface: one canonical shape before any K-FAC math.
 
 An adapter knows how one module type maps its inputs and output gradients to
-the canonical ``[batch, shared, features]`` tensors that :mod:`kaisa.factors`
+the canonical ``[batch, shared, features]`` tensors that :mod:`kaisa.core.statistics`
 turns into Kronecker factors, which factors its curvature block has
 (:meth:`LayerAdapter.factor_specs`), and how its parameters' gradients map to
 the ``[d_out, d_in(+1)]`` matrix that the curvature methods precondition.
@@ -24,14 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.config import LargeFactor
-from kaisa.factors import (
-    FactorKind,
-    FactorSource,
-    FactorSpec,
-    contribution,
-    kfac_factors,
-    limit_factors,
-)
+from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, kfac_factors, limit_factors
+from kaisa.core.statistics import contribution
 
 __all__ = ["LayerAdapter", "describe_specs", "param_shape", "sole_owners"]
 
@@ -70,7 +64,7 @@ class LayerAdapter(ABC):
 
     #: whether positions may be reduced before the statistics (K-FAC-reduce)
     supports_reduce = True
-    #: the engine feeds :meth:`kaisa.capture.Capture.observe` itself (tensor
+    #: the engine feeds :meth:`kaisa.step.capture.calls.Capture.observe` itself (tensor
     #: parallelism gathers the shards of a call first); Capture adds no hook
     captured_by_engine = False
     #: inputs may be DTensors (tensor parallelism); elsewhere a DTensor input
@@ -78,7 +72,7 @@ class LayerAdapter(ABC):
     sees_dtensors = False
     #: a call on one row of inputs may be broadcast over the batch by the model
     #: (position ids ``[1, T]``): its per-example output gradients are taken
-    #: where the broadcast happens (:mod:`kaisa.broadcast`)
+    #: where the broadcast happens (:mod:`kaisa.step.capture.broadcast`)
     broadcast_over_batch = False
 
     def __init__(self, name: str, module: nn.Module) -> None:
@@ -125,7 +119,7 @@ class LayerAdapter(ABC):
     def effective_specs(self) -> tuple[FactorSpec, ...]:
         """:meth:`factor_specs` as kept: every dense factor above
         :attr:`max_factor_dim` made diagonal or block-diagonal
-        (:func:`kaisa.factors.limit_factors`).  What the layer's state, the
+        (:func:`kaisa.core.specs.limit_factors`).  What the layer's state, the
         plan, the forecast and the reports read."""
         return limit_factors(self.factor_specs(), self.max_factor_dim, self.large_factor)
 
@@ -141,7 +135,7 @@ class LayerAdapter(ABC):
     @property
     def captured_by_module_hooks(self) -> bool:
         """Whether hooks on :attr:`module` see this layer's calls (False for
-        layers a module applies functionally; see :mod:`kaisa.functional`)."""
+        layers a module applies functionally; see :mod:`kaisa.step.capture.attention`)."""
         return True
 
     @abstractmethod
@@ -266,7 +260,7 @@ class LayerAdapter(ABC):
         """The gradient matrix's column blocks as views of the parameters' own
         gradients ``full`` (``∇W`` as ``[d_out, ·]``, then ``∇b`` as one
         column), for products that read and write them where they lie
-        (:func:`kaisa.precondition.mul_axis_from`).  None where the matrix is
+        (:func:`kaisa.core.kronecker.mul_axis_from`).  None where the matrix is
         not that concatenation: a missing or non-contiguous gradient, or an
         adapter with a layout of its own (rows of a shared tensor, a
         transposed weight)."""

@@ -9,8 +9,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from kaisa.factors import FactorKind, FactorSource, FactorSpec, contribution
-from kaisa.factors import contribution_features_first as features_first
+from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
+from kaisa.core.statistics import contribution
+from kaisa.core.statistics import contribution_features_first as features_first
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.patches import channels_last_padded, patch_gram, patch_mean, patch_view
 
@@ -70,7 +71,7 @@ class ConvAdapter(LayerAdapter):
         where it is avoidable: the A Gram from the patch view
         (:func:`~kaisa.layers.patches.patch_gram`), K-FAC-reduce's mean
         straight from it, the G Gram from the ``[N, C, L]`` gradient as it
-        lies (:func:`~kaisa.factors.contribution_features_first`)."""
+        lies (:func:`~kaisa.core.statistics.contribution_features_first`)."""
         if spec.kind is not FactorKind.DENSE:
             return super().factor_term(spec, tensor, dtype, scale)
         reduce = self.reduce and self.supports_reduce

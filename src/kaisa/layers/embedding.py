@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kaisa.factors import FactorKind, FactorSource, FactorSpec
+from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.base import LayerAdapter
 
 __all__ = ["EmbeddingAdapter"]

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from kaisa.factors import FactorKind, FactorSource, FactorSpec
+from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
 from kaisa.layers.base import LayerAdapter, describe_specs
 
 __all__ = ["LinearAdapter", "LinearCall", "TiedHeadAdapter"]

@@ -18,7 +18,7 @@ megatron-core 0.16.1:
   decides otherwise; the full sizes are ``input_size`` / ``output_size``.
 
 Alone (a tensor-parallel size of 1) a layer is an ordinary Linear; sharded,
-:mod:`kaisa.engines.tensor_parallel` preconditions it like a
+:mod:`kaisa.engines.tensor_parallel.engine` preconditions it like a
 ``parallelize_module`` layer (:class:`~kaisa.layers.tensor_parallel.Sharding`).
 Settings that change where inputs, outputs or gradients live are refused by
 :func:`check_supported`, naming the setting.

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kaisa.factors import FactorKind, contribution
+from kaisa.core.specs import FactorKind
+from kaisa.core.statistics import contribution
 
 __all__ = [
     "channels_last_padded",

@@ -146,7 +146,7 @@ def register_layers(
     except re.error as exc:
         raise ValueError(f"skip_layers contains an invalid regex: {exc}") from exc
     # nn.MultiheadAttention applies its projections, out_proj included,
-    # functionally: its adapters capture them (kaisa.functional), not hooks on out_proj
+    # functionally: its adapters capture them (kaisa.step.capture.attention), not hooks on out_proj
     attention_of = {
         id(m.out_proj): n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
     }

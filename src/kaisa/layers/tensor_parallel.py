@@ -92,7 +92,7 @@ class ExactShardedAdapter(LinearAdapter):
 
     Sizes, factors and the gradient matrix are the full layer's; the engine
     gathers a call's input (rowwise) or output gradient (colwise) shards onto
-    :attr:`primary` before :meth:`kaisa.capture.Capture.observe`, and the
+    :attr:`primary` before :meth:`kaisa.step.capture.calls.Capture.observe`, and the
     gradient's shards before preconditioning, then scatters the result back.
     """
 

@@ -9,7 +9,7 @@ damping-only fallback iterate over the declaration and never name a tensor.
 The tensor names are private to each method's module.
 
 Methods never call ``torch.distributed`` and know nothing of ranks: the step
-pipeline (:mod:`kaisa.pipeline`) decides who decomposes and who receives.
+pipeline (:mod:`kaisa.step.pipeline`) decides who decomposes and who receives.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from kaisa.blocks import BlockLayout
-from kaisa.factors import FactorKind, FactorSpec
-from kaisa.precondition import mul_axis
-from kaisa.workspace import Workspace
+from kaisa.core.blocks import BlockLayout
+from kaisa.core.kronecker import mul_axis
+from kaisa.core.specs import FactorKind, FactorSpec
+from kaisa.core.workspace import Workspace
 
 __all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
 
@@ -67,7 +67,7 @@ def block_layout(spec: FactorSpec) -> BlockLayout | None:
 def mul_factor(
     v: Tensor, spec: FactorSpec, m: Tensor, out: Tensor | None, transpose: bool = False
 ) -> Tensor:
-    """:func:`kaisa.precondition.mul_axis` of a dense or block-diagonal
+    """:func:`kaisa.core.kronecker.mul_axis` of a dense or block-diagonal
     factor's matrix ``m`` (``mᵀ`` with ``transpose``) along the factor's axis;
     a block-diagonal one ignores ``out``."""
     if spec.kind is FactorKind.BLOCK_DIAGONAL:
@@ -82,7 +82,7 @@ class HeldTensor:
     key: str
     shape: tuple[int, ...]
     symmetric: bool = False  #: may travel as a triangle
-    #: the blocks of a block-diagonal matrix stored flat (:mod:`kaisa.blocks`)
+    #: the blocks of a block-diagonal matrix stored flat (:mod:`kaisa.core.blocks`)
     layout: BlockLayout | None = None
 
     @property
@@ -132,7 +132,7 @@ class CurvatureMethod(ABC):
     ) -> dict[str, Tensor]:
         """The tensors of ``transfers`` for the factors ``which``.
 
-        Raises :class:`kaisa.decompose.DecompositionError` on a numerical
+        Raises :class:`kaisa.core.decompose.DecompositionError` on a numerical
         failure; the caller then keeps the previous tensors.
         """
 
@@ -164,9 +164,9 @@ class CurvatureMethod(ABC):
 
         The products run in the dtype of ``state``'s tensors: a worker hands
         its state itself, or its cached copies in ``precondition_dtype``
-        (:mod:`kaisa.precision`), so a method never casts its own operands.
+        (:mod:`kaisa.core.precision`), so a method never casts its own operands.
         With ``work`` the products are written into its buffers
-        (:class:`kaisa.workspace.Alternating`) and the result may be a view
+        (:class:`kaisa.core.workspace.Alternating`) and the result may be a view
         of one, valid until the next layer's; ``grad`` is never written.
         """
 

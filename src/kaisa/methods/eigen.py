@@ -16,8 +16,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kaisa.decompose import block_eigh, eigen_outer, symmetric_eigh
-from kaisa.factors import FactorKind, FactorSpec
+from kaisa.core.decompose import block_eigh, eigen_outer, symmetric_eigh
+from kaisa.core.kronecker import mul_axis, mul_axis_from, mul_axis_to
+from kaisa.core.specs import FactorKind, FactorSpec
+from kaisa.core.workspace import Alternating, Workspace, products_into
 from kaisa.methods.base import (
     CurvatureMethod,
     Factors,
@@ -27,8 +29,6 @@ from kaisa.methods.base import (
     block_layout,
     mul_factor,
 )
-from kaisa.precondition import mul_axis, mul_axis_from, mul_axis_to
-from kaisa.workspace import Alternating, Workspace, products_into
 
 __all__ = ["EigenMethod"]
 

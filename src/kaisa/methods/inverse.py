@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kaisa.decompose import block_damped_inverse, damped_inverse, pi_splits
-from kaisa.factors import FactorKind, FactorSpec
+from kaisa.core.decompose import block_damped_inverse, damped_inverse, pi_splits
+from kaisa.core.kronecker import mul_axis_from, mul_axis_to
+from kaisa.core.specs import FactorKind, FactorSpec
+from kaisa.core.workspace import Workspace, products_into
 from kaisa.methods.base import (
     CurvatureMethod,
     Factors,
@@ -26,8 +28,6 @@ from kaisa.methods.base import (
     block_layout,
     mul_factor,
 )
-from kaisa.precondition import mul_axis_from, mul_axis_to
-from kaisa.workspace import Workspace, products_into
 
 __all__ = ["InverseMethod"]
 

@@ -1,0 +1,167 @@
+"""Per-layer K-FAC state: batch statistics, running factors, second-order tensors.
+
+A :class:`KFACLayer` owns tensors and nothing else; *which* of them a rank
+keeps is decided by the work plan (:mod:`kaisa.distributed.plan`), what the second-order
+tensors are by the curvature method (:mod:`kaisa.methods`), and when they
+change by the step pipeline (:mod:`kaisa.step.pipeline`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kaisa.core.precision import CastCopies
+from kaisa.core.specs import FactorSpec
+from kaisa.core.statistics import factor_finite, running_average_
+from kaisa.layers.base import LayerAdapter
+
+__all__ = ["BatchStatistics", "KFACLayer", "PendingCapture"]
+
+
+@dataclass
+class PendingCapture:
+    """Raw (input, output-gradient) pairs kept until ``step()`` when
+    ``update_factors_in_hook=False``: ``(x, g, batch, multiplier, pass)``."""
+
+    calls: list[tuple[Tensor, Tensor, int, float | Tensor, tuple[int, int]]] = field(
+        default_factory=list
+    )
+
+
+class BatchStatistics:
+    """Sums and counts of one layer since the last factor update.
+
+    ``sums[i]`` is the unnormalised contribution to factor ``i``; ``counts[i]``
+    what it will be divided by once the sums and counts of every rank have
+    been added up (rows for input factors, data points for output-gradient
+    factors).  A forward call adds nothing until its output gradient arrives,
+    so a forward that is never followed by a backward leaves no trace.
+    """
+
+    def __init__(self, n_factors: int) -> None:
+        self.n_factors = n_factors
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: list[Tensor | None] = [None] * self.n_factors
+        self.counts: list[float] = [0.0] * self.n_factors
+        self.calls = 0  #: forward calls whose statistics were committed
+        self.pending_forwards = 0  #: forward calls still waiting for their gradient
+        self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
+        self._last_pass: tuple[int, int] | None = None
+
+    def add(self, index: int, value: Tensor) -> None:
+        current = self.sums[index]
+        if current is None:
+            self.sums[index] = value
+        else:
+            current.add_(value)
+
+    def new_pass(self, pass_id: tuple[int, int]) -> bool:
+        """Record that ``pass_id`` reached the layer; True the first time it does."""
+        if pass_id == self._last_pass:
+            return False
+        self._last_pass = pass_id
+        self.passes += 1
+        return True
+
+    @property
+    def has_data(self) -> bool:
+        return self.calls > 0
+
+
+class KFACLayer:
+    """The K-FAC state of one registered module.
+
+    Attributes:
+        factors: the specs of its Kronecker factors (from the adapter).
+        running: the running factors, ``None`` where this rank does not own one.
+        state: the curvature method's second-order tensors, keyed by the
+            method's own names (this rank holds them only as a gradient worker).
+        cast: their copies in ``precondition_dtype`` (:meth:`operands`).
+        captured: statistics exist for the layer somewhere in the data-parallel
+            group (the same on every rank: decided from reduced counts).
+        decomposed: its second-order tensors were computed at least once.
+    """
+
+    def __init__(
+        self,
+        adapter: LayerAdapter,
+        factor_dtype: torch.dtype,
+        inv_dtype: torch.dtype,
+        precondition_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.name = adapter.name
+        self.factors: tuple[FactorSpec, ...] = adapter.effective_specs()
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.batch = BatchStatistics(len(self.factors))
+        self.pending = PendingCapture()
+        self.running: list[Tensor | None] = [None] * len(self.factors)
+        self.state: dict[str, Tensor] = {}
+        #: ``state`` in ``precondition_dtype``, cached per inverse update
+        self.cast = CastCopies(precondition_dtype)
+        self.captured = False
+        self.decomposed = False
+        #: the last forward seen with gradients enabled ran in eval mode (not captured)
+        self.eval_forward = False
+        self.failed_decompositions = 0
+        self.decompositions = 0  #: factors this rank has decomposed
+        self._rejected: Tensor | int = 0  # non-finite batch factors, counted on device
+
+    def __repr__(self) -> str:
+        return f"KFACLayer({self.name!r}, {self.adapter.describe()})"
+
+    def index(self, name: str) -> int:
+        for i, spec in enumerate(self.factors):
+            if spec.name == name:
+                return i
+        raise KeyError(f"layer {self.name!r} has no factor {name!r}")
+
+    def factor(self, name: str) -> Tensor | None:
+        """The running factor called ``name`` (``None`` where not kept here)."""
+        return self.running[self.index(name)]
+
+    def fold(self, index: int, batch: Tensor, decay: float) -> None:
+        """Fold a reduced batch factor into the running average.
+
+        A non-finite batch factor leaves the running factor unchanged (the
+        first one is rejected with a host check; later ones on device).
+        """
+        running = self.running[index]
+        if running is None:
+            if not bool(factor_finite(batch)):
+                self._rejected = self._rejected + 1
+                return
+            self.running[index] = batch.clone()
+            return
+        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
+
+    def operands(self) -> Mapping[str, Tensor]:
+        """What the curvature method applies: :attr:`state`, or its cast copies
+        when ``precondition_dtype`` differs from ``inv_dtype``."""
+        return self.cast.of(self.state)
+
+    @property
+    def nonfinite_updates(self) -> int:
+        """How many batch factors were rejected as non-finite (syncs once)."""
+        return int(self._rejected)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held for this layer, by kind."""
+
+        def nbytes(t: Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        pending = sum(nbytes(c[0]) + nbytes(c[1]) for c in self.pending.calls)
+        return {
+            "factors": sum(nbytes(t) for t in self.running),
+            "batch_statistics": sum(nbytes(t) for t in self.batch.sums) + pending,
+            # the cast copies of precondition_dtype are second-order tensors too
+            "second_order": sum(nbytes(t) for t in self.state.values()) + self.cast.nbytes(),
+        }

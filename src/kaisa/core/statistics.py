@@ -1,0 +1,235 @@
+"""Factor statistics: batch terms, Gram kernels and running averages.
+
+What a factor is comes from its spec (:mod:`kaisa.core.specs`); this module
+forms its values.
+
+Conventions (stated in the README and tested against dense references):
+
+* an input factor is ``A = Σ_r ā_r ā_rᵀ / R`` over all R rows (data points ×
+  shared positions × calls) a layer saw between two factor updates — on every
+  rank: sums and counts are reduced separately, so the result is the
+  statistics of all rows, whatever their split over ranks;
+* an output-gradient factor is ``G = Σ ĝ ĝᵀ / N`` with ``ĝ = m·g`` and N the
+  data points of the passes that reached the layer; ``m`` undoes the loss
+  averaging: ``m = n·k`` for a loss averaged over the call's n data points,
+  ``m = n·S·k`` for one averaged over data points and S positions, ``m = 1``
+  for a summed loss; ``k`` is what each micro-batch's loss was divided by
+  (``accumulation_steps``; 1 under a pipelining schedule, which divides the
+  gradients after backward instead) and a grad scaler's scale is divided
+  out too.
+
+With these, the factors depend neither on the batch size, nor on the number
+of micro-batches, nor on the world size or the split of rows over ranks.
+
+Everything here is pure tensor math on the canonical ``[batch, shared,
+features]`` shape; nothing knows about modules, hooks or processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from kaisa.config import LossAverage
+from kaisa.core.blocks import BlockLayout
+from kaisa.core.specs import FactorKind
+
+__all__ = [
+    "all_finite",
+    "contribution",
+    "contribution_features_first",
+    "factor_finite",
+    "grad_multiplier",
+    "gram",
+    "running_average_",
+]
+
+
+def grad_multiplier(
+    loss_average: LossAverage,
+    batch: int,
+    positions: int,
+    loss_divisor: int,
+    items: float | None = None,
+) -> float:
+    """The factor ``m`` with ``ĝ = m·g`` that undoes the loss averaging
+    (``loss_divisor``: what each micro-batch's loss was divided by)."""
+    if loss_average is LossAverage.ITEMS:
+        if items is None or not items > 0:
+            raise RuntimeError(
+                "kaisa: loss_average='items' but precond.loss_items is not set to the positive "
+                f"number the loss is divided by (got {items!r}); set it before backward"
+            )
+        return float(items)
+    if loss_average is LossAverage.BATCH:
+        return float(batch * loss_divisor)
+    if loss_average is LossAverage.BATCH_AND_SEQUENCE:
+        return float(batch * positions * loss_divisor)
+    return 1.0
+
+
+def _foldable(
+    kind: FactorKind, scale: float | Tensor, compute: torch.dtype, dtype: torch.dtype
+) -> float | None:
+    """The scale as the product's ``alpha``, where it can ride there: a
+    dense (or block-diagonal) factor formed in the dtype it is kept in,
+    scaled by a number (a loss scale read on device is applied afterwards)."""
+    if kind is not FactorKind.DIAGONAL and not isinstance(scale, Tensor) and compute == dtype:
+        return float(scale)
+    return None
+
+
+def contribution(
+    rows: Tensor,
+    kind: FactorKind,
+    dtype: torch.dtype,
+    scale: float | Tensor = 1.0,
+    compute_dtype: torch.dtype | None = None,
+    blocks: int = 1,
+) -> Tensor:
+    """``scale · Σ_r x_r x_rᵀ`` (or its diagonal, or its ``blocks`` diagonal
+    blocks, flat: :mod:`kaisa.core.blocks`) of ``[batch, shared, features]`` rows.
+
+    K-FAC-expand: every (data point, shared position) pair is a row.  The sum
+    is formed with autocast off, whatever precision the forward or backward
+    pass ran in: in ``compute_dtype`` when given (``factor_compute_dtype``,
+    e.g. bfloat16 for a faster product) and returned in ``dtype``, in which it
+    is accumulated.  A diagonal factor has no product to speed up and is
+    always formed in ``dtype``.
+    """
+    compute = dtype if compute_dtype is None or kind is FactorKind.DIAGONAL else compute_dtype
+    flat = rows.reshape(-1, rows.shape[-1]).to(compute)
+    alpha = _foldable(kind, scale, compute, dtype)
+    folded = alpha is not None
+    with torch.autocast(flat.device.type, enabled=False):
+        if kind is FactorKind.DENSE:
+            # the scale rides in the product (alpha) where it can: no pass over the result
+            out = gram(flat, 1.0 if alpha is None else alpha)
+        elif kind is FactorKind.BLOCK_DIAGONAL:
+            out = BlockLayout(flat.shape[1], blocks).gram(flat, 1.0 if alpha is None else alpha)
+        else:
+            out = (flat * flat).sum(0)
+    out = out.to(dtype)
+    if not folded and (isinstance(scale, Tensor) or scale != 1.0):
+        out.mul_(scale)
+    return out
+
+
+#: From this width on, a CPU Gram is formed by blocks (:func:`gram`).
+BLOCKED_GRAM_MIN_WIDTH = 256
+#: Blocks per side of the grid a blocked Gram is split into.
+GRAM_BLOCKS = 3
+
+
+def gram(flat: Tensor, alpha: float = 1.0) -> Tensor:
+    """``alpha · flatᵀ flat`` of ``[rows, d]`` rows.
+
+    A Gram matrix is symmetric, yet one matrix product computes both of its
+    triangles.  BLAS's ``syrk`` computes one, but torch exposes none, so on
+    CPU, for ``d ≥ 256`` and at least ``2d`` rows, the Gram is split into a
+    3 × 3 grid of column blocks: the 6 blocks on and above the diagonal are
+    products, the 3 below are their transposes (measured here, one thread:
+    1.2–1.4× faster than one product for a convolution's patch chunks of
+    1,800–8,000 rows of 257–577 columns; no faster with fewer rows than
+    ``2d``, as an MLP's 128-row batches; docs/benchmarks.md).  Other Grams,
+    and every Gram off the CPU, are one product.  The sums are the same, to
+    rounding.
+    """
+    rows, d = (int(n) for n in flat.shape)
+    if flat.device.type != "cpu" or d < BLOCKED_GRAM_MIN_WIDTH or rows < 2 * d:
+        if alpha == 1.0:
+            return flat.t() @ flat
+        return torch.addmm(flat.new_zeros(()), flat.t(), flat, beta=0, alpha=alpha)
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    spans = list(itertools.pairwise(edges))
+    out = flat.new_empty(d, d)
+    for i, (a, b) in enumerate(spans):
+        left = flat[:, a:b].t()
+        for c, e in spans[i:]:
+            block = out[a:b, c:e]
+            product = left @ flat[:, c:e]
+            if alpha == 1.0:
+                block.copy_(product)
+            else:
+                torch.mul(product, alpha, out=block)
+            if c != a:
+                out[c:e, a:b].copy_(block.t())
+    return out
+
+
+def all_finite(t: Tensor) -> Tensor:
+    """0-d bool: no NaN/Inf in ``t``, from one reduction (NaN and Inf propagate
+    through a sum; a finite sum that overflows is treated as non-finite too).
+    Several times cheaper than ``isfinite(t).all()``."""
+    return torch.isfinite(t.sum())
+
+
+def factor_finite(t: Tensor) -> Tensor:
+    """:func:`all_finite` of a factor, read from its diagonal where it is a
+    dense ``d×d`` one: every factor is a positive combination of Grams
+    ``Σ x xᵀ``, whose diagonal ``Σ x_i²`` is non-finite wherever any entry
+    ``x_i`` is, and whose other entries are bounded by ``sqrt(F_ii F_jj)``,
+    so a finite diagonal means a finite factor (to rounding at the edge of
+    the float range).  ``d`` reads instead of ``d²``: on an MLP's factors the
+    full check was a third of the running average's passes."""
+    if t.dim() == 2 and t.shape[0] == t.shape[1]:
+        return all_finite(torch.diagonal(t))
+    return all_finite(t)
+
+
+def running_average_(running: Tensor, batch: Tensor, decay: float) -> Tensor:
+    """In place: ``running ← decay·running + (1−decay)·batch``; returns "rejected".
+
+    A non-finite ``batch`` leaves ``running`` unchanged.  On an accelerator
+    the choice is made on device — the interpolation weight becomes 0 — so
+    there is no host synchronisation and no temporary the size of the
+    factor; ``batch`` is consumed (its non-finite entries are zeroed).  On
+    CPU reading the verdict costs nothing, so a finite batch (every one, in
+    practice) skips the repair pass and the weight's arithmetic: two passes
+    instead of three (1.5x faster on a 785 x 785 factor).
+    """
+    if batch.device.type == "cpu":
+        finite = bool(factor_finite(batch))
+        if finite:
+            running.lerp_(batch, 1.0 - decay)
+        return torch.tensor(not finite)
+    rejected = ~factor_finite(batch)
+    weight = (~rejected).to(running.dtype) * (1.0 - decay)
+    batch.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    running.lerp_(batch, weight)
+    return rejected
+
+
+def contribution_features_first(
+    cols: Tensor,
+    kind: FactorKind,
+    dtype: torch.dtype,
+    scale: float | Tensor = 1.0,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """:func:`contribution` of the rows ``cols.transpose(1, 2)``, given
+    ``[batch, features, shared]`` columns — the layout a convolution's output
+    gradient ``[N, C, H·W]`` already has.
+
+    Transposing those to rows and flattening them would copy the whole
+    tensor; instead ``Σ_n X_n X_nᵀ`` is accumulated over the data points with
+    one batched product (``addbmm``: ``X_nᵀ`` is a strided view, no copy, and
+    no ``[N, C, C]`` intermediate).  The same sum of the same products, to
+    rounding; ``compute_dtype`` as in :func:`contribution`.
+    """
+    compute = dtype if compute_dtype is None or kind is FactorKind.DIAGONAL else compute_dtype
+    flat = cols.to(compute)
+    alpha = _foldable(kind, scale, compute, dtype)
+    folded = alpha is not None
+    with torch.autocast(flat.device.type, enabled=False):
+        if kind is FactorKind.DENSE:
+            out = flat.new_zeros(flat.shape[1], flat.shape[1])
+            out.addbmm_(flat, flat.mT, alpha=1.0 if alpha is None else alpha)
+        else:
+            out = (flat * flat).sum((0, 2))
+    out = out.to(dtype)
+    if not folded and (isinstance(scale, Tensor) or scale != 1.0):
+        out.mul_(scale)
+    return out

@@ -1,0 +1,309 @@
+"""Precondition → broadcast → scale → write back.
+
+Gradient workers apply the curvature method to the layer's gradient; when
+there are fewer workers than ranks (HYBRID-/MEM-OPT) each worker broadcasts
+the result to its receiver group.  The KL clip's inner product is then
+summed over the model-parallel groups (tensor and pipeline parallelism hold
+other layers of the same model) before ``ν`` is formed, and ``ν·V`` is
+written back through the engine.
+
+Only a layer's gradient workers need its full gradient: the engine reads
+all layers in one agreed order and may gather each onto its workers only
+(DeepSpeed ZeRO keeps gradients partitioned).  So the KL clip's per-layer
+term ``⟨V, ∇⟩`` is formed where ``V`` is, and travels with ``V`` to the
+receivers, exactly as every rank would have computed it.
+
+Which layers take part is agreed on by every rank of the data-parallel group
+(one small collective, skipped where the engine guarantees it, as DDP does):
+a layer with no gradient on some rank this step is left alone on all of
+them, so no rank waits for a broadcast that never comes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from kaisa.core.kl_clip import kl_scale, kl_scale_value, kl_term, sum_kl_terms
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.workspace import Workspace, uses_workspace
+from kaisa.distributed.communicator import Communicator
+from kaisa.distributed.plan import LayerPlan, WorkPlan
+from kaisa.engines.base import Engine
+from kaisa.methods.base import CurvatureMethod
+from kaisa.step.second_order import SecondOrderUpdate
+
+__all__ = ["GradientApplication"]
+
+
+class GradientApplication:
+    """Writes ``ν·V`` into the gradients of the layers that have one."""
+
+    def __init__(
+        self,
+        plan: WorkPlan,
+        comm: Communicator,
+        method: CurvatureMethod,
+        engine: Engine,
+        second_order: SecondOrderUpdate,
+    ) -> None:
+        self.plan = plan
+        self.comm = comm
+        self.method = method
+        self.engine = engine
+        self.second_order = second_order
+        self.rank = comm.rank
+        self._warned: set[str] = set()
+        self._globals: dict[int, tuple[int, ...]] = {}
+        self._work: Workspace | None = None
+        self._sized = False
+        self._served: frozenset[str] = frozenset()  # layers whose products use it
+        self._own: frozenset[str] = frozenset()  # layers written before ν (rescalable)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes held by the reused product buffers (:mod:`kaisa.core.workspace`)."""
+        return 0 if self._work is None else self._work.nbytes()
+
+    def run(
+        self,
+        layers: list[KFACLayer],
+        damping: float,
+        lr: float,
+        kl_clip: float | None,
+        factor_step: bool,
+        presence: Mapping[str, bool] | None = None,
+    ) -> None:
+        """``presence``: each layer's gradient presence, already and-ed over
+        the data-parallel group (by the finiteness check), so no second
+        collective is needed to agree on it."""
+        taking_part = self._taking_part(layers, factor_step, presence)
+        clip = None if kl_clip is None else (lr, kl_clip)
+        work = self._workspace(layers)
+        own: list[KFACLayer] = []
+        held = taking_part
+        if work is not None and self.plan.grad_workers == self.plan.world_size:
+            # every rank is every layer's worker: the layers that own their
+            # parameters write each V at once (the large ones' products in the
+            # workspace) and are scaled after; the others hold V until ν is known
+            own = [la for la in taking_part if la.name in self._own]
+            held = [la for la in taking_part if la.name not in self._own]
+        dots = self._write_each(own, work, damping) if work is not None and own else {}
+        results = self._precondition(held, damping) if held else {}
+        for name, (_, dot) in results.items():
+            dots[name] = dot
+        counted = [dots[la.name] for la in taking_part if self._counted(la)]
+        nu = self._nu(counted, layers, clip)
+        if nu is not None and own:
+            self.engine.rescale([la.adapter for la in own], nu)
+        for layer in held:
+            value = results[layer.name][0]
+            self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
+        self.engine.after_write()
+
+    def _counted(self, layer: KFACLayer) -> bool:
+        return self.engine.counts_in_kl(layer.adapter)
+
+    def _nu(
+        self, dots: list[Tensor], layers: list[KFACLayer], clip: tuple[float, float] | None
+    ) -> Tensor | float | None:
+        """The KL clip's scale from this rank's ``⟨V, ∇⟩`` terms (None: no clip).
+
+        On CPU with the whole model on this rank the terms are read as
+        numbers and ν is formed in Python: reading a CPU scalar costs nothing,
+        where stacking, summing and the five scalar kernels of
+        :func:`kl_scale` cost tens of microseconds a step (a tensor elsewhere:
+        no host synchronisation on an accelerator)."""
+        if clip is None:
+            return None
+        if dots and not self.comm.model_parallel and dots[0].device.type == "cpu":
+            return kl_scale_value(math.fsum(float(d) for d in dots), *clip)
+        inner = torch.stack(dots).sum() if dots else None
+        if self.comm.model_parallel:
+            # every rank of a model-parallel group joins, with 0 if it has no layer
+            device = layers[0].adapter.device
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
+        return None if inner is None else kl_scale(inner, *clip)
+
+    def _write_each(
+        self, layers: list[KFACLayer], work: Workspace, damping: float
+    ) -> dict[str, Tensor]:
+        """Precondition and write back one layer after the other (layers
+        whose gradients :meth:`Engine.rescalable` allows); the products of the
+        layers the workspace serves reuse it, and read and write those
+        layers' own gradients where the method can (:meth:`_write_in_place`).
+        Returns the counted layers' ``⟨V, ∇⟩`` by name."""
+        dots = {}
+        for layer in layers:
+            counted = self._counted(layer)
+            lw = work if layer.name in self._served else None
+            if lw is not None:
+                done, dot = self._write_in_place(layer, lw, damping, counted)
+                if done:
+                    if dot is not None:
+                        dots[layer.name] = dot
+                    continue
+            adapter = layer.adapter
+            grad = self.engine.read(adapter) if lw is None else self.engine.read_into(adapter, lw)
+            assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
+            v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
+            if counted:
+                dots[layer.name] = kl_term(v, grad)
+            self.engine.write(layer.adapter, v)
+        return dots
+
+    def _write_in_place(
+        self, layer: KFACLayer, work: Workspace, damping: float, counted: bool
+    ) -> tuple[bool, Tensor | None]:
+        """``V`` computed from the layer's own gradients and written over
+        them: the first product reads ``∇W`` and ``∇b`` where they lie and
+        the last writes into them, so no ``[∇W | ∇b]`` is assembled and no
+        ``V`` copied (four gradient-sized passes fewer; the eigen method also
+        forms ``⟨V, ∇⟩`` in its eigenbasis, so ``∇`` is not kept either).
+        Returns (done, the counted ``⟨V, ∇⟩``); not done where the engine or
+        the method cannot (the caller then takes the general path)."""
+        blocks = self.engine.grad_blocks(layer.adapter)
+        if blocks is None:
+            return False, None
+        self._fill_missing(layer, self.plan.layer(layer.name), damping)
+        state = layer.operands()
+        if not self.method.writes_blocks(layer.factors, state, blocks[0].dtype):
+            return False, None
+        work.prepare(blocks[0].dtype, blocks[0].dtype)  # the memory held: all three, always
+        kept = work.keep(blocks) if counted and not self.method.forms_kl_term else None
+        dot = self.method.apply_blocks(layer.factors, state, blocks, damping, work, blocks, counted)
+        if kept is not None:
+            dot = sum_kl_terms(blocks, kept)
+        return True, dot
+
+    def _fill_missing(self, layer: KFACLayer, lp: LayerPlan, damping: float) -> None:
+        """Damping-only stand-ins for what was never decomposed."""
+        if not self.method.ready(layer.factors, layer.state, lp.colocated):
+            held = self.method.held(layer.factors, lp.colocated)
+            self.second_order.fill_missing(layer, held, damping)
+
+    def _apply_one(
+        self, layer: KFACLayer, lp: LayerPlan, grad: Tensor, damping: float, work: Workspace | None
+    ) -> Tensor:
+        """``V`` of one layer on a gradient worker."""
+        self._fill_missing(layer, lp, damping)
+        return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+
+    def _workspace(self, layers: list[KFACLayer]) -> Workspace | None:
+        """The workspace of the layers it serves, built on the first step:
+        large layers (:func:`uses_workspace`) whose gradients may be written
+        before ``ν`` is known (:meth:`Engine.rescalable`)."""
+        if self._work is None and not self._sized:
+            self._sized = True
+            allowed = self.engine.rescalable([la.adapter for la in layers])
+            self._own = frozenset(la.name for la, ok in zip(layers, allowed) if ok)
+            shapes = {}
+            for la in layers:
+                shape = la.adapter.matrix_shape
+                numel = int(torch.Size(shape).numel())
+                size = la.adapter.weight.element_size()
+                if la.name in self._own and uses_workspace(la.adapter.device, numel, size):
+                    shapes[la.name] = shape
+            self._served = frozenset(shapes)
+            if shapes:
+                self._work = Workspace.for_shapes(list(shapes.values()), layers[0].adapter.device)
+        return self._work
+
+    def _taking_part(
+        self, layers: list[KFACLayer], factor_step: bool, presence: Mapping[str, bool] | None
+    ) -> list[KFACLayer]:
+        """Captured layers with a gradient, kept where every rank has one."""
+        local: list[KFACLayer] = []
+        for layer in layers:
+            if not self.engine.present(layer.adapter):
+                continue
+            if not layer.captured:
+                if factor_step and not layer.eval_forward:  # eval mode: said by the pipeline
+                    self._warn_once(
+                        layer.name,
+                        f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
+                        "captured statistics (is it called functionally, or traced by "
+                        "torch.compile?); its gradient is left unchanged",
+                    )
+                continue
+            local.append(layer)
+        if not self.comm.distributed or self.engine.gradients_agree():
+            return local
+        candidates = [la for la in layers if la.captured]
+        mine = {la.name for la in local}
+        if presence is None:
+            agreed = self.comm.agree_all(
+                [la.name in mine for la in candidates], layers[0].adapter.device
+            )
+        else:  # captured is the same everywhere: and-ing presence alone is enough
+            agreed = [presence[la.name] for la in candidates]
+        kept = []
+        for layer, ok in zip(candidates, agreed):
+            if ok:
+                kept.append(layer)
+            elif layer.name in mine:
+                self._warn_once(
+                    layer.name,
+                    f"kaisa: layer {layer.name!r} has a gradient on some ranks only this step; "
+                    "it is left unchanged on every rank (average gradients over all ranks, "
+                    "e.g. with DDP(find_unused_parameters=True), to precondition it)",
+                )
+        return kept
+
+    def _precondition(
+        self, layers: list[KFACLayer], damping: float
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``(V, ⟨V, ∇⟩)`` per layer, on every rank."""
+        plans = [self.plan.layer(la.name) for la in layers]
+        to_global = self.comm.global_ranks
+        grads = self.engine.read_many(
+            [la.adapter for la in layers], [self._global_workers(lp, to_global) for lp in plans]
+        )
+        results: dict[str, tuple[Tensor, Tensor]] = {}
+        for layer, lp, grad in zip(layers, plans, grads):
+            name = layer.name
+            if lp.is_grad_worker(self.rank):
+                assert grad is not None, f"engine gave no gradient to a worker of {name}"
+                v = self._apply_one(layer, lp, grad, damping, None)
+                results[name] = (v, kl_term(v, grad))
+            if self.plan.grad_workers < self.plan.world_size:
+                # this rank's row of the rank grid: the same set for every
+                # layer, with this layer's worker among them (O(1))
+                group = self.plan.receiver_group_of(self.rank)
+                src = lp.gradient_source(self.rank)
+                if self.rank == src:
+                    v, dot = results[name]
+                    send = [v, dot.reshape(1)]
+                else:
+                    adapter = layer.adapter
+                    dtype = grad.dtype if grad is not None else self.engine.gradient_dtype(adapter)
+                    buf = torch.empty(adapter.matrix_shape, dtype=dtype, device=adapter.device)
+                    send = [buf, buf.new_empty(1)]
+
+                def store(received: list[Tensor], name: str = name) -> None:
+                    results[name] = (received[0], received[1].reshape(()))
+
+                self.comm.broadcast(
+                    send, src, group, None if self.rank == src else store, kind="grad_broadcast"
+                )
+        self.comm.wait()
+        return results
+
+    def _global_workers(self, lp: LayerPlan, to_global: tuple[int, ...]) -> tuple[int, ...]:
+        """A layer's workers as global ranks; layers share their worker tuple, so
+        this is built once per worker group, not once per layer and step."""
+        key = id(lp.grad_workers)
+        found = self._globals.get(key)
+        if found is None:
+            found = self._globals[key] = tuple(to_global[r] for r in lp.grad_workers)
+        return found
+
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(message, stacklevel=5)

@@ -1,0 +1,319 @@
+"""Hooks that capture layer inputs and output gradients.
+
+* A forward hook on each registered module sees its input and registers a
+  *tensor* hook on its output, which fires with the gradient w.r.t. that
+  output.  Unlike ``register_full_backward_hook`` this works on the first
+  layer and when an in-place activation follows the layer.
+* A pass (one micro-batch) is identified by the forward pass of the root
+  model (a forward pre-hook numbers them) *and* the backward pass that
+  delivers the gradient, so gradient accumulation is normalised correctly
+  whether micro-batches are separate backward passes, separate forwards of
+  one summed loss, or forwards of a submodule the root never sees (Lightning
+  calls ``self.net(x)`` inside ``training_step``).
+
+A forward call commits nothing until its output gradient arrives: its input
+statistics wait in the tensor hook.  So a training-mode forward that is
+never followed by a backward adds nothing (it is counted, and reported at
+``step()`` with a pointer to ``paused()``), and a forward that activation
+checkpointing recomputes is counted once: reentrant checkpointing runs the
+original forward without grad and backpropagates through the recomputation;
+the non-reentrant kind backpropagates through the original forward, and its
+recomputation is not captured at all (no hook work is done twice).
+
+An output gradient counts only in a backward that accumulates into the
+layer's parameters (:func:`_updates_gradients`): an input gradient taken
+with ``torch.autograd.grad`` through the same forward (a gradient penalty, a
+saliency map) is of another quantity than the gradient kaisa preconditions.
+
+Hooks are small picklable objects: a deep copy (or pickle) of the model
+carries inert hooks, so a copied model (an EMA or teacher) never captures
+into this preconditioner, and a model holding them can still be copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from kaisa.config import LossAverage
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorSource
+from kaisa.core.statistics import grad_multiplier
+from kaisa.layers.base import LayerAdapter
+from kaisa.step.capture.attention import capture_functional
+from kaisa.step.capture.broadcast import wrap_broadcast
+from kaisa.step.capture.hooks import (
+    TermMemo,
+    _discarded_recomputation,
+    _first_tensor,
+    _graph_task,
+    _Hook,
+    _in_backward,
+    _updates_gradients,
+)
+
+__all__ = ["Capture"]
+
+ScaleGetter = Callable[[], Tensor | float | None]
+
+
+def _input_terms(
+    layer: KFACLayer, x: Tensor, memo: TermMemo | None = None
+) -> list[tuple[int, Tensor, float]]:
+    """(factor index, contribution, rows) of every input factor for one call.
+
+    ``memo`` is shared by layers that read the same input in one call — the
+    q, k and v rows of a self-attention's packed projection — so their common
+    input factor is formed once, not three times; a reused term is copied,
+    since a layer's sums may start as the very tensor it is given."""
+    out = []
+    adapter = layer.adapter
+    for i, spec in enumerate(layer.factors):
+        if spec.source is not FactorSource.INPUT:
+            continue
+        key = (
+            type(adapter),
+            spec.name,
+            spec.kind,
+            spec.dim,
+            spec.blocks,
+            adapter.has_bias,
+            adapter.reduce,
+            adapter.factor_compute_dtype,
+            layer.factor_dtype,
+        )
+        found = None if memo is None else memo.get(key)
+        if found is not None:
+            out.append((i, found[0].clone(), found[1]))
+            continue
+        term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype)
+        if memo is not None:
+            memo[key] = (term, rows_count)
+        out.append((i, term, rows_count))
+    return out
+
+
+PassKey = tuple[int, int]
+
+
+def commit_call(
+    layer: KFACLayer,
+    inputs: list[tuple[int, Tensor, float]],
+    g: Tensor,
+    batch: int,
+    multiplier: float | Tensor,
+    pass_id: PassKey,
+) -> None:
+    """Add one call's input terms and output-gradient terms to the layer's sums."""
+    stats = layer.batch
+    for i, value, count in inputs:
+        stats.add(i, value)
+        stats.counts[i] += count
+    new_pass = stats.new_pass(pass_id)
+    scale = multiplier * multiplier
+    for i, spec in enumerate(layer.factors):
+        if spec.source is FactorSource.OUTPUT_GRAD:
+            stats.add(i, layer.adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
+            if new_pass:
+                stats.counts[i] += batch
+    stats.calls += 1
+
+
+class Capture:
+    """Owns every hook kaisa registers; :meth:`remove` takes them all off.
+
+    Args:
+        model: the root module (forward passes are counted on it).
+        layers: the registered layers.
+        loss_average: what the loss was averaged over (sets ``ĝ = m·g``).
+        accumulation_steps: micro-batches per optimizer step.
+        loss_divisor: what each micro-batch's loss was divided by (``None``:
+            ``accumulation_steps``; 1 where the gradients are divided after
+            backward instead, as pipelining schedules do).
+        in_hook: compute the statistics inside the hooks (no activations kept)
+            or keep the raw tensors until :meth:`flush`.
+        loss_scale: returns the current loss scale of a grad scaler (or None).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[KFACLayer],
+        *,
+        loss_average: LossAverage,
+        accumulation_steps: int,
+        in_hook: bool,
+        loss_scale: ScaleGetter | None = None,
+        loss_divisor: int | None = None,
+    ) -> None:
+        self.loss_average = loss_average
+        self.accumulation_steps = accumulation_steps
+        self.loss_divisor = accumulation_steps if loss_divisor is None else loss_divisor
+        #: ``N`` of ``loss = Σ ℓ / N`` (``LossAverage.ITEMS``)
+        self.loss_items: float | None = None
+        self.in_hook = in_hook
+        self.loss_scale = loss_scale
+        self.enabled = True
+        self.pass_id = 0
+        #: called with a layer once all of its passes for this step are in
+        self.on_layer_complete: Callable[[KFACLayer], None] | None = None
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(_Hook(self._count_pass, model))
+        ]
+        functional: list[KFACLayer] = []
+        for layer in layers:
+            if layer.adapter.captured_by_engine:
+                continue  # the engine calls observe() itself (Engine.connect)
+            if not layer.adapter.captured_by_module_hooks:
+                functional.append(layer)
+                continue
+            module = layer.adapter.module
+            self._handles.append(
+                module.register_forward_hook(_Hook(self._forward_hook(layer), module))
+            )
+        if functional:
+            self._handles.extend(capture_functional(self, functional))
+
+    # -- hooks -------------------------------------------------------------
+    def _count_pass(self, module: nn.Module, inputs: Any) -> None:
+        if self.enabled and module.training and torch.is_grad_enabled():
+            self.pass_id += 1
+
+    def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+            x = _first_tensor(inputs)
+            out = layer.adapter.output_tensor(output)
+            if x is None or out is None:
+                return None
+            if out is output and self._broadcast(layer, module, x, out):
+                # observed where the output meets the batch (kaisa.step.capture.broadcast)
+                return wrap_broadcast(out, (x, lambda xx, oo: self.observe(layer, module, xx, oo)))
+            self.observe(layer, module, x, out)
+            return None
+
+        return hook
+
+    def _broadcast(self, layer: KFACLayer, module: nn.Module, x: Tensor, out: Tensor) -> bool:
+        """Whether the output may be broadcast over a batch it does not have:
+        one row of ids (position ids ``[1, T]``) of a layer that allows it."""
+        return (
+            layer.adapter.broadcast_over_batch
+            and x.dim() >= 2
+            and x.shape[0] == 1
+            and out.dim() >= 1
+            and out.shape[0] == 1
+            and not hasattr(out, "placements")
+            and not torch.compiler.is_compiling()
+            and self.accepts(layer.adapter, module, out)
+        )
+
+    def wants(self, module: nn.Module) -> bool:
+        """Whether a forward of ``module`` now is captured at all."""
+        return self.enabled and module.training and torch.is_grad_enabled()
+
+    def accepts(self, adapter: LayerAdapter, module: nn.Module, output: Tensor) -> bool:
+        """Whether :meth:`observe` would capture this call: the same answer on
+        every rank that runs the same forward, so ranks that only help a
+        layer's owner (tensor parallelism) can join its collectives exactly
+        when it captures."""
+        if not self.wants(module) or not output.requires_grad or not adapter.trainable:
+            return False
+        return not (_in_backward() and _discarded_recomputation())
+
+    def adopt(self, handles: list[RemovableHandle]) -> None:
+        """Take hooks registered elsewhere (by an engine), so :meth:`remove` removes them."""
+        self._handles.extend(handles)
+
+    def observe(
+        self,
+        layer: KFACLayer,
+        module: nn.Module,
+        x: Tensor,
+        output: Tensor,
+        grad_view: Callable[[Tensor], Tensor] | None = None,
+        memo: TermMemo | None = None,
+    ) -> None:
+        """One call of ``layer``: its input ``x`` (in the adapter's input shape)
+        and the ``output`` whose gradient completes it; ``grad_view`` maps that
+        gradient to the adapter's shape (a functional capture's slice);
+        ``memo`` lets layers called on the same ``x`` share its input terms."""
+        if not self.accepts(layer.adapter, module, output):
+            if self.enabled and not module.training and torch.is_grad_enabled():
+                layer.eval_forward = True  # said at step() if it is all the layer saw
+            return
+        layer.eval_forward = False
+        if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
+            raise RuntimeError(
+                f"kaisa: layer {layer.name!r} received a DTensor input: the model was "
+                "parallelised after KFACPreconditioner was built. Construct the preconditioner "
+                "after parallelize_module"
+            )
+        recomputed = _in_backward()
+        batch = layer.adapter.batch_size(x)
+        if not recomputed:
+            layer.batch.pending_forwards += 1
+        x = x.detach()
+        terms = _input_terms(layer, x, memo) if self.in_hook else []
+        output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed, grad_view))
+
+    def _grad_hook(
+        self,
+        layer: KFACLayer,
+        x: Tensor,
+        terms: list[tuple[int, Tensor, float]],
+        batch: int,
+        recomputed: bool,
+        grad_view: Callable[[Tensor], Tensor] | None,
+    ) -> Callable[[Tensor], None]:
+        pass_id = self.pass_id
+        keep = None if self.in_hook else x
+
+        def hook(grad: Tensor) -> None:
+            if not _updates_gradients(layer.adapter.parameters()):
+                return  # not this layer's training gradient: the forward stays pending
+            key = (pass_id, _graph_task())
+            g = grad.detach() if grad_view is None else grad_view(grad.detach())
+            multiplier = self._multiplier(layer, g, batch)
+            if not recomputed:
+                layer.batch.pending_forwards -= 1
+            if keep is not None:
+                layer.pending.calls.append((keep, g, batch, multiplier, key))
+                return
+            commit_call(layer, terms, g, batch, multiplier, key)
+            stats = layer.batch
+            complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
+            if complete and self.on_layer_complete is not None:
+                self.on_layer_complete(layer)
+
+        return hook
+
+    def _multiplier(self, layer: KFACLayer, g: Tensor, batch: int) -> float | Tensor:
+        positions = layer.adapter.grad_output_rows(g).shape[1]
+        m: float | Tensor = grad_multiplier(
+            self.loss_average, batch, positions, self.loss_divisor, self.loss_items
+        )
+        if self.loss_scale is not None:
+            scale = self.loss_scale()
+            if scale is not None:
+                m = m / scale
+        return m
+
+    # -- deferred path -------------------------------------------------------
+    def flush(self, layer: KFACLayer) -> None:
+        """Turn raw captures kept by ``in_hook=False`` into statistics."""
+        for x, g, batch, multiplier, pass_id in layer.pending.calls:
+            commit_call(layer, _input_terms(layer, x), g, batch, multiplier, pass_id)
+        layer.pending.calls.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)

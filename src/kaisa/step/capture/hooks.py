@@ -1,0 +1,110 @@
+"""The hook objects capture registers, and what they ask of autograd.
+
+A hook is a small picklable object (:class:`_Hook`): a deep copy or pickle of
+the model carries an inert hook instead, so a copied model (an EMA or a
+teacher) never captures into this preconditioner.  The predicates read
+autograd's state on the calling thread: which backward is running
+(:func:`_graph_task`), whether a forward is activation checkpointing's
+discarded recomputation, and whether a backward accumulates into the
+parameters kaisa preconditions (:func:`_updates_gradients`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["TermMemo"]
+
+
+def _first_tensor(inputs: Any) -> Tensor | None:
+    if isinstance(inputs, Tensor):
+        return inputs
+    if isinstance(inputs, (tuple, list)) and inputs and isinstance(inputs[0], Tensor):
+        return inputs[0]
+    return None
+
+
+def _graph_task() -> int:
+    """The id of the backward pass running on this thread, -1 outside backward."""
+    return int(torch._C._current_graph_task_id())
+
+
+def _discarded_recomputation() -> bool:
+    """Whether this forward is non-reentrant activation checkpointing's
+    recomputation, whose outputs only refill saved tensors: their gradients
+    never arrive (the original forward's hooks receive them), so capturing
+    here would be wasted work.  Read from the saved-tensor hooks that
+    ``torch.utils.checkpoint`` installs (private API; False if it changes)."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except Exception:  # pragma: no cover - a torch without this API
+        return False
+    if not hooks:
+        return False
+    return str(getattr(hooks[0], "__qualname__", "")).startswith("_recomputation_hook")
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (recomputation)."""
+    return _graph_task() != -1
+
+
+def _updates_gradients(params: list[nn.Parameter]) -> bool:
+    """Whether the running backward accumulates into the ``.grad`` of any of
+    ``params`` — the gradients kaisa preconditions.  A backward that leaves
+    them alone (``torch.autograd.grad`` of an input gradient for a gradient
+    penalty, ``backward(inputs=[x])``) delivers output gradients of another
+    quantity, which must not enter G.  Asked of autograd's engine for plain
+    leaf parameters only; where it cannot say (a sharded or parametrized
+    weight, ``autograd.grad`` taken with respect to the parameters, a torch
+    without the private API) the backward counts, as it always did."""
+    asked = False
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if not p.is_leaf or hasattr(p, "placements"):
+            return True
+        try:
+            node = torch.autograd.graph.get_gradient_edge(p).node
+            if torch._C._will_engine_execute_node(node):
+                return True
+        except Exception:  # autograd.grad(loss, params): the engine cannot tell
+            return True
+        asked = True
+    return not asked
+
+
+class _InertHook:
+    """What a copied or unpickled model gets in place of a kaisa hook."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _inert() -> _InertHook:
+    return _InertHook()
+
+
+class _Hook:
+    """A bound hook that fires only for the module it was registered on and
+    turns inert when the model is deep-copied or pickled."""
+
+    def __init__(self, fn: Callable[..., None], module: nn.Module) -> None:
+        self.fn = fn
+        self.module = module
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        if module is self.module:
+            return self.fn(module, *args)  # a forward hook may replace the output
+        return None
+
+    def __reduce__(self) -> tuple[Callable[[], _InertHook], tuple[()]]:
+        return (_inert, ())
+
+
+#: terms of one input shared by several layers (see :func:`_input_terms`)
+TermMemo = dict[tuple[Any, ...], tuple[Tensor, float]]

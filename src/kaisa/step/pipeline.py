@@ -1,0 +1,266 @@
+"""The K-FAC step, one method per phase, in the order the data flows::
+
+    capture (hooks, during forward/backward)      kaisa.step.capture.calls
+    → batch statistics, reduced to their owner    kaisa.step.reduce
+    → running average (owners only)               kaisa.core.layer_state
+    → decompose (owners only)                     kaisa.step.second_order, kaisa.methods
+    → broadcast to the layer's gradient workers   kaisa.step.second_order
+    → precondition (gradient workers)             kaisa.step.apply, kaisa.methods
+    → broadcast preconditioned gradients          kaisa.step.apply
+    → KL-clip scale, write back                   kaisa.step.apply, kaisa.engines
+
+Who does what is fixed once, at construction, by the work plan
+(:mod:`kaisa.distributed.plan`); :mod:`kaisa.wiring` builds the pieces this class runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorSource
+from kaisa.distributed.communicator import Communicator
+from kaisa.distributed.plan import WorkPlan
+from kaisa.engines.base import Engine, GradientMarks
+from kaisa.step.apply import GradientApplication
+from kaisa.step.capture.calls import Capture
+from kaisa.step.loss_scaling import LossScaling
+from kaisa.step.nonfinite import NonFiniteSteps, gradients_finite
+from kaisa.step.reduce import FactorReduction
+from kaisa.step.schedule import Schedule
+from kaisa.step.second_order import SecondOrderUpdate
+
+__all__ = ["StepPipeline"]
+
+
+@dataclass
+class StepPipeline:
+    """Runs ``step()``; holds the step counter and nothing the phases own."""
+
+    layers: list[KFACLayer]
+    plan: WorkPlan
+    comm: Communicator
+    engine: Engine
+    capture: Capture
+    schedule: Schedule
+    reduction: FactorReduction
+    second_order: SecondOrderUpdate
+    application: GradientApplication
+    in_hook: bool
+    scaling: LossScaling
+    steps: int = 0
+    #: the second-order tensors must be recomputed at the next step (after a load)
+    stale: bool = False
+    #: the statistics captured since the last step are not folded (``reset_batch()``)
+    drop_statistics: bool = False
+    #: runs on every rank at each inverse update (the checkpoint mirror, kaisa.checkpoint.mirror)
+    on_inverse_step: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.marks = GradientMarks()
+        self.nonfinite = NonFiniteSteps()
+        #: each layer's gradient presence, agreed on with the finiteness check
+        self._presence: dict[str, bool] | None = None
+        self._broadcast_reported: set[str] = set()
+        self._eval_reported: set[str] = set()
+        self.capture.enabled = self.schedule.is_factor_step(self.steps)
+        if self.in_hook and self.comm.distributed:
+            self.capture.on_layer_complete = self.reduction.layer_complete
+
+    def step(self) -> None:
+        step = self.steps
+        self.engine.check_step()
+        self.check_new_backward()
+        self.scaling.check_unscaled()
+        factor_step = self.schedule.is_factor_step(step)
+        # the reductions backward started come first: any other collective
+        # (the validity verdict) issued before them would cross them
+        counts = self.reduce_factors() if factor_step else None
+        if not self.gradients_valid():
+            self.skip(counts is not None)
+            return
+        if counts is not None and self.drop_statistics:
+            self.reduction.discard()
+            counts = None
+        self.drop_statistics = False
+        damping = self.schedule.damping(step)
+        if counts is not None:
+            self.reduction.fold(counts, self.schedule.factor_decay(step))
+        self.update_second_order(step, damping)
+        self.apply(step, damping, factor_step)
+        self.comm.stats.end_step()
+        self.steps += 1
+        self.capture.enabled = self.schedule.is_factor_step(self.steps)
+        self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
+
+    # -- phases --------------------------------------------------------------------
+    def check_new_backward(self) -> None:
+        """Refuse to precondition the same gradients twice."""
+        marks = self.engine.gradient_marks([la.adapter for la in self.layers])
+        if self.marks.unchanged(marks):
+            raise RuntimeError(
+                "kaisa: step() was called again with no backward pass since the last step(): "
+                "the gradients are already preconditioned. Call loss.backward() between "
+                "step() calls (one step() per optimizer step)"
+            )
+        if self.steps == 0 and all(
+            la.batch.calls == 0 and not la.pending.calls and m is None
+            for la, m in zip(self.layers, marks)
+        ):
+            raise RuntimeError(
+                "step() was called before any forward/backward pass was captured: call "
+                "loss.backward() on a training-mode forward pass before precond.step()"
+            )
+
+    def gradients_valid(self) -> bool:
+        """The grad scaler's verdict and the engine's own (DeepSpeed's fp16
+        overflow), the same on every rank: one small collective when either
+        has one.  Without either, kaisa checks the gradients itself
+        (:meth:`gradients_finite`)."""
+        self._presence = None
+        engine_verdict = self.engine.step_is_valid()
+        found = self.scaling.found_inf()
+        if found is None and engine_verdict is True:
+            return self.gradients_finite()
+        verdicts = [engine_verdict, True if found is None else found == 0]
+        verdicts = [v for v in verdicts if v is not True]
+        local = all(bool(v) for v in verdicts)
+        return self.comm.agree_all([local], self.layers[0].adapter.device)[0]
+
+    def gradients_finite(self) -> bool:
+        """Whether every registered layer's gradient is finite on every rank
+        (:mod:`kaisa.step.nonfinite`).  Where DDP has averaged the gradients a NaN on
+        one rank is a NaN on all, so each rank's own check is the verdict;
+        elsewhere it travels with the layers' gradient presence in the one
+        collective the gradient application would run anyway, and over the
+        model-parallel groups, whose ranks must skip together."""
+        adapters = [la.adapter for la in self.layers]
+        device = adapters[0].device
+        finite = gradients_finite(self.engine.local_gradients(adapters))
+        if self.comm.distributed and not self.engine.gradients_agree():
+            present = [self.engine.present(a) for a in adapters]
+            agreed = self.comm.agree_all([finite, *present], device)
+            finite = agreed[0]
+            self._presence = {la.name: ok for la, ok in zip(self.layers, agreed[1:])}
+        finite = self.comm.agree_model_parallel(finite, device)
+        if not finite:
+            self.nonfinite.record(self.steps)
+        return finite
+
+    def skip(self, reduced: bool) -> None:
+        """A step the scaler skips, or whose gradients are not finite: leave
+        every factor, decomposition, gradient and the step count as they
+        were, and drop the step's statistics (``reduced``: already summed
+        over the ranks)."""
+        if reduced:
+            self.reduction.discard()
+        self.drop_statistics = False
+        for layer in self.layers:
+            layer.batch.reset()
+            layer.pending.calls.clear()
+        self.comm.stats.end_step()
+        self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
+
+    def reduce_factors(self) -> list[float]:
+        """Statistics → owners; the counts of every factor, summed over the
+        ranks (folded into the running averages once the step is known to
+        be valid)."""
+        self._report_dropped_forwards()
+        self._report_broadcast_inputs()
+        self._report_eval_forwards()
+        if not self.in_hook:
+            for layer in self.layers:
+                self.capture.flush(layer)
+        return self.reduction.exchange()
+
+    def update_second_order(self, step: int, damping: float) -> None:
+        """Decompose and broadcast on inverse steps; at once for a layer seen the first time."""
+        inverse_step = self.schedule.is_inverse_step(step)
+        every = self.stale or inverse_step
+        due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
+        self.second_order.run(due, damping)
+        self.stale = False
+        if inverse_step and self.on_inverse_step is not None:
+            self.on_inverse_step(step)
+
+    def apply(self, step: int, damping: float, factor_step: bool) -> None:
+        self.application.run(
+            self.layers,
+            damping,
+            self.schedule.lr(step),
+            self.schedule.kl_clip(step),
+            factor_step,
+            self._presence,
+        )
+
+    def _report_broadcast_inputs(self) -> None:
+        """A layer that saw fewer data points per pass than the rest of the
+        model was fed one row broadcast over the batch (position ids of shape
+        ``[1, T]``) in a way :mod:`kaisa.step.capture.broadcast` cannot see through (not an
+        elementwise ``+``/``-``/``*`` with the batch): its G is that of the
+        batch-summed gradient, not the per-example one.  Said once per layer."""
+        per_pass = {}
+        for la in self.layers:
+            index = next(
+                (i for i, s in enumerate(la.factors) if s.source is FactorSource.OUTPUT_GRAD), None
+            )
+            if index is not None and la.batch.passes:
+                per_pass[la.name] = la.batch.counts[index] / la.batch.passes
+        if not per_pass:
+            return
+        most = max(per_pass.values())
+        for name, seen in per_pass.items():
+            if seen == 1 < most and name not in self._broadcast_reported:
+                self._broadcast_reported.add(name)
+                warnings.warn(
+                    f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
+                    f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
+                    "position ids of shape [1, T]) by an operation kaisa does not see through "
+                    "(it does an elementwise +, - or * with the batch), so its G factor is that "
+                    "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
+                    "leave it out with skip_layers",
+                    stacklevel=4,
+                )
+
+    def _report_eval_forwards(self) -> None:
+        """A layer with a gradient whose forwards this step all ran in eval
+        mode: kaisa captures training-mode forwards only, so its factors
+        miss this step.  Said once per layer; an eval forward that is not
+        backpropagated (a validation pass) is ignored without a word."""
+        names = [
+            la.name
+            for la in self.layers
+            if la.eval_forward
+            and not la.batch.has_data
+            and not la.pending.calls
+            and la.name not in self._eval_reported
+            and self.engine.present(la.adapter)
+        ]
+        if not names:
+            return
+        self._eval_reported.update(names)
+        listed = ", ".join(repr(n) for n in names[:3])
+        if len(names) > 3:
+            listed += f" and {len(names) - 3} more"
+        warnings.warn(
+            f"kaisa: layer(s) {listed} have a gradient but their forward ran in eval mode "
+            "(model.eval()): kaisa captures training-mode forwards only, so their factors "
+            "were not updated this step (a layer never captured keeps its raw gradient). "
+            "Call model.train() before training forwards (after an evaluation, say); to "
+            "train without dropout, set its probability to 0 instead of calling eval()",
+            stacklevel=4,
+        )
+
+    def _report_dropped_forwards(self) -> None:
+        dropped = {la.name: la.batch.pending_forwards for la in self.layers}
+        dropped = {n: c for n, c in dropped.items() if c > 0}
+        if dropped:
+            names = ", ".join(f"{n!r} ({c})" for n, c in dropped.items())
+            warnings.warn(
+                f"kaisa: training-mode forward calls with no backward before step() were "
+                f"ignored: {names}. Run forwards that are not followed by backward inside "
+                "`with precond.paused():` (or under torch.no_grad() / model.eval())",
+                stacklevel=4,
+            )

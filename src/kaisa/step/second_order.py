@@ -1,0 +1,140 @@
+"""Decompose → broadcast → complete: the second-order update of the KAISA plan.
+
+Each factor's owner decomposes it with the curvature method and sends the
+result to the layer's gradient workers (under COMM-OPT: every rank); the
+workers complete what they received (e.g., the eigenvalue outer product),
+and ranks that are not workers of a layer drop its tensors.  What travels is
+read from the method's declaration, never named here.
+
+A failed decomposition keeps the previous tensors; an owner that never
+succeeded sends a damping-only stand-in, so every rank stays in the same
+collectives and the layer is still (safely) preconditioned.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from kaisa.core.decompose import DecompositionError
+from kaisa.core.layer_state import KFACLayer
+from kaisa.distributed.communicator import Communicator
+from kaisa.distributed.plan import WorkPlan
+from kaisa.methods.base import CurvatureMethod, HeldTensor, Transfer
+
+__all__ = ["SecondOrderUpdate"]
+
+logger = logging.getLogger("kaisa")
+
+
+class SecondOrderUpdate:
+    """Runs the second-order update of a set of layers on every rank."""
+
+    def __init__(self, plan: WorkPlan, comm: Communicator, method: CurvatureMethod) -> None:
+        self.plan = plan
+        self.comm = comm
+        self.method = method
+        self.rank = comm.rank
+
+    def run(self, layers: list[KFACLayer], damping: float) -> None:
+        """Update ``layers`` (the same list, in the same order, on every rank)."""
+        if not layers:
+            return
+        exchanged = self._exchange(layers)
+        for layer in layers:
+            lp = self.plan.layer(layer.name)
+            for transfer in self.method.transfers(layer.factors, lp.colocated):
+                owner = lp.owners[transfer.factors[0]]
+                if self.rank == owner:
+                    self._decompose(layer, transfer, damping, exchanged.get(layer.name))
+                if self.rank in lp.grad_workers:
+                    self._broadcast(layer, transfer, owner, lp.grad_workers)
+        self.comm.wait()
+        for layer in layers:
+            lp = self.plan.layer(layer.name)
+            layer.decomposed = True
+            if self.rank in lp.grad_workers:
+                self.method.complete(layer.factors, layer.state, damping, lp.colocated)
+            else:
+                layer.state.clear()
+
+    def _exchange(self, layers: list[KFACLayer]) -> dict[str, Tensor]:
+        """The method's per-layer vectors, summed over the group when factors are split."""
+        vectors = {la.name: self.method.exchange(la.factors, la.running) for la in layers}
+        present = {n: v for n, v in vectors.items() if v is not None}
+        if not present or not self.comm.distributed or self.plan.colocate_factors:
+            return present
+        names = list(present)
+        flat = torch.cat([present[n] for n in names])
+        result: list[Tensor] = []
+        self.comm.allreduce_sum(flat, result.extend)
+        self.comm.wait()
+        out, offset = {}, 0
+        for name in names:
+            size = present[name].numel()
+            out[name] = result[0][offset : offset + size]
+            offset += size
+        return out
+
+    def _decompose(
+        self, layer: KFACLayer, transfer: Transfer, damping: float, exchanged: Tensor | None
+    ) -> None:
+        layer.decompositions += len(transfer.factors)
+        new: dict[str, Tensor] = {}
+        if any(layer.running[i] is None for i in transfer.factors):
+            # every batch so far was non-finite: nothing to decompose yet
+            self.fill_missing(layer, transfer.tensors, damping)
+            return
+        try:
+            new = self.method.decompose(
+                layer.factors,
+                layer.running,
+                transfer.factors,
+                damping,
+                layer.inv_dtype,
+                exchanged,
+            )
+        except DecompositionError as exc:
+            layer.failed_decompositions += 1
+            logger.warning(
+                "decomposition of %s failed (%s); keeping the previous one", layer.name, exc
+            )
+        layer.state.update(new)
+        self.fill_missing(layer, transfer.tensors, damping)
+
+    def fill_missing(
+        self, layer: KFACLayer, tensors: tuple[HeldTensor, ...], damping: float
+    ) -> None:
+        """Damping-only stand-ins for whatever of ``tensors`` was never computed."""
+        like = torch.empty(0, dtype=layer.inv_dtype, device=layer.adapter.device)
+        for spec in tensors:
+            if spec.key not in layer.state:
+                layer.state[spec.key] = self.method.fallback(
+                    spec, len(layer.factors), damping, like
+                )
+
+    def _broadcast(
+        self, layer: KFACLayer, transfer: Transfer, owner: int, workers: tuple[int, ...]
+    ) -> None:
+        if self.rank == owner:
+            tensors = [layer.state[t.key] for t in transfer.tensors]
+        else:
+            tensors = [
+                torch.empty(t.shape, dtype=layer.inv_dtype, device=layer.adapter.device)
+                for t in transfer.tensors
+            ]
+        keys = [t.key for t in transfer.tensors]
+
+        def store(received: list[Tensor]) -> None:
+            layer.state.update(zip(keys, received))
+
+        self.comm.broadcast(
+            tensors,
+            owner,
+            workers,
+            None if self.rank == owner else store,
+            symmetric=[t.symmetric for t in transfer.tensors],
+            kind="second_order_broadcast",
+        )

@@ -1,0 +1,297 @@
+"""nn.MultiheadAttention's q, k, v and out projections against a dense float64
+definition built from an independent re-implementation of attention."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+
+from kfac_reference import dense_precondition, outer_mean, rel_err, with_ones
+
+TOL = 1e-8
+DAMPING = 0.01
+E, H, N, L, S = 8, 2, 4, 5, 6
+
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+
+def reference_attention(mha, query, key, value, attn_mask=None, key_padding_mask=None):
+    """[N, L, E] output and the projections (q, k, v, ctx), batch first."""
+    if not mha.batch_first:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    if mha._qkv_same_embed_dim:
+        wq, wk, wv = mha.in_proj_weight.chunk(3)
+    else:
+        wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    bq, bk, bv = mha.in_proj_bias.chunk(3)
+    q, k, v = query @ wq.t() + bq, key @ wk.t() + bk, value @ wv.t() + bv
+    d = E // H
+
+    def heads(t):
+        return t.reshape(t.shape[0], t.shape[1], H, d).transpose(1, 2)
+
+    scores = heads(q) @ heads(k).transpose(-1, -2) / math.sqrt(d)
+    if attn_mask is not None:
+        scores = scores.masked_fill(attn_mask, float("-inf"))
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    ctx = (scores.softmax(-1) @ heads(v)).transpose(1, 2).reshape(q.shape[0], q.shape[1], E)
+    out = ctx @ mha.out_proj.weight.t() + mha.out_proj.bias
+    return out, {"q": (query, q), "k": (key, k), "v": (value, v), "out_proj": (ctx, out)}
+
+
+class Model(nn.Module):
+    def __init__(self, batch_first: bool, kdim: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(E, H, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.head = nn.Linear(E, 3)
+
+
+CASES = {
+    "self": dict(cross=False, kdim=None, masks=False, need_weights=False),
+    "self-masks-weights": dict(cross=False, kdim=None, masks=True, need_weights=True),
+    "cross": dict(cross=True, kdim=None, masks=True, need_weights=False),
+    "cross-kdim": dict(cross=True, kdim=5, masks=False, need_weights=True),
+}
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("case", list(CASES))
+def test_projections_against_dense_definition(case: str, batch_first: bool) -> None:
+    cfg = CASES[case]
+    model = Model(batch_first, cfg["kdim"])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, L, E, generator=g)
+    mem = torch.randn(N, S, cfg["kdim"] or E, generator=g) if cfg["cross"] else x
+    y = torch.randint(0, 3, (N,), generator=g)
+    masks = {}
+    if cfg["masks"]:
+        src = S if cfg["cross"] else L
+        masks["attn_mask"] = torch.triu(torch.ones(L, src, dtype=torch.bool), diagonal=1 + src - L)
+        kpm = torch.zeros(N, src, dtype=torch.bool)
+        kpm[0, -1] = kpm[2, -2:] = True
+        masks["key_padding_mask"] = kpm
+
+    def layout(t):
+        return t if batch_first else t.transpose(0, 1)
+
+    def run(query, memory):
+        out, _ = model.attn(
+            layout(query), layout(memory), layout(memory), need_weights=cfg["need_weights"], **masks
+        )
+        return model.head(layout(out).mean(1))
+
+    # the reference re-implementation is the module itself
+    ref_out, _ = reference_attention(model.attn, layout(x), layout(mem), layout(mem), **masks)
+    real_out, _ = model.attn(layout(x), layout(mem), layout(mem), need_weights=False, **masks)
+    assert rel_err(ref_out, layout(real_out)) <= 1e-12
+
+    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
+    assert sorted(precond.layers) == ["attn.k", "attn.out_proj", "attn.q", "attn.v", "head"]
+    F.cross_entropy(run(x, mem), y).backward()
+    raws = {n: precond._parts.engine.read(la.adapter).clone() for n, la in precond.layers.items()}
+    precond.step()
+
+    out, parts = reference_attention(model.attn, layout(x), layout(mem), layout(mem), **masks)
+    losses = F.cross_entropy(model.head(out.mean(1)), y, reduction="none")
+    outputs = [parts[k][1] for k in ("q", "k", "v", "out_proj")]
+    grads = dict(zip(("q", "k", "v", "out_proj"), torch.autograd.grad(losses.sum(), outputs)))
+    for role, (inputs, _) in parts.items():
+        layer = precond.layers[f"attn.{role}"]
+        A = outer_mean(with_ones(inputs.detach().reshape(-1, inputs.shape[-1])))
+        rows = grads[role].reshape(-1, E)
+        G = rows.t() @ rows / N
+        assert rel_err(layer.factor("A"), A) <= TOL, role
+        assert rel_err(layer.factor("G"), G) <= TOL, role
+        got = precond._parts.engine.read(layer.adapter)
+        assert rel_err(got, dense_precondition(raws[f"attn.{role}"], A, G, DAMPING)) <= TOL, role
+    assert F.linear is torch._C._nn.linear  # the functional capture put F.linear back
+
+
+def test_transformer_layers_fully_preconditioned() -> None:
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
+    dec = nn.TransformerDecoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.ModuleDict({"enc": enc, "dec": dec})
+    precond = KFACPreconditioner(model, damping=DAMPING)
+    names = sorted(precond.layers)
+    for prefix in ("enc.self_attn", "dec.self_attn", "dec.multihead_attn"):
+        assert {f"{prefix}.{r}" for r in ("q", "k", "v", "out_proj")} <= set(names)
+    src, tgt = torch.randn(N, L, E), torch.randn(N, S, E)
+    mask = nn.Transformer.generate_square_subsequent_mask(S, dtype=torch.bool)
+    out = dec(tgt, enc(src), tgt_mask=mask)
+    out.pow(2).mean().backward()
+    precond.step()
+    assert all(la.captured for la in precond.layers.values())
+    skipped = {s.name for s in precond.skipped}
+    assert not any("attn" in s and "norm" not in s for s in skipped), skipped
+
+
+# -- activation checkpointing of a Transformer with attention and embeddings -------------
+class TinyLM(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.emb = nn.Embedding(13, E)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
+            for _ in range(2)
+        )
+        self.head = nn.Linear(E, 13)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(idx)
+        for block in self.blocks:
+            if self.mode == "plain":
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+        return self.head(h)
+
+
+def _lm_run(mode: str, monkeypatch) -> tuple[dict, list[torch.Tensor], int]:
+    import kaisa.step.capture.calls as capture
+
+    calls = [0]
+    original = capture._input_terms
+
+    def counting(layer, x, memo=None):
+        calls[0] += 1
+        return original(layer, x, memo)
+
+    monkeypatch.setattr(capture, "_input_terms", counting)
+    model = TinyLM(mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        idx, y = (
+            torch.randint(0, 13, (N, L), generator=g),
+            torch.randint(0, 13, (N, L), generator=g),
+        )
+        opt.zero_grad()
+        F.cross_entropy(model(idx).reshape(-1, 13), y.reshape(-1)).backward()
+        precond.step()
+        opt.step()
+    factors = {
+        f"{n}:{s.name}": la.factor(s.name).clone()
+        for n, la in precond.layers.items()
+        for s in la.factors
+    }
+    return factors, [p.detach().clone() for p in model.parameters()], calls[0]
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_checkpointed_transformer_equals_plain_and_hooks_work_once(mode: str, monkeypatch) -> None:
+    want_factors, want_params, want_calls = _lm_run("plain", monkeypatch)
+    got_factors, got_params, got_calls = _lm_run(mode, monkeypatch)
+    assert {"emb:A", "blocks.0.self_attn.q:G", "blocks.1.self_attn.out_proj:A"} <= set(want_factors)
+    assert got_calls == want_calls  # no capture work is done twice
+    for name, value in want_factors.items():
+        assert rel_err(got_factors[name], value) <= 1e-10, name
+    for a, b in zip(got_params, want_params):
+        assert rel_err(a, b) <= 1e-10
+
+
+def test_checkpoint_round_trip_with_attention_and_embeddings() -> None:
+    """Diagonal (embedding) factors and the attention blocks travel through
+    state_dict/load_state_dict: a resumed run equals the uninterrupted one."""
+
+    def run(resume_at: int | None) -> list[torch.Tensor]:
+        model = TinyLM("plain")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING, inv_update_steps=2)
+        g = torch.Generator().manual_seed(9)
+        for step in range(4):
+            if step == resume_at:
+                state, opt_state = precond.state_dict(), opt.state_dict()
+                params = [p.detach().clone() for p in model.parameters()]
+                model = TinyLM("plain")
+                with torch.no_grad():
+                    for p, v in zip(model.parameters(), params):
+                        p.copy_(v)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                opt.load_state_dict(opt_state)
+                precond = KFACPreconditioner(
+                    model, optimizer=opt, damping=DAMPING, inv_update_steps=2
+                )
+                precond.load_state_dict(state)
+                assert precond.layers["emb"].factor("A").shape == (13,)
+            idx, y = (
+                torch.randint(0, 13, (N, L), generator=g),
+                torch.randint(0, 13, (N, L), generator=g),
+            )
+            opt.zero_grad()
+            F.cross_entropy(model(idx).reshape(-1, 13), y.reshape(-1)).backward()
+            precond.step()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    straight, resumed = run(None), run(2)
+    for a, b in zip(resumed, straight):
+        assert rel_err(a, b) <= 1e-12
+
+
+def test_torch_compile_with_attention_runs_and_says_what_it_missed() -> None:
+    """Under torch.compile the attention is traced, not run: its projections go
+    uncaptured (with a warning) instead of breaking the compiled model."""
+    model = Model(batch_first=True, kdim=None)
+    precond = KFACPreconditioner(model, damping=DAMPING)
+
+    def forward(x):
+        return model.head(model.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    fn = torch.compile(forward, backend="eager")
+    x, y = torch.randn(N, L, E), torch.randint(0, 3, (N,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(fn(x), y).backward()
+        precond.step()
+    said = " ".join(str(w.message) for w in caught)
+    for role in ("q", "k", "v", "out_proj"):
+        assert f"'attn.{role}'" in said and "torch.compile" in said
+    assert precond.layers["head"].captured and not precond.layers["attn.q"].captured
+    assert F.linear is torch._C._nn.linear
+
+
+def test_self_attention_forms_the_shared_input_factor_once(monkeypatch) -> None:
+    """q, k and v of a packed self-attention read the same input: its factor
+    term is formed once per call (then copied), and still equals each
+    projection's own definition (the dense tests above)."""
+    from kaisa.core.specs import FactorSource
+    from kaisa.layers.base import LayerAdapter
+
+    formed: list[str] = []
+    original = LayerAdapter.factor_term
+
+    def counting(self, spec, tensor, dtype, scale=1.0):
+        if spec.source is FactorSource.INPUT:
+            formed.append(self.name)
+        return original(self, spec, tensor, dtype, scale)
+
+    monkeypatch.setattr(LayerAdapter, "factor_term", counting)
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    precond = KFACPreconditioner(mha, damping=DAMPING)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    out, _ = mha(x, x, x, need_weights=False)
+    out.pow(2).mean().backward()
+    assert len(formed) == 2, formed  # in_proj once (for q, k and v), out_proj once
+    factors = {name: layer.batch.sums[0] for name, layer in precond.layers.items()}
+    names = [n for n in factors if not n.endswith("out_proj")]
+    assert len(names) == 3
+    for name in names[1:]:  # equal, but not one tensor (sums are updated in place)
+        assert torch.equal(factors[name], factors[names[0]])
+        assert factors[name] is not factors[names[0]]

@@ -1,0 +1,85 @@
+"""A position embedding called on one row of ids ``[1, T]`` and broadcast
+over the batch (kaisa.step.capture.broadcast): its factors equal those of the same model
+fed per-example ids ``[N, T]`` — the per-example output gradients, taken
+where the broadcast happens — for every way a model may combine it, with no
+warning; a use kaisa cannot see through keeps the batch-summed gradient and
+the warning that says so."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+
+V, T, D, N = 11, 5, 4, 6
+
+
+class PositionModel(nn.Module):
+    def __init__(self, how: str, per_example: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(V, D)
+        self.pos = nn.Embedding(T, D)
+        self.head = nn.Linear(D, V)
+        self.how = how
+        self.per_example = per_example
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(T).unsqueeze(0)
+        if self.per_example:
+            positions = positions.expand(ids.shape[0], T)
+        h, p = self.tok(ids), self.pos(positions)
+        if self.how == "add":
+            h = h + p
+        elif self.how == "radd":
+            h = p + h
+        elif self.how == "iadd":
+            h = h.clone()
+            h += p
+        elif self.how == "torch.add":
+            h = torch.add(h, p, alpha=1)
+        elif self.how == "to-then-add":
+            h = h + p.to(h.dtype).contiguous()
+        elif self.how == "mul":
+            h = h * p
+        elif self.how == "logged-then-add":  # uses outside autograd capture nothing
+            self.logged = (p.detach().norm(), p.shape, p.dtype, repr(p)[:10])
+            h = h + p
+        elif self.how == "expand":  # an expand of its own: not seen through
+            h = h + p.expand_as(h)
+        return self.head(torch.tanh(h))
+
+
+def factors(how: str, per_example: bool) -> dict[str, torch.Tensor]:
+    model = PositionModel(how, per_example).double()
+    precond = KFACPreconditioner(model, damping=0.01, kl_clip=None)
+    ids = torch.randint(0, V, (N, T), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(model(ids).reshape(-1, V), ids.reshape(-1)).backward()
+    precond.step()
+    layer = precond.layers["pos"]
+    return {"A": layer.factor("A"), "G": layer.factor("G")}
+
+
+@pytest.mark.parametrize(
+    "how", ["add", "radd", "iadd", "torch.add", "to-then-add", "mul", "logged-then-add"]
+)
+def test_broadcast_position_embedding_has_per_example_factors(how: str) -> None:
+    want = factors(how, per_example=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="kaisa")
+        got = factors(how, per_example=False)
+    for name in ("A", "G"):
+        err = float((got[name] - want[name]).norm() / want[name].norm())
+        assert err <= 1e-12, (name, err)
+
+
+def test_a_use_that_is_not_an_elementwise_broadcast_keeps_the_warning() -> None:
+    with pytest.warns(UserWarning, match="saw 1 data point"):
+        got = factors("expand", per_example=False)
+    want = factors("expand", per_example=True)
+    assert not torch.allclose(got["G"], want["G"])  # the batch-summed gradient, as reported
