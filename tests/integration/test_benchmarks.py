@@ -194,3 +194,36 @@ def test_stages_ab_summarises_medians_over_rounds(tmp_path: Path) -> None:
     assert eigen["after"]["stages_ms"]["KL clip + write-back"] == pytest.approx(0.6)
     assert eigen["rounds"]["before"] == [1.3, 1.2, 1.5]
     assert (tmp_path / "stages_ab.png").exists()
+
+
+def test_step_time_ab_interleaves_two_trees_and_reports_medians(tmp_path: Path) -> None:
+    # the same tree on both sides: every row is there, with a sample per round
+    run_script(
+        "step_time_ab.py",
+        "--before",
+        str(ROOT),
+        "--after",
+        str(ROOT),
+        "--rounds",
+        "2",
+        "--steps",
+        "2",
+        "--models",
+        "mlp-784-512-512-10",
+        "--variants",
+        "sgd",
+        "kfac f=1 inv=10",
+        "--out",
+        str(tmp_path),
+        timeout=240,
+    )
+    data = json.loads((tmp_path / "step_time_ab.json").read_text())
+    assert [(r["model"], r["variant"]) for r in data["rows"]] == [
+        ("mlp-784-512-512-10", "sgd"),
+        ("mlp-784-512-512-10", "kfac f=1 inv=10"),
+    ]
+    for r in data["rows"]:
+        assert len(r["before_ms"]) == len(r["after_ms"]) == 2
+        assert all(t > 0 for t in r["before_ms"] + r["after_ms"])
+        assert abs(r["ratio"] - r["after_median_ms"] / r["before_median_ms"]) < 1e-12
+    assert (tmp_path / "step_time_ab.png").stat().st_size > 0
