@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kaisa.distributed.collectives import group_ranks
 from kaisa.distributed.topology import Topology
 
 __all__ = [
@@ -51,15 +52,6 @@ __all__ = [
 ]
 
 Callback = Callable[[list[Tensor]], None]
-
-
-def group_ranks(group: Any) -> tuple[int, ...]:
-    """Global ranks of ``group`` (None: the world), in group order; (0,) alone."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return (0,)
-    if group is None:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
 
 
 class CommunicationError(RuntimeError):
