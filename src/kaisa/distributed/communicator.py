@@ -1,4 +1,6 @@
-"""Every ``torch.distributed`` call kaisa makes lives in this module.
+"""The step's collectives (every ``torch.distributed`` call kaisa makes lives in
+:mod:`kaisa.distributed`: here, and the engines' in
+:mod:`~kaisa.distributed.collectives`).
 
 :class:`Communicator` works on one data-parallel group (from a
 :class:`~kaisa.distributed.topology.Topology`; the world by default).  Ranks it is given
