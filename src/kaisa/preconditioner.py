@@ -23,7 +23,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.distributed.topology import Topology
-from kaisa.engines import Engine, GradientAccess, select_engine
+from kaisa.engines import Engine, GradientAccess, OwnsTheLoop, select_engine
 from kaisa.layers.registry import SkippedModule
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.step.loss_scaling import LossScaling
@@ -112,7 +112,8 @@ class KFACPreconditioner(KfacPytorchAttributes):
         if lr is None and optimizer is None:
             lr = given.lr
         topology = topology or given.topology
-        engine.check_topology(topology)
+        if isinstance(engine, OwnsTheLoop):
+            engine.check_topology(topology)
         if grad_scaler is None and given.loss_scale is not None:
             grad_scaler = given.loss_scale
             scaling = LossScaling(grad_scaler, optimizer)
@@ -133,7 +134,9 @@ class KFACPreconditioner(KfacPytorchAttributes):
             pg_timeout_s=pg_timeout_s,
             loss_divisor=given.loss_divisor,
         )
-        self._attached = engine.attach(self.step, self.paused)
+        self._attached = (
+            engine.attach(self.step, self.paused) if isinstance(engine, OwnsTheLoop) else None
+        )
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
         )

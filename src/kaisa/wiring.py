@@ -31,7 +31,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
 from kaisa.distributed.topology import Topology
-from kaisa.engines import Engine
+from kaisa.engines import Engine, ModelParallelLayers
 from kaisa.layers.registry import SkippedModule, register_layers
 from kaisa.methods import CurvatureMethod, method_for
 from kaisa.planner.forecast import auto_fraction
@@ -115,7 +115,8 @@ def _register(
     """The layers this rank preconditions (the engine may keep or replace some,
     as tensor parallelism does), with the options every adapter takes."""
     adapters, skipped = register_layers(engine.unwrap(model), config.skip_layers)
-    adapters = engine.select_layers(adapters, skipped, config)
+    if isinstance(engine, ModelParallelLayers):  # it keeps or replaces some layers
+        adapters = engine.select_layers(adapters, skipped, config)
     if not adapters:
         reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
         raise ValueError(
@@ -181,7 +182,8 @@ def build(
         in_hook=config.update_factors_in_hook,
         loss_scale=scaling.getter(),
     )
-    engine.connect(comm, capture, ordered)
+    if isinstance(engine, ModelParallelLayers):  # it feeds some statistics itself
+        engine.connect(comm, capture, ordered)
     reduction = FactorReduction(
         ordered,
         plan,

@@ -1,8 +1,18 @@
-"""The package's layout holds: no import cycles, ``torch.distributed`` only where it belongs.
+"""The package's layout holds: no import cycles, ``torch.distributed`` only in
+``kaisa.distributed``.
 
 Read from the source with :mod:`ast` (every import counts: module level,
 inside functions and under ``TYPE_CHECKING``), so a lazy import that hides
 a cycle from the interpreter is still found.
+
+Why not import-linter: its ``forbidden`` contracts may name an external
+package only at its root (``torch``, not ``torch.distributed``: the graph
+it builds squashes external packages to their top level), and every kaisa
+module imports ``torch``.  So the rule is read here, from the syntax tree:
+``import torch.distributed [as d]``, ``from torch.distributed[.x] import
+...``, ``from torch import distributed``, an ``import_module`` /
+``__import__`` of the name, and the attribute chain ``torch.distributed``
+on any name bound to ``torch`` (``import torch as t; t.distributed.x``).
 """
 
 from __future__ import annotations
@@ -119,6 +129,113 @@ def test_pure_packages_never_import_torch_distributed(package: str) -> None:
     }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"{package} must not import torch.distributed: {offenders}"
+
+
+#: the package that owns every torch.distributed call (collectives, groups,
+#: DTensor and FSDP checks, pipelining schedules)
+DISTRIBUTED = "kaisa.distributed"
+
+#: kaisa's command-line application: its own training loop joins torchrun's
+#: process group and wraps the model in DDP, as a user's script does; it is
+#: not the library, and leaves kaisa for kaisa_lab (issue 22's lab split)
+APPLICATION = ("kaisa.cli",)
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _is_torch_distributed(name: str) -> bool:
+    return _within(name, "torch.distributed")
+
+
+def torch_distributed_uses(source: str) -> list[str]:
+    """Every place ``source`` reaches ``torch.distributed``, as ``line: what``."""
+    tree = ast.parse(source)
+    torch_names = {"torch"}  # names bound to the torch module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            torch_names.update(a.asname for a in node.names if a.name == "torch" and a.asname)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if _is_torch_distributed(a.name)]
+            what = f"import {', '.join(names)}" if names else None
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            if _is_torch_distributed(module):
+                what = f"from {module} import ..."
+            elif module == "torch" and any(a.name == "distributed" for a in node.names):
+                what = "from torch import distributed"
+        elif isinstance(node, ast.Attribute) and node.attr == "distributed":
+            if isinstance(node.value, ast.Name) and node.value.id in torch_names:
+                what = f"{node.value.id}.distributed"
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0]
+            if (
+                called in {"import_module", "__import__"}
+                and isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and _is_torch_distributed(first.value)
+            ):
+                what = f"{called}({first.value!r})"
+        if what is not None:
+            found.append(f"{node.lineno}: {what}")
+    return sorted(set(found), key=lambda f: int(f.split(":")[0]))
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist",
+        "import torch.distributed",
+        "import os, torch.distributed.tensor",
+        "from torch.distributed import ProcessGroup",
+        "from torch.distributed.fsdp import FSDPModule",
+        "from torch import nn, distributed",
+        "import torch\ntorch.distributed.get_rank()",
+        "import torch as T\nx = T.distributed.is_initialized()",
+        "def f():\n    import torch.distributed.tensor as dt\n    return dt",
+        "import importlib\nimportlib.import_module('torch.distributed.tensor')",
+        "__import__('torch.distributed')",
+    ],
+)
+def test_the_reader_sees_every_way_to_reach_torch_distributed(source: str) -> None:
+    assert torch_distributed_uses(source), source
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\nfrom torch import nn\nx = torch.zeros(1)",
+        "from kaisa.distributed import collectives\ncollectives.rank()",
+        "from . import distributed",
+        "import torch\ny = torch.nn.parallel.DistributedDataParallel",
+        '"""torch.distributed in a docstring"""',
+    ],
+)
+def test_the_reader_ignores_what_is_not_torch_distributed(source: str) -> None:
+    assert not torch_distributed_uses(source), source
+
+
+def test_only_kaisa_distributed_touches_torch_distributed() -> None:
+    """Every ``torch.distributed`` import and attribute use of the library is
+    in :mod:`kaisa.distributed`; engines, the step, checkpoints and the rest
+    call its functions (issue 22: a narrow engine)."""
+    offenders = {
+        name: uses
+        for name, path in _modules().items()
+        if not _within(name, DISTRIBUTED)
+        and not any(_within(name, app) for app in APPLICATION)
+        and (uses := torch_distributed_uses(path.read_text()))
+    }
+    assert not offenders, (
+        "torch.distributed outside kaisa.distributed (move the call into "
+        f"kaisa/distributed/, e.g. collectives.py or tensors.py): {offenders}"
+    )
 
 
 def test_library_never_imports_the_lab() -> None:

@@ -1,4 +1,6 @@
-"""Every ``torch.distributed`` call kaisa makes lives in this module.
+"""The step's collectives (every ``torch.distributed`` call kaisa makes lives in
+:mod:`kaisa.distributed`: here, and the engines' in
+:mod:`~kaisa.distributed.collectives`).
 
 :class:`Communicator` works on one data-parallel group (from a
 :class:`~kaisa.distributed.topology.Topology`; the world by default).  Ranks it is given
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kaisa.distributed.collectives import group_ranks
 from kaisa.distributed.topology import Topology
 
 __all__ = [
@@ -51,15 +54,6 @@ __all__ = [
 ]
 
 Callback = Callable[[list[Tensor]], None]
-
-
-def group_ranks(group: Any) -> tuple[int, ...]:
-    """Global ranks of ``group`` (None: the world), in group order; (0,) alone."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return (0,)
-    if group is None:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
 
 
 class CommunicationError(RuntimeError):

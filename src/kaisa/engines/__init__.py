@@ -1,13 +1,24 @@
 """Training engines: where gradients live and how the model is wrapped.
 
-:func:`select_engine` is the one place an engine is chosen.
+:func:`select_engine` is the one place an engine is chosen.  Every engine
+implements :class:`Engine`; what only some do is one of the capability
+protocols (:class:`InPlaceGradients`, :class:`ShardedReads`,
+:class:`ModelParallelLayers`, :class:`OwnsTheLoop`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from kaisa.engines.base import Engine, EngineDefaults, GradientMarks
+from kaisa.engines.base import (
+    Engine,
+    EngineDefaults,
+    GradientMarks,
+    InPlaceGradients,
+    ModelParallelLayers,
+    OwnsTheLoop,
+    ShardedReads,
+)
 from kaisa.engines.pytorch import GradientAccess, ParamGradAccess, TorchEngine, unwrap_model
 
 __all__ = [
@@ -15,7 +26,11 @@ __all__ = [
     "EngineDefaults",
     "GradientAccess",
     "GradientMarks",
+    "InPlaceGradients",
+    "ModelParallelLayers",
+    "OwnsTheLoop",
     "ParamGradAccess",
+    "ShardedReads",
     "TorchEngine",
     "select_engine",
     "unwrap_model",

@@ -8,8 +8,9 @@ valid.  Everything else in kaisa sees the canonical ``[d_out, d_in(+1)]``
 gradient matrix of a layer.
 
 To add an engine: subclass :class:`Engine` (start from
-:mod:`kaisa.engines.pytorch`) and teach :func:`kaisa.engines.select_engine` to
-pick it.
+:mod:`kaisa.engines.pytorch`), implement the capability protocols it has,
+and teach :func:`kaisa.engines.select_engine` to pick it.  Its collectives
+belong in :mod:`kaisa.distributed` (no engine imports ``torch.distributed``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +39,11 @@ __all__ = [
     "Engine",
     "EngineDefaults",
     "GradientMarks",
+    "InPlaceGradients",
+    "ModelParallelLayers",
+    "OwnsTheLoop",
+    "ShardedReads",
     "assemble_by_workers",
-    "gather_onto",
     "unique_parameters",
 ]
 
@@ -71,95 +75,45 @@ class EngineDefaults:
 
 
 class Engine(ABC):
-    """Reads, writes and validates the gradients of registered layers."""
+    """Reads, writes and validates the gradients of registered layers.
+
+    The required interface: what every engine answers, at every step.  What
+    only some engines do is a capability they opt into by implementing one
+    of the small protocols below (:class:`InPlaceGradients`,
+    :class:`ShardedReads`, :class:`ModelParallelLayers`,
+    :class:`OwnsTheLoop`); the step asks ``isinstance(engine, ...)`` once,
+    where it is built (a runtime protocol check costs microseconds), and
+    never calls a default that does nothing.
+    """
 
     name: str = "engine"
-
-    def defaults(self) -> EngineDefaults:
-        """Settings the engine supplies where the user left them out."""
-        return EngineDefaults()
 
     @abstractmethod
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's model inside any wrapper, so layer names do not depend on it."""
 
-    def select_layers(
-        self,
-        adapters: list[LayerAdapter],
-        skipped: list[SkippedModule],
-        config: KFACConfig,
-    ) -> list[LayerAdapter]:
-        """The adapters this rank's work plan holds: all registered ones, except
-        where the engine divides a layer's work over ranks outside the
-        data-parallel group (tensor parallelism keeps a sharded layer on one
-        tensor-parallel rank, or replaces it by its shard's blocks).  May
-        append to ``skipped`` what it cannot handle."""
-        return adapters
-
-    def connect(self, comm: Communicator, capture: Capture, layers: list[KFACLayer]) -> None:
-        """Join the built parts: an engine that feeds some of ``layers``'
-        statistics itself (tensor parallelism gathers shards first) registers
-        its hooks with ``capture``, and records its own traffic in
-        ``comm.stats``."""
-        return None
-
-    def counts_in_kl(self, adapter: LayerAdapter) -> bool:
-        """Whether this rank adds the layer's ``⟨V, ∇⟩`` to the KL clip's sum
-        over the model-parallel groups: False where another rank of those
-        groups holds the same replicated layer and counts it."""
-        return True
-
-    def after_write(self) -> None:
-        """Called on every rank once :meth:`write` has run for every layer of
-        the step, so an engine may finish writes that need every rank (the
-        tensor-parallel scatter of preconditioned shards)."""
-        return None
-
     @abstractmethod
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         """The layer's full, averaged gradient matrix, or None if it has none this step."""
+
+    @abstractmethod
+    def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
+        """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
+
+    @abstractmethod
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+        """Something per layer that changes whenever a backward pass writes its
+        gradient (see :class:`GradientMarks`)."""
 
     def present(self, adapter: LayerAdapter) -> bool:
         """Whether the layer has a gradient this step, known without assembling it."""
         return self.read(adapter) is not None
 
-    def read_many(
-        self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
-    ) -> list[Tensor | None]:
-        """The full gradients of ``adapters`` (all present on every rank), where
-        ``workers[i]`` (global ranks) are the ranks that must receive layer
-        ``i``'s.  Every rank calls this with the same layers in the same order,
-        so an engine whose gradients are partitioned may gather each one onto
-        its workers only; other ranks may get ``None``."""
-        return [self.read(a) for a in adapters]
-
-    def rescalable(self, adapters: Sequence[LayerAdapter]) -> list[bool]:
-        """Which of the registered layers ``adapters`` may have their gradients
-        written at once and scaled in place by :meth:`rescale` afterwards:
-        such a layer writes its ``V`` as soon as it is formed, before the KL
-        clip's ``ν`` (known only once every layer's ``⟨V, ∇⟩`` is), so no
-        ``V`` is held and its products can reuse one workspace
-        (:mod:`kaisa.core.workspace`).  The others hold ``V`` and are written
-        ``ν·V``.  No layer by default."""
-        return [False] * len(adapters)
-
-    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
-        """Multiply the written gradients of ``adapters`` by ``nu`` (only
-        layers :meth:`rescalable` allowed)."""
-        raise NotImplementedError(f"{type(self).__name__} does not rescale written gradients")
-
-    def read_into(self, adapter: LayerAdapter, work: Workspace | None) -> Tensor | None:
-        """:meth:`read`, copying where a copy is needed into ``work``'s
-        gradient buffer (only for layers :meth:`rescalable` allowed)."""
-        return self.read(adapter)
-
-    def grad_blocks(self, adapter: LayerAdapter) -> list[Tensor] | None:
-        """The layer's gradient matrix as column blocks that *are* its
-        parameters' gradients (:meth:`LayerAdapter.grad_blocks`), for the
-        curvature method to read and then overwrite with ``V`` (only on the
-        :meth:`rescalable` layers); None where the engine's gradients are
-        not plain tensors to write in place (the default)."""
-        return None
+    def step_is_valid(self) -> bool | Tensor:
+        """Whether this step's gradients may be used, by the engine's own loss
+        scaler (DeepSpeed fp16); a ``torch.amp.GradScaler`` is read by the
+        pipeline for every engine."""
+        return True
 
     def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
         """The gradient tensors this rank holds for ``adapters``' parameters —
@@ -174,13 +128,114 @@ class Engine(ABC):
                 out.append(to_local() if callable(to_local) else grad)
         return out
 
-    def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
-        """The dtype :meth:`read` returns for the layer (for receive buffers)."""
-        return adapter.weight.dtype
+    def gradients_agree(self) -> bool:
+        """Whether every data-parallel rank is known to hold a gradient for the
+        same layers (DDP guarantees it); if not, ranks agree by a collective."""
+        return False
 
-    @abstractmethod
-    def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
-        """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
+    def defaults(self) -> EngineDefaults:
+        """Settings the engine supplies where the user left them out."""
+        return EngineDefaults()
+
+
+@runtime_checkable
+class InPlaceGradients(Protocol):
+    """The CPU workspace fast path: gradients that are plain tensors kaisa may
+    overwrite in place (:class:`~kaisa.engines.pytorch.TorchEngine`).
+
+    Such a layer writes its ``V`` as soon as it is formed, before the KL
+    clip's ``ν`` (known only once every layer's ``⟨V, ∇⟩`` is), and is
+    scaled by ``ν`` afterwards, so no ``V`` is held and the products of the
+    large layers reuse one workspace (:mod:`kaisa.core.workspace`); where the
+    method can, it reads ``∇W``/``∇b`` and writes ``V`` over them directly."""
+
+    def rescalable(self, adapters: Sequence[LayerAdapter]) -> list[bool]:
+        """Which of the registered layers ``adapters`` may have their gradients
+        written at once and scaled in place by :meth:`rescale` afterwards (the
+        others hold ``V`` and are written ``ν·V``)."""
+        ...
+
+    def rescale(self, adapters: Sequence[LayerAdapter], nu: Tensor | float) -> None:
+        """Multiply the written gradients of ``adapters`` by ``nu`` (only
+        layers :meth:`rescalable` allowed)."""
+        ...
+
+    def read_into(self, adapter: LayerAdapter, work: Workspace | None) -> Tensor | None:
+        """:meth:`Engine.read`, copying where a copy is needed into ``work``'s
+        gradient buffer (only for layers :meth:`rescalable` allowed)."""
+        ...
+
+    def grad_blocks(self, adapter: LayerAdapter) -> list[Tensor] | None:
+        """The layer's gradient matrix as column blocks that *are* its
+        parameters' gradients (:meth:`LayerAdapter.grad_blocks`), for the
+        curvature method to read and then overwrite with ``V`` (only on the
+        :meth:`rescalable` layers); None where it cannot for this layer."""
+        ...
+
+
+@runtime_checkable
+class ShardedReads(Protocol):
+    """Gradients partitioned over ranks (FSDP2's rows, DeepSpeed's ZeRO
+    partitions, tensor-parallel shards): a layer's full gradient is assembled
+    only on the ranks that use it — its gradient workers.  Without this
+    protocol every rank reads every layer with :meth:`Engine.read`."""
+
+    def read_many(
+        self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
+    ) -> list[Tensor | None]:
+        """The full gradients of ``adapters`` (all present on every rank), where
+        ``workers[i]`` (global ranks) are the ranks that must receive layer
+        ``i``'s.  Every rank calls this with the same layers in the same order,
+        so the engine may gather each one onto its workers only; other ranks
+        may get ``None``."""
+        ...
+
+    def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
+        """The dtype :meth:`read_many` returns for the layer, for the receive
+        buffers of the ranks that got ``None``."""
+        ...
+
+
+@runtime_checkable
+class ModelParallelLayers(Protocol):
+    """An engine that divides a layer's work over ranks outside the
+    data-parallel group (tensor parallelism): it chooses this rank's layers,
+    feeds some statistics itself, counts replicated layers once in the KL
+    clip and finishes writes that need every rank."""
+
+    def select_layers(
+        self, adapters: list[LayerAdapter], skipped: list[SkippedModule], config: KFACConfig
+    ) -> list[LayerAdapter]:
+        """The adapters this rank's work plan holds (a sharded layer kept on
+        one tensor-parallel rank, or replaced by its shard's blocks).  May
+        append to ``skipped`` what it cannot handle."""
+        ...
+
+    def connect(self, comm: Communicator, capture: Capture, layers: list[KFACLayer]) -> None:
+        """Join the built parts: register the hooks that feed ``layers``'
+        statistics the engine gathers itself with ``capture``, and record its
+        own traffic in ``comm.stats``."""
+        ...
+
+    def counts_in_kl(self, adapter: LayerAdapter) -> bool:
+        """Whether this rank adds the layer's ``⟨V, ∇⟩`` to the KL clip's sum
+        over the model-parallel groups: False where another rank of those
+        groups holds the same replicated layer and counts it."""
+        ...
+
+    def after_write(self) -> None:
+        """Called on every rank once :meth:`Engine.write` has run for every
+        layer of the step (the scatter of preconditioned shards)."""
+        ...
+
+
+@runtime_checkable
+class OwnsTheLoop(Protocol):
+    """An engine that runs part of the training loop itself (DeepSpeed,
+    pipelining): kaisa must fit its layout, its accumulation boundary and,
+    where the user cannot call ``step()``, its loop.  An engine that
+    subclasses this protocol inherits the methods it does not override,
+    which accept everything."""
 
     def attach(
         self, step: Callable[[], None], paused: Callable[[], AbstractContextManager[None]]
@@ -194,31 +249,15 @@ class Engine(ABC):
         return None
 
     def check_topology(self, topology: Any) -> None:
-        """Raise if ``topology`` (the user's, or :meth:`defaults`') cannot be
-        the engine's layout: a pipeline stage whose KL clip would not sum over
-        the other stages, say."""
+        """Raise if ``topology`` (the user's, or :meth:`Engine.defaults`')
+        cannot be the engine's layout: a pipeline stage whose KL clip would
+        not sum over the other stages, say."""
         return None
 
     def check_step(self) -> None:
         """Raise if ``step()`` is called where the engine's gradients are not
         ready (off an accumulation boundary, say)."""
         return None
-
-    def gradients_agree(self) -> bool:
-        """Whether every data-parallel rank is known to hold a gradient for the
-        same layers (DDP guarantees it); if not, ranks agree by a collective."""
-        return False
-
-    def step_is_valid(self) -> bool | Tensor:
-        """Whether this step's gradients may be used, by the engine's own loss
-        scaler (DeepSpeed fp16); a ``torch.amp.GradScaler`` is read by the
-        pipeline for every engine."""
-        return True
-
-    @abstractmethod
-    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
-        """Something per layer that changes whenever a backward pass writes its
-        gradient (see :class:`GradientMarks`)."""
 
 
 def unique_parameters(adapters: Sequence[LayerAdapter]) -> list[nn.Parameter]:
@@ -259,25 +298,6 @@ class GradientMarks:
 
     def record(self, marks: list[Any]) -> None:
         self._marks = marks
-
-
-def gather_onto(local: Tensor, ranks: Sequence[int], group: Any) -> Tensor | None:
-    """Every rank's equal-sized ``local`` stacked as ``[world, numel]`` on the
-    global ``ranks`` (None elsewhere): one ``gather`` when a single rank needs
-    it (MEM-OPT), an all-gather otherwise.  Every rank of ``group`` calls it."""
-    import torch.distributed as dist
-
-    world, me = dist.get_world_size(group), dist.get_rank()
-    if len(ranks) == 1:
-        dst = ranks[0]
-        gathered = [torch.empty_like(local) for _ in range(world)] if me == dst else None
-        dist.gather(local, gathered, dst=dst, group=group)
-        return torch.stack(gathered) if gathered is not None else None
-    # all_gather into rows of one buffer: every torch >= 2.4 backend has it
-    # (all_gather_single/_into_tensor are newer or backend-dependent)
-    everyone = local.new_empty(world, local.numel())
-    dist.all_gather(list(everyone.unbind(0)), local.reshape(-1), group=group)
-    return everyone if me in ranks else None
 
 
 Assemble = Callable[[list[nn.Parameter], tuple[int, ...]], "list[Tensor] | None"]

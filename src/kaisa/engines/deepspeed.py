@@ -42,15 +42,16 @@ from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from kaisa.distributed import collectives
 from kaisa.distributed.topology import Topology
 from kaisa.engines.base import (
     Engine,
     EngineDefaults,
+    OwnsTheLoop,
+    ShardedReads,
     assemble_by_workers,
-    gather_onto,
     unique_parameters,
 )
 from kaisa.engines.pytorch import unwrap_model
@@ -91,7 +92,7 @@ def layout_of(param: nn.Parameter) -> Layout | None:
     return None
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(Engine, ShardedReads, OwnsTheLoop):
     """Gradients of a ``deepspeed.DeepSpeedEngine`` (ZeRO 0–3, fp32/bf16/fp16)."""
 
     name = "deepspeed"
@@ -219,7 +220,7 @@ class DeepSpeedEngine(Engine):
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         if not self.present(adapter):
             return None
-        return self.read_many([adapter], [tuple(range(dist.get_world_size()))])[0]
+        return self.read_many([adapter], [tuple(range(collectives.world_size()))])[0]
 
     def read_many(
         self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
@@ -298,13 +299,12 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
     """Full fp32 gradients of ``params`` on ``ranks`` (None elsewhere): one collective."""
     layout = layout_of(params[0])
     group = _group_of(params[0], layout or Layout.FRAGMENT)
-    me = dist.get_rank()
     if layout is Layout.PARTITION:
         from deepspeed.utils import safe_get_local_grad
 
         parts = [safe_get_local_grad(p).to(torch.float32).flatten() for p in params]
         local = torch.cat(parts)
-        rows = gather_onto(local, ranks, group)
+        rows = collectives.gather_onto(local, ranks, group)
         if rows is None:
             return None
         out, at = [], 0
@@ -322,14 +322,8 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
             frag, start = found
             flat.narrow(0, at + start, frag.numel()).copy_(frag)
         at += n
-    if len(ranks) > 1:
-        dist.all_reduce(flat, group=group)
-        if me not in ranks:
-            return None
-    else:
-        dist.reduce(flat, dst=ranks[0], group=group)
-        if me != ranks[0]:
-            return None
+    if not collectives.sum_onto(flat, ranks, group):
+        return None
     return [t.view(p.shape) for t, p in zip(flat.split(sizes), params)]
 
 
@@ -345,7 +339,7 @@ def _write(param: nn.Parameter, flat: Tensor, start: int) -> None:
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
         mine = safe_get_local_grad(param).to(torch.float32).flatten().clone()
-        offset = dist.get_rank(_group_of(param, layout)) * mine.numel()
+        offset = collectives.rank(_group_of(param, layout)) * mine.numel()
     elif layout is Layout.FRAGMENT:
         found = _fragment(param)
         if found is None:

@@ -23,47 +23,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from kaisa.engines.base import Engine, GradientMarks, assemble_by_workers, gather_onto
+from kaisa.distributed import collectives
+from kaisa.distributed.tensors import is_fsdp2_model, row_shard
+from kaisa.engines.base import Engine, GradientMarks, ShardedReads, assemble_by_workers
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter
 
 __all__ = ["FSDP2Engine", "is_fsdp2_model"]
 
 
-def is_fsdp2_model(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``model`` (or any submodule)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - a torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _shard(grad: Any) -> tuple[Tensor, Any]:
-    """The local rows of a ``Shard(0)`` DTensor gradient and the process group
-    it is sharded over.  Under HSDP (a 2-D mesh placed ``(Replicate(),
-    Shard(0))``) every replica holds the same averaged rows, so the rows are
-    gathered within this rank's shard group only."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(grad, DTensor):
-        raise TypeError(f"expected a DTensor gradient under FSDP2; got {type(grad).__name__}")
-    placements = tuple(grad.placements)
-    if placements == (Shard(0),):
-        return grad.to_local(), grad.device_mesh.get_group()
-    if placements == (Replicate(), Shard(0)):
-        return grad.to_local(), grad.device_mesh.get_group(1)
-    raise NotImplementedError(
-        "kaisa's FSDP2 engine supports Shard(0) gradients on a one-dimensional mesh and "
-        f"(Replicate(), Shard(0)) on HSDP's two-dimensional one; got placements {placements} "
-        f"on a {grad.device_mesh.ndim}-D mesh"
-    )
-
-
-class FSDP2Engine(Engine):
+class FSDP2Engine(Engine, ShardedReads):
     """Gradients of a model sharded with ``fully_shard``."""
 
     name = "fsdp2"
@@ -78,13 +49,13 @@ class FSDP2Engine(Engine):
         marks = []
         for adapter in adapters:
             grad = adapter.weight.grad
-            marks.append(None if grad is None else GradientMarks.of(_shard(grad)[0]))
+            marks.append(None if grad is None else GradientMarks.of(row_shard(grad)[0]))
         return marks
 
     def read(self, adapter: LayerAdapter) -> Tensor | None:
         if not self.present(adapter):
             return None
-        everyone = tuple(range(dist.get_world_size()))
+        everyone = tuple(range(collectives.world_size()))
         return self.read_many([adapter], [everyone])[0]
 
     def read_many(
@@ -93,11 +64,14 @@ class FSDP2Engine(Engine):
         fulls = assemble_by_workers(adapters, workers, _assemble)
         return [None if f is None else a.matrix_of(f) for a, f in zip(adapters, fulls)]
 
+    def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
+        return adapter.weight.dtype
+
     def write(self, adapter: LayerAdapter, matrix: Tensor) -> None:
         weight, bias = adapter.matrix_to_grads(matrix)
         values = [weight] if bias is None else [weight, bias]
         for param, rows, value in zip(adapter.parameters(), adapter.param_rows(), values):
-            local, group = _shard(param.grad)
+            local, group = row_shard(param.grad)
             first = (rows.start or 0) if rows is not None else 0
             _write_rows(local, group, int(param.shape[0]), value, first)
 
@@ -108,22 +82,22 @@ def _chunk(total_rows: int, world: int) -> int:
 
 def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor] | None:
     """Full gradients of ``params`` on ``ranks`` (None elsewhere): one collective."""
-    shards = [_shard(p.grad) for p in params]
+    shards = [row_shard(p.grad) for p in params]
     group = shards[0][1]
     # the workers this shard group serves: the same set on all its members
     # (under HSDP a worker gathers from the replica it belongs to)
-    members = set(dist.get_process_group_ranks(group))
+    members = set(collectives.group_ranks(group))
     ranks = tuple(r for r in ranks if r in members)
     if not ranks:
         return None
-    world = dist.get_world_size(group)
+    world = collectives.world_size(group)
     padded = []
     for p, (local, _) in zip(params, shards):
         rows = _chunk(int(p.shape[0]), world)
         block = local.new_zeros((rows, *p.shape[1:]))
         block[: local.shape[0]] = local
         padded.append(block.reshape(-1))
-    everyone = gather_onto(torch.cat(padded), ranks, group)
+    everyone = collectives.gather_onto(torch.cat(padded), ranks, group)
     if everyone is None:
         return None
     out, at = [], 0
@@ -138,8 +112,8 @@ def _assemble(params: list[nn.Parameter], ranks: tuple[int, ...]) -> list[Tensor
 def _write_rows(local: Tensor, group: Any, total_rows: int, value: Tensor, first: int) -> None:
     """Copy rows ``[first, first + len(value))`` of the full gradient that fall
     in this rank's shard into it."""
-    rank = dist.get_rank(group)
-    start = rank * _chunk(total_rows, dist.get_world_size(group))
+    rank = collectives.rank(group)
+    start = rank * _chunk(total_rows, collectives.world_size(group))
     lo, hi = max(first, start), min(first + value.shape[0], start + local.shape[0])
     if hi > lo:
         local[lo - start : hi - start].copy_(value[lo - first : hi - first])

@@ -51,11 +51,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from kaisa.distributed import collectives
+from kaisa.distributed.schedules import is_pipeline_schedule, is_single_stage_schedule
+from kaisa.distributed.tensors import fsdp_mesh, mesh_group
 from kaisa.distributed.topology import Topology
-from kaisa.engines.base import Engine, EngineDefaults
+from kaisa.engines.base import Engine, EngineDefaults, OwnsTheLoop, ShardedReads
 from kaisa.engines.pytorch import GradientAccess, unwrap_model
 from kaisa.layers.base import LayerAdapter
 
@@ -65,25 +67,14 @@ __all__ = ["PipeliningEngine", "is_pipeline_schedule"]
 _INFERENCE_METHODS = ("_prepare_forward_infra", "_prepare_backward_infra")
 
 
-def is_pipeline_schedule(obj: Any) -> bool:
-    """True for any ``torch.distributed.pipelining`` schedule."""
-    try:
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except ImportError:  # pragma: no cover - a torch without pipelining
-        return False
-    return isinstance(obj, _PipelineSchedule)
-
-
 def _stage_of(schedule: Any) -> Any:
     """The one stage a single-stage schedule runs on this rank; a clear error otherwise."""
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-
     if not is_pipeline_schedule(schedule):
         raise TypeError(
             "PipeliningEngine needs a torch.distributed.pipelining schedule (ScheduleGPipe, "
             f"Schedule1F1B); got {type(schedule).__name__}"
         )
-    if not isinstance(schedule, PipelineScheduleSingle):
+    if not is_single_stage_schedule(schedule):
         raise NotImplementedError(
             f"kaisa supports single-stage pipelining schedules (ScheduleGPipe, Schedule1F1B); "
             f"{type(schedule).__name__} runs several stages per rank or splits the backward "
@@ -104,7 +95,7 @@ def _stage_of(schedule: Any) -> Any:
 
 
 def _ranks(group: Any) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group))
+    return collectives.group_ranks(group)
 
 
 def _as_group(dp: Any) -> Any:
@@ -114,23 +105,13 @@ def _as_group(dp: Any) -> Any:
             raise ValueError(
                 f"dp must be a one-dimensional DeviceMesh (e.g. mesh['dp']); got {dp.ndim} dims"
             )
-        return dp.get_group()
+        return mesh_group(dp)
     if not callable(getattr(dp, "size", None)):
         raise TypeError(
             "dp must be a torch.distributed ProcessGroup, a one-dimensional DeviceMesh or None; "
             f"got {type(dp).__name__}"
         )
     return dp
-
-
-def _fsdp_mesh(module: nn.Module) -> Any:
-    """The one-dimensional mesh ``fully_shard`` sharded ``module`` over, if any."""
-    from kaisa.engines.fsdp import is_fsdp2_model
-
-    if not is_fsdp2_model(module):
-        return None
-    mesh = next((getattr(p, "device_mesh", None) for p in module.parameters()), None)
-    return mesh if mesh is not None and mesh.ndim == 1 else None
 
 
 class _Guard:
@@ -161,7 +142,7 @@ class _Guard:
                 setattr(self.stage, name, before)
 
 
-class PipeliningEngine(Engine):
+class PipeliningEngine(Engine, ShardedReads, OwnsTheLoop):
     """One stage of a ``torch.distributed.pipelining`` single-stage schedule.
 
     Args:
@@ -185,6 +166,8 @@ class PipeliningEngine(Engine):
         self.schedule = schedule
         self.stage = _stage_of(schedule)
         self.inner = select_engine(self.stage.submod, gradient_access)
+        #: the stage module's engine where it partitions its gradients (FSDP2)
+        self._sharded = self.inner if isinstance(self.inner, ShardedReads) else None
         self._dp = None if dp is None else _as_group(dp)
         #: the data-parallel DeviceMesh, where there is one: kaisa's worker and
         #: receiver groups are then unflattened from it (see Topology.from_mesh)
@@ -199,7 +182,7 @@ class PipeliningEngine(Engine):
         return int(self.stage.num_stages)
 
     def _pp_group(self) -> Any:
-        return self.stage.group if self.stage.group is not None else dist.group.WORLD
+        return self.stage.group if self.stage.group is not None else collectives.world_group()
 
     def _dp_group(self) -> Any:
         """The data-parallel group: given, DDP's, FSDP2's mesh, or this rank
@@ -209,10 +192,10 @@ class PipeliningEngine(Engine):
             submod = self.stage.submod
             if isinstance(submod, nn.parallel.DistributedDataParallel):
                 self._dp = submod.process_group
-            elif (mesh := _fsdp_mesh(submod)) is not None:
-                self._dp, self._dp_mesh = mesh.get_group(), mesh
-            elif len(_ranks(self._pp_group())) == dist.get_world_size():
-                self._dp = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+            elif (mesh := fsdp_mesh(submod)) is not None:
+                self._dp, self._dp_mesh = mesh_group(mesh), mesh
+            elif len(_ranks(self._pp_group())) == collectives.world_size():
+                self._dp = collectives.solo_group()
         return self._dp
 
     # -- what the schedule knows --------------------------------------------------------
@@ -245,9 +228,9 @@ class PipeliningEngine(Engine):
                     "Topology(dp=<this stage's data-parallel group>, pp=<that group>) or leave "
                     "topology out"
                 )
-        me = dist.get_rank()
+        me = collectives.rank()
         dp = None if topology is None else topology.dp
-        dp_ranks = _ranks(dp) if dp is not None else tuple(range(dist.get_world_size()))
+        dp_ranks = _ranks(dp) if dp is not None else tuple(range(collectives.world_size()))
         if set(dp_ranks) & stages != {me}:
             raise ValueError(
                 f"the data-parallel group {list(dp_ranks)} holds other stages of this pipeline "
@@ -281,10 +264,14 @@ class PipeliningEngine(Engine):
     def read_many(
         self, adapters: Sequence[LayerAdapter], workers: Sequence[Sequence[int]]
     ) -> list[Tensor | None]:
-        return self.inner.read_many(adapters, workers)
+        if self._sharded is not None:
+            return self._sharded.read_many(adapters, workers)
+        return [self.inner.read(a) for a in adapters]
 
     def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
-        return self.inner.gradient_dtype(adapter)
+        if self._sharded is not None:
+            return self._sharded.gradient_dtype(adapter)
+        return adapter.weight.dtype
 
     def local_gradients(self, adapters: Sequence[LayerAdapter]) -> list[Tensor]:
         return self.inner.local_gradients(adapters)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.core.workspace import Workspace
-from kaisa.engines.base import Engine, GradientMarks, unique_parameters
+from kaisa.engines.base import Engine, GradientMarks, InPlaceGradients, unique_parameters
 from kaisa.layers.base import LayerAdapter, sole_owners
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
@@ -59,8 +59,12 @@ class ParamGradAccess:
             grad.copy_(value)
 
 
-class TorchEngine(Engine):
-    """Gradients in ``param.grad`` (or behind a user-supplied :class:`GradientAccess`)."""
+class TorchEngine(Engine, InPlaceGradients):
+    """Gradients in ``param.grad`` (or behind a user-supplied :class:`GradientAccess`).
+
+    Plain tensors, so it offers the in-place fast path
+    (:class:`~kaisa.engines.base.InPlaceGradients`) — for the layers that
+    own their parameters, where the gradients are ``param.grad`` itself."""
 
     name = "torch"
 

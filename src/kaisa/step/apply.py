@@ -33,7 +33,8 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.core.workspace import Workspace, uses_workspace
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import LayerPlan, WorkPlan
-from kaisa.engines.base import Engine
+from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
+from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.second_order import SecondOrderUpdate
 
@@ -55,6 +56,10 @@ class GradientApplication:
         self.comm = comm
         self.method = method
         self.engine = engine
+        # the engine's optional capabilities, asked once (None: it has not)
+        self._in_place = engine if isinstance(engine, InPlaceGradients) else None
+        self._sharded = engine if isinstance(engine, ShardedReads) else None
+        self._model_parallel = engine if isinstance(engine, ModelParallelLayers) else None
         self.second_order = second_order
         self.rank = comm.rank
         self._warned: set[str] = set()
@@ -99,14 +104,16 @@ class GradientApplication:
         counted = [dots[la.name] for la in taking_part if self._counted(la)]
         nu = self._nu(counted, layers, clip)
         if nu is not None and own:
-            self.engine.rescale([la.adapter for la in own], nu)
+            assert self._in_place is not None  # own layers are rescalable ones
+            self._in_place.rescale([la.adapter for la in own], nu)
         for layer in held:
             value = results[layer.name][0]
             self.engine.write(layer.adapter, value if nu is None else value.mul_(nu))
-        self.engine.after_write()
+        if self._model_parallel is not None:
+            self._model_parallel.after_write()
 
     def _counted(self, layer: KFACLayer) -> bool:
-        return self.engine.counts_in_kl(layer.adapter)
+        return self._model_parallel is None or self._model_parallel.counts_in_kl(layer.adapter)
 
     def _nu(
         self, dots: list[Tensor], layers: list[KFACLayer], clip: tuple[float, float] | None
@@ -134,10 +141,12 @@ class GradientApplication:
         self, layers: list[KFACLayer], work: Workspace, damping: float
     ) -> dict[str, Tensor]:
         """Precondition and write back one layer after the other (layers
-        whose gradients :meth:`Engine.rescalable` allows); the products of the
+        whose gradients :meth:`InPlaceGradients.rescalable` allows); the products of the
         layers the workspace serves reuse it, and read and write those
         layers' own gradients where the method can (:meth:`_write_in_place`).
         Returns the counted layers' ``⟨V, ∇⟩`` by name."""
+        engine = self._in_place
+        assert engine is not None  # only rescalable layers are written one by one
         dots = {}
         for layer in layers:
             counted = self._counted(layer)
@@ -149,7 +158,7 @@ class GradientApplication:
                         dots[layer.name] = dot
                     continue
             adapter = layer.adapter
-            grad = self.engine.read(adapter) if lw is None else self.engine.read_into(adapter, lw)
+            grad = engine.read_into(adapter, lw) if lw is not None else self.engine.read(adapter)
             assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
             v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
             if counted:
@@ -167,7 +176,8 @@ class GradientApplication:
         forms ``⟨V, ∇⟩`` in its eigenbasis, so ``∇`` is not kept either).
         Returns (done, the counted ``⟨V, ∇⟩``); not done where the engine or
         the method cannot (the caller then takes the general path)."""
-        blocks = self.engine.grad_blocks(layer.adapter)
+        assert self._in_place is not None
+        blocks = self._in_place.grad_blocks(layer.adapter)
         if blocks is None:
             return False, None
         self._fill_missing(layer, self.plan.layer(layer.name), damping)
@@ -197,10 +207,13 @@ class GradientApplication:
     def _workspace(self, layers: list[KFACLayer]) -> Workspace | None:
         """The workspace of the layers it serves, built on the first step:
         large layers (:func:`uses_workspace`) whose gradients may be written
-        before ``ν`` is known (:meth:`Engine.rescalable`)."""
+        before ``ν`` is known (:meth:`InPlaceGradients.rescalable`; none
+        where the engine does not offer the in-place path)."""
         if self._work is None and not self._sized:
             self._sized = True
-            allowed = self.engine.rescalable([la.adapter for la in layers])
+            if self._in_place is None:
+                return None
+            allowed = self._in_place.rescalable([la.adapter for la in layers])
             self._own = frozenset(la.name for la, ok in zip(layers, allowed) if ok)
             shapes = {}
             for la in layers:
@@ -261,9 +274,12 @@ class GradientApplication:
         """``(V, ⟨V, ∇⟩)`` per layer, on every rank."""
         plans = [self.plan.layer(la.name) for la in layers]
         to_global = self.comm.global_ranks
-        grads = self.engine.read_many(
-            [la.adapter for la in layers], [self._global_workers(lp, to_global) for lp in plans]
-        )
+        adapters = [la.adapter for la in layers]
+        if self._sharded is not None:
+            workers = [self._global_workers(lp, to_global) for lp in plans]
+            grads = self._sharded.read_many(adapters, workers)
+        else:
+            grads = [self.engine.read(a) for a in adapters]
         results: dict[str, tuple[Tensor, Tensor]] = {}
         for layer, lp, grad in zip(layers, plans, grads):
             name = layer.name
@@ -281,7 +297,7 @@ class GradientApplication:
                     send = [v, dot.reshape(1)]
                 else:
                     adapter = layer.adapter
-                    dtype = grad.dtype if grad is not None else self.engine.gradient_dtype(adapter)
+                    dtype = grad.dtype if grad is not None else self._gradient_dtype(adapter)
                     buf = torch.empty(adapter.matrix_shape, dtype=dtype, device=adapter.device)
                     send = [buf, buf.new_empty(1)]
 
@@ -293,6 +309,12 @@ class GradientApplication:
                 )
         self.comm.wait()
         return results
+
+    def _gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
+        """The dtype of a gradient this rank was not sent (receive buffers)."""
+        if self._sharded is not None:
+            return self._sharded.gradient_dtype(adapter)
+        return adapter.weight.dtype
 
     def _global_workers(self, lp: LayerPlan, to_global: tuple[int, ...]) -> tuple[int, ...]:
         """A layer's workers as global ranks; layers share their worker tuple, so

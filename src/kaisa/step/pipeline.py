@@ -23,7 +23,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
-from kaisa.engines.base import Engine, GradientMarks
+from kaisa.engines.base import Engine, GradientMarks, OwnsTheLoop
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
 from kaisa.step.loss_scaling import LossScaling
@@ -60,6 +60,8 @@ class StepPipeline:
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
+        #: the engine, where it has a step boundary of its own to check (asked once)
+        self._loop = self.engine if isinstance(self.engine, OwnsTheLoop) else None
         self.nonfinite = NonFiniteSteps()
         #: each layer's gradient presence, agreed on with the finiteness check
         self._presence: dict[str, bool] | None = None
@@ -71,7 +73,8 @@ class StepPipeline:
 
     def step(self) -> None:
         step = self.steps
-        self.engine.check_step()
+        if self._loop is not None:
+            self._loop.check_step()
         self.check_new_backward()
         self.scaling.check_unscaled()
         factor_step = self.schedule.is_factor_step(step)

@@ -23,7 +23,15 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
-from kaisa.engines import Engine, GradientMarks, TorchEngine
+from kaisa.engines import (
+    Engine,
+    GradientMarks,
+    InPlaceGradients,
+    ModelParallelLayers,
+    OwnsTheLoop,
+    ShardedReads,
+    TorchEngine,
+)
 from kaisa.layers import LinearAdapter, register_layer_type
 from kaisa.layers.registry import _ADAPTERS
 from kaisa.methods import CurvatureMethod, EigenMethod, InverseMethod
@@ -180,6 +188,29 @@ def test_engine_reads_writes_unwraps_and_marks(engine_name: str) -> None:
     assert torch.equal(engine.read(adapter), new)
     marks.record(engine.gradient_marks([adapter]))
     assert marks.unchanged(engine.gradient_marks([adapter]))
+
+
+def test_engines_opt_into_exactly_their_capabilities() -> None:
+    """The step asks ``isinstance(engine, Protocol)``: the required interface
+    has none of a capability's methods (else every engine would claim it),
+    and each engine offers exactly the capabilities it has."""
+    from kaisa.engines.deepspeed import DeepSpeedEngine
+    from kaisa.engines.fsdp import FSDP2Engine
+    from kaisa.engines.pipelining import PipeliningEngine
+    from kaisa.engines.tensor_parallel.engine import TensorParallelEngine
+
+    protocols = (InPlaceGradients, ShardedReads, ModelParallelLayers, OwnsTheLoop)
+    expected = {
+        Engine: set(),
+        TorchEngine: {InPlaceGradients},
+        FSDP2Engine: {ShardedReads},
+        DeepSpeedEngine: {ShardedReads, OwnsTheLoop},
+        PipeliningEngine: {ShardedReads, OwnsTheLoop},
+        # local shards: the in-place path it inherits answers "no layer"
+        TensorParallelEngine: {InPlaceGradients, ShardedReads, ModelParallelLayers},
+    }
+    for cls, capabilities in expected.items():
+        assert {p for p in protocols if issubclass(cls, p)} == capabilities, cls.__name__
 
 
 # -- where K-FAC is exact ------------------------------------------------------------------------

@@ -32,14 +32,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from kaisa.config import KFACConfig, TensorParallelMode
 from kaisa.core.layer_state import KFACLayer
+from kaisa.distributed import collectives
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.topology import Topology
-from kaisa.engines.base import EngineDefaults
+from kaisa.engines.base import EngineDefaults, ModelParallelLayers, ShardedReads
 from kaisa.engines.pytorch import TorchEngine
 from kaisa.engines.tensor_parallel.capture import ExactCapture
 from kaisa.engines.tensor_parallel.group import TPGroup
@@ -86,17 +86,23 @@ def assign_primaries(costs: Sequence[float], size: int) -> list[int]:
     return out
 
 
-class TensorParallelEngine(TorchEngine):
+class TensorParallelEngine(TorchEngine, ShardedReads, ModelParallelLayers):
     """Gradients of a model whose linear layers are sharded over one
     tensor-parallel group (``tp``:
-    :func:`~kaisa.engines.tensor_parallel.shards.tensor_parallel_group`)."""
+    :func:`~kaisa.engines.tensor_parallel.shards.tensor_parallel_group`).
+
+    Its gradients are local shards read through :class:`LocalGradAccess`, so
+    the in-place path it inherits is off (no layer is rescalable); it gathers
+    an exact-mode layer's shards onto its primary (:class:`ShardedReads`)
+    and divides the layers over the tensor-parallel ranks
+    (:class:`ModelParallelLayers`)."""
 
     name = "tensor_parallel"
 
     def __init__(self, tp: TPGroupOf) -> None:
         super().__init__(LocalGradAccess())
         self.ranks = tp.ranks
-        self.tp_rank = self.ranks.index(dist.get_rank())
+        self.tp_rank = self.ranks.index(collectives.rank())
         self.tp_group = tp.group
         self.mode = TensorParallelMode.EXACT
         self.exact: list[ExactShardedAdapter] = []
@@ -109,8 +115,8 @@ class TensorParallelEngine(TorchEngine):
     def defaults(self) -> EngineDefaults:
         """With no ``topology``, a mesh over the whole world is pure tensor
         parallelism: each rank is its own data-parallel group."""
-        if self._default is None and len(self.ranks) == dist.get_world_size():
-            me = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        if self._default is None and len(self.ranks) == collectives.world_size():
+            me = collectives.solo_group()
             self._default = Topology(dp=me, tp=self.tp_group)
         return EngineDefaults(topology=self._default)
 
@@ -162,7 +168,7 @@ class TensorParallelEngine(TorchEngine):
                 "Topology(dp=parallel_state.get_data_parallel_group(), "
                 "tp=parallel_state.get_tensor_model_parallel_group())"
             )
-        if set(comm.global_ranks) & set(self.ranks) != {dist.get_rank()}:
+        if set(comm.global_ranks) & set(self.ranks) != {collectives.rank()}:
             raise ValueError("topology.dp and topology.tp must meet in this rank only")
         self.group = TPGroup(self.ranks, comm.stats, comm.timeout_s)
         if self.exact:
@@ -183,7 +189,7 @@ class TensorParallelEngine(TorchEngine):
             return out
         assert self.group is not None
         index = {a.name: i for i, a in enumerate(adapters)}
-        me = dist.get_rank()
+        me = collectives.rank()
         flags = torch.zeros(len(self.exact), dtype=torch.int32, device=self.exact[0].device)
         for j, a in enumerate(self.exact):
             if a.name in index:  # this rank is the primary and the layer takes part
@@ -192,6 +198,9 @@ class TensorParallelEngine(TorchEngine):
         for name, matrix in self._gather_gradients().items():
             out[index[name]] = matrix
         return out
+
+    def gradient_dtype(self, adapter: LayerAdapter) -> torch.dtype:
+        return adapter.weight.dtype
 
     def _gather_gradients(self) -> dict[str, Tensor]:
         """Full gradients of the layers whose primary is a gradient worker, on

@@ -24,14 +24,12 @@ both is the same on every rank.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from kaisa.distributed import collectives
 from kaisa.distributed.communicator import CommStats
 
 __all__ = ["TPGroup"]
@@ -50,12 +48,9 @@ class TPGroup:
     def __init__(self, ranks: Sequence[int], stats: CommStats, timeout_s: float | None) -> None:
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
-        self.rank = self.ranks.index(dist.get_rank())
+        self.rank = self.ranks.index(collectives.rank())
         self.stats = stats
-        kwargs: dict[str, Any] = {"use_local_synchronization": True}
-        if timeout_s is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        self.group = dist.new_group(list(self.ranks), **kwargs)
+        self.group = collectives.new_group(self.ranks, timeout_s)
 
     def gather_last_dim(self, shard: Tensor, dst: int, full: int) -> Tensor | None:
         """The shards of a tensor split on its last dimension (``torch.chunk``
@@ -74,7 +69,7 @@ class TPGroup:
         if self.size == 1:
             return flat.unsqueeze(0)
         parts = [torch.empty_like(flat) for _ in range(self.size)] if self.rank == dst else None
-        dist.gather(flat, parts, dst=self.ranks[dst], group=self.group)
+        collectives.gather(flat, parts, self.ranks[dst], self.group)
         if self.rank != dst:
             self.stats.record(kind, flat.numel() * flat.element_size())
             return None
@@ -93,12 +88,12 @@ class TPGroup:
             sent = sum(p.numel() * p.element_size() for i, p in enumerate(pieces) if i != src)
             self.stats.record("tp_grad_scatter", sent)
         scattered = pieces if self.rank == src else None
-        dist.scatter(out, scattered, src=self.ranks[src], group=self.group)
+        collectives.scatter(out, scattered, self.ranks[src], self.group)
         return out
 
     def sum(self, values: Tensor) -> Tensor:
         """``values`` summed over the group, in place (small flag vectors)."""
         if self.size > 1:
-            dist.all_reduce(values, group=self.group)
+            collectives.all_reduce_sum(values, self.group)
             self.stats.record("tp_agree", values.numel() * values.element_size())
         return values

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import torch.distributed as dist
 from torch import nn
 
+from kaisa.distributed.collectives import group_ranks
+from kaisa.distributed.tensors import linear_shard_dim, shard_meshes
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.linear import LinearAdapter
 from kaisa.layers.megatron import MegatronLinearAdapter, megatron_sharding, megatron_tp_group
@@ -38,19 +39,10 @@ class TPGroupOf(NamedTuple):
 
 def _dtensor_style(param: Any) -> Style | None:
     """The sharding of a DTensor weight on a one-dimensional mesh, if any."""
-    placements = getattr(param, "placements", None)
-    if not placements or not any(p.is_shard() for p in placements):
+    dim = linear_shard_dim(param)
+    if dim is None:
         return None
-    from torch.distributed.tensor import Shard
-
-    if tuple(placements) == (Shard(0),):
-        return Style.COLWISE
-    if tuple(placements) == (Shard(1),):
-        return Style.ROWWISE
-    raise NotImplementedError(
-        f"kaisa: a weight placed {tuple(placements)} is not supported; tensor parallelism "
-        "supports ColwiseParallel (Shard(0)) and RowwiseParallel (Shard(1)) on a 1-D mesh"
-    )
+    return Style.COLWISE if dim == 0 else Style.ROWWISE
 
 
 def is_sharded(adapter: LayerAdapter) -> bool:
@@ -76,18 +68,12 @@ def sharding_of(adapter: LayerAdapter) -> Sharding | None:
 def _groups(model: nn.Module) -> dict[tuple[int, ...], tuple[str, Any]]:
     """Every tensor-parallel group the model's sharded layers use, by ranks."""
     found: dict[tuple[int, ...], tuple[str, Any]] = {}
-    for param in model.parameters():
-        placements = getattr(param, "placements", None)
-        if placements and any(p.is_shard() for p in placements):
-            mesh = param.device_mesh  # type: ignore[attr-defined]
-            if mesh.ndim != 1:
-                raise NotImplementedError("kaisa: tensor parallelism on a 1-D (tp) mesh only")
-            ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-            found.setdefault(ranks, ("parallelize_module", mesh.get_group()))
+    for ranks, group in shard_meshes(model):
+        found.setdefault(ranks, ("parallelize_module", group))
     for module in model.modules():
         if megatron_sharding(module) is not None:
             group = megatron_tp_group(module)
-            ranks = tuple(dist.get_process_group_ranks(group))
+            ranks = group_ranks(group)
             found.setdefault(ranks, ("Megatron", group))
     return found
 

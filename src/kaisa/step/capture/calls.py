@@ -167,7 +167,7 @@ class Capture:
         functional: list[KFACLayer] = []
         for layer in layers:
             if layer.adapter.captured_by_engine:
-                continue  # the engine calls observe() itself (Engine.connect)
+                continue  # the engine calls observe() itself (ModelParallelLayers.connect)
             if not layer.adapter.captured_by_module_hooks:
                 functional.append(layer)
                 continue
