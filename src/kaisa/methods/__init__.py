@@ -28,6 +28,7 @@ __all__ = [
 REGISTRY: dict[ComputeMethod, str] = {
     ComputeMethod.EIGEN: "kaisa.methods.eigen:EigenMethod",
     ComputeMethod.INVERSE: "kaisa.methods.inverse:InverseMethod",
+    ComputeMethod.EKFAC: "kaisa.methods.ekfac:EKFACMethod",
 }
 
 
