@@ -69,10 +69,14 @@ class ComputeMethod(_SameNameEquality, str, enum.Enum):
     ``INVERSE`` stores ``(A + π√γ I)⁻¹`` and ``(G + √γ/π I)⁻¹`` (factored
     Tikhonov damping with the π-split of Martens & Grosse 2015), which is
     cheaper to compute but only approximates the same damped matrix.
+    ``EKFAC`` divides in the eigenbasis by a running per-example second
+    moment instead of the eigenvalues (:mod:`kaisa.methods.ekfac`;
+    ``grad_worker_fraction=1`` only).
     """
 
     EIGEN = "eigen"
     INVERSE = "inverse"
+    EKFAC = "ekfac"
 
 
 class AssignmentStrategy(_SameNameEquality, str, enum.Enum):

@@ -25,6 +25,7 @@ from kaisa.distributed.plan import WorkPlan
 from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine, GradientAccess, OwnsTheLoop, select_engine
 from kaisa.layers.registry import SkippedModule
+from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
@@ -73,6 +74,10 @@ class KFACPreconditioner(KfacPytorchAttributes):
             (default: the whole world is data parallel).
         pg_timeout_s: timeout of the process groups kaisa creates.
         loglevel: the level of the registration report on the ``"kaisa"`` logger.
+        method: the curvature method: a :class:`kaisa.methods.CurvatureMethod`
+            object (a method of one's own), or a ``compute_method`` name
+            (``'eigen'``, ``'inverse'``, ``'ekfac'``); give it or
+            ``compute_method``, not both.
     """
 
     def __init__(
@@ -87,11 +92,13 @@ class KFACPreconditioner(KfacPytorchAttributes):
         pg_timeout_s: float | None = None,
         lr: float | Callable[[int], float] | None = None,
         loglevel: int = logging.DEBUG,
+        method: CurvatureMethod | str | None = None,
         **kwargs: Any,
     ) -> None:
         check_runtime_arguments(
             model, optimizer, grad_scaler, gradient_access, pg_timeout_s, loglevel, topology, engine
         )
+        method = _method_argument(method, kwargs)
         unknown = set(kwargs) - set(KFACConfig.field_names())
         if unknown:
             raise TypeError(
@@ -133,6 +140,7 @@ class KFACPreconditioner(KfacPytorchAttributes):
             topology=topology,
             pg_timeout_s=pg_timeout_s,
             loss_divisor=given.loss_divisor,
+            method=method,
         )
         self._attached = (
             engine.attach(self.step, self.paused) if isinstance(engine, OwnsTheLoop) else None
@@ -322,10 +330,32 @@ class KFACPreconditioner(KfacPytorchAttributes):
         cfg = self.config
         return (
             f"KFACPreconditioner(layers={len(self.layers)}, skipped={len(self.skipped)}, "
-            f"compute_method={ComputeMethod(cfg.compute_method).value}, "
+            f"compute_method={self._parts.method.name}, "
             f"factor_update_steps={cfg.factor_update_steps}, "
             f"inv_update_steps={cfg.inv_update_steps}, "
             f"damping={cfg.damping}, factor_decay={cfg.factor_decay}, kl_clip={cfg.kl_clip}, "
             f"world_size={self.plan.world_size}, grad_workers={self.plan.grad_workers}, "
             f"steps={self.steps})"
         )
+
+
+def _method_argument(method: Any, kwargs: dict[str, Any]) -> CurvatureMethod | None:
+    """``method=``: a name joins ``kwargs`` as ``compute_method``; an object is
+    returned; with ``compute_method`` given too, a ``ValueError``."""
+    if method is None:
+        return None
+    if "compute_method" in kwargs:
+        raise ValueError(
+            "give method= or compute_method=, not both; "
+            f"got method={method!r}, compute_method={kwargs['compute_method']!r}"
+        )
+    if isinstance(method, (str, ComputeMethod)):
+        kwargs["compute_method"] = method
+        return None
+    if not isinstance(method, CurvatureMethod):
+        allowed = ", ".join(repr(m.value) for m in ComputeMethod)
+        raise TypeError(
+            "method must be a kaisa.methods.CurvatureMethod or one of "
+            f"{allowed}; got {type(method).__name__}"
+        )
+    return method

@@ -28,6 +28,7 @@ from kaisa.config import (
     layer_dtypes,
 )
 from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
 from kaisa.distributed.topology import Topology
@@ -43,7 +44,7 @@ from kaisa.step.reduce import FactorReduction
 from kaisa.step.schedule import Schedule
 from kaisa.step.second_order import SecondOrderUpdate
 
-__all__ = ["Parts", "build", "check_runtime_arguments"]
+__all__ = ["Parts", "build", "check_method_plan", "check_runtime_arguments", "resolve_method"]
 
 
 @dataclass
@@ -109,8 +110,53 @@ def check_runtime_arguments(
         )
 
 
+def resolve_method(method: CurvatureMethod | None, config: KFACConfig) -> CurvatureMethod:
+    """The method object given (``method=``), else the one ``compute_method`` names."""
+    if method is not None:
+        return method
+    return method_for(ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product)
+
+
+def _needs_every_worker(layers: list[KFACLayer]) -> str | None:
+    """The first statistic formed from the method's state or reduced onto
+    the workers, as ``layer.statistic`` (None: the plan may be any)."""
+    for layer in layers:
+        for stat in layer.statistics:
+            if stat.needs_state:
+                return f"{layer.name}.{stat.name}"
+    return None
+
+
+def check_method_plan(
+    method: CurvatureMethod, layers: list[KFACLayer], plan: WorkPlan, fraction: object
+) -> None:
+    """Refuse a plan the method's statistics cannot run under: a statistic
+    formed from the method's second-order state (EKFAC's eigenbases) is formed
+    on every rank from its own examples, so every rank must hold that state —
+    every rank a gradient worker of every layer (``grad_worker_fraction=1``,
+    COMM-OPT).  Statistics from the weight gradient are not formed yet."""
+    for layer in layers:
+        for stat in layer.statistics:
+            if stat.source is FactorSource.WEIGHT_GRAD:
+                raise ValueError(
+                    f"compute_method={method.name!r} declares statistic {stat.name!r} of layer "
+                    f"{layer.name!r} from the weight gradient, which kaisa does not form yet; "
+                    "allowed sources: input, output_grad, joint"
+                )
+    where = _needs_every_worker(layers)
+    if where is None or plan.grad_workers == plan.world_size:
+        return
+    raise ValueError(
+        f"grad_worker_fraction={fraction} is not supported with compute_method={method.name!r}: "
+        f"its statistic {where} is formed on every rank from the layer's eigenbases, which "
+        f"grad_worker_fraction={fraction} keeps on {plan.grad_workers} of "
+        f"{plan.world_size} ranks. Use grad_worker_fraction=1 (COMM-OPT), or "
+        "compute_method='eigen'"
+    )
+
+
 def _register(
-    engine: Engine, model: nn.Module, config: KFACConfig
+    engine: Engine, model: nn.Module, config: KFACConfig, method: CurvatureMethod
 ) -> tuple[dict[str, KFACLayer], list[SkippedModule]]:
     """The layers this rank preconditions (the engine may keep or replace some,
     as tensor parallelism does), with the options every adapter takes."""
@@ -131,9 +177,11 @@ def _register(
         adapter.max_factor_dim = config.max_factor_dim
         adapter.large_factor = LargeFactor(config.large_factor)
     precondition = cast("torch.dtype | None", config.precondition_dtype)
-    layers = {
-        a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype), precondition) for a in adapters
-    }
+    layers = {}
+    for a in adapters:
+        statistics = method.statistics(a.effective_specs())
+        dtypes = layer_dtypes(config, a.weight.dtype)
+        layers[a.name] = KFACLayer(a, *dtypes, precondition, statistics=statistics)
     return layers, skipped
 
 
@@ -148,13 +196,17 @@ def build(
     topology: Topology | None,
     pg_timeout_s: float | None,
     loss_divisor: int | None = None,
+    method: CurvatureMethod | None = None,
 ) -> Parts:
-    layers, skipped = _register(engine, model, config)
+    method = resolve_method(method, config)
+    layers, skipped = _register(engine, model, config, method)
     ordered = list(layers.values())
     world = len(group_ranks(topology.dp if topology is not None else None))
     fraction = config.worker_fraction
     if fraction is DistributedStrategy.AUTO:
-        fraction = auto_fraction(ordered, world, config)
+        # a method whose statistics need every rank to be a worker runs COMM-OPT only
+        every = _needs_every_worker(ordered) is not None
+        fraction = 1.0 if every else auto_fraction(ordered, world, config)
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in ordered],
         world,
@@ -162,6 +214,7 @@ def build(
         config.assignment_strategy,
         config.colocate_factors,
     )
+    check_method_plan(method, ordered, plan, _fraction_label(config.grad_worker_fraction))
     comm = Communicator(
         topology,
         plan.grad_workers,
@@ -169,9 +222,6 @@ def build(
         bucket_cap_mb=config.allreduce_bucket_cap_mb,
         symmetry_aware=config.symmetry_aware,
         timeout_s=pg_timeout_s,
-    )
-    method = method_for(
-        ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product
     )
     capture = Capture(
         model,
@@ -181,6 +231,7 @@ def build(
         loss_divisor=loss_divisor,
         in_hook=config.update_factors_in_hook,
         loss_scale=scaling.getter(),
+        method=method,
     )
     if isinstance(engine, ModelParallelLayers):  # it feeds some statistics itself
         engine.connect(comm, capture, ordered)
@@ -210,3 +261,9 @@ def build(
     pipeline.on_inverse_step = checkpointer.mirror.at_inverse_step
     logging.getLogger("kaisa").debug("%s", plan.describe())
     return Parts(engine, layers, skipped, plan, comm, method, capture, pipeline, checkpointer)
+
+
+def _fraction_label(fraction: object) -> str:
+    """``grad_worker_fraction`` as the user gave it (``0.5``, ``'mem-opt'``)."""
+    value = getattr(fraction, "value", fraction)
+    return repr(value) if isinstance(value, str) else f"{value:g}"

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kaisa.core.precision import CastCopies
-from kaisa.core.specs import FactorSpec
+from kaisa.core.specs import FactorSpec, StatisticDtype, StatisticSpec, factor_statistics
 from kaisa.core.statistics import factor_finite, running_average_
 from kaisa.layers.base import LayerAdapter
 
@@ -35,7 +35,8 @@ class PendingCapture:
 class BatchStatistics:
     """Sums and counts of one layer since the last factor update.
 
-    ``sums[i]`` is the unnormalised contribution to factor ``i``; ``counts[i]``
+    ``sums[i]`` is the unnormalised contribution to statistic ``i`` (the
+    factors first, in their order, then any the method adds); ``counts[i]``
     what it will be divided by once the sums and counts of every rank have
     been added up (rows for input factors, data points for output-gradient
     factors).  A forward call adds nothing until its output gradient arrives,
@@ -79,6 +80,8 @@ class KFACLayer:
 
     Attributes:
         factors: the specs of its Kronecker factors (from the adapter).
+        statistics: what the curvature method needs per factor step (the
+            factors first, in their order; :meth:`CurvatureMethod.statistics`).
         running: the running factors, ``None`` where this rank does not own one.
         state: the curvature method's second-order tensors, keyed by the
             method's own names (this rank holds them only as a gradient worker).
@@ -94,13 +97,20 @@ class KFACLayer:
         factor_dtype: torch.dtype,
         inv_dtype: torch.dtype,
         precondition_dtype: torch.dtype | None = None,
+        statistics: tuple[StatisticSpec, ...] | None = None,
     ) -> None:
         self.adapter = adapter
         self.name = adapter.name
         self.factors: tuple[FactorSpec, ...] = adapter.effective_specs()
+        self.statistics = factor_statistics(self.factors) if statistics is None else statistics
+        if self.statistics[: len(self.factors)] != factor_statistics(self.factors):
+            raise ValueError(
+                f"layer {self.name!r}: a method's statistics must start with the layer's "
+                "factors, in their order (CurvatureMethod.statistics)"
+            )
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
-        self.batch = BatchStatistics(len(self.factors))
+        self.batch = BatchStatistics(len(self.statistics))
         self.pending = PendingCapture()
         self.running: list[Tensor | None] = [None] * len(self.factors)
         self.state: dict[str, Tensor] = {}
@@ -139,6 +149,21 @@ class KFACLayer:
                 self._rejected = self._rejected + 1
                 return
             self.running[index] = batch.clone()
+            return
+        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
+
+    def dtype_of(self, statistic: StatisticSpec) -> torch.dtype:
+        """The dtype ``statistic`` is formed, reduced and kept in."""
+        second_order = statistic.dtype is StatisticDtype.SECOND_ORDER
+        return self.inv_dtype if second_order else self.factor_dtype
+
+    def fold_state(self, key: str, batch: Tensor, decay: float) -> None:
+        """Fold a reduced statistic kept in the method's state (a ``WORKERS``
+        statistic) into its running average, in place; nothing where the
+        method holds no such tensor (yet).  A non-finite batch is rejected
+        as a factor's is."""
+        running = self.state.get(key)
+        if running is None:
             return
         self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
 

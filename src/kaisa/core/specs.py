@@ -6,6 +6,14 @@ diagonal ``d`` or block-diagonal, the gradient axis it acts on, and whether it
 is estimated from the layer's inputs or from its output gradients).
 Everything that sizes, sends, stores or plans a factor reads it from the
 spec: the plan, the reduction layout, checkpoints and the forecast.
+
+A curvature method declares the *statistics* it needs
+(:class:`StatisticSpec`): K-FAC's are the factors themselves
+(:func:`factor_statistics`), reduced onto each factor's owner; a method may
+add others — a joint per-example statistic of inputs and output gradients
+(EKFAC's second moment in the eigenbasis), reduced onto the layer's
+gradient workers.  Capture, reduction and the forecast read the
+declaration, never a method's name.
 """
 
 from __future__ import annotations
@@ -17,7 +25,17 @@ from dataclasses import dataclass
 from kaisa.config import AssignmentStrategy, LargeFactor
 from kaisa.core.blocks import BlockLayout
 
-__all__ = ["FactorKind", "FactorSource", "FactorSpec", "kfac_factors", "limit_factors"]
+__all__ = [
+    "FactorKind",
+    "FactorSource",
+    "FactorSpec",
+    "ReducedTo",
+    "StatisticDtype",
+    "StatisticSpec",
+    "factor_statistics",
+    "kfac_factors",
+    "limit_factors",
+]
 
 
 class FactorKind(str, enum.Enum):
@@ -30,10 +48,31 @@ class FactorKind(str, enum.Enum):
 
 
 class FactorSource(str, enum.Enum):
-    """What a factor is estimated from."""
+    """What a factor (or any declared statistic) is estimated from."""
 
     INPUT = "input"  #: the layer's input rows (with a ones column for a bias)
     OUTPUT_GRAD = "output_grad"  #: the gradient w.r.t. the layer's output
+    #: both rows of one call together, per data point (a per-example
+    #: gradient's statistic); formed by the method's own code
+    JOINT = "joint"
+    #: the layer's (assembled) weight gradient; declared for methods such as
+    #: Shampoo, not formed by capture yet (refused at construction)
+    WEIGHT_GRAD = "weight_grad"
+
+
+class ReducedTo(str, enum.Enum):
+    """Where a statistic's sums over the data-parallel group end up."""
+
+    OWNER = "owner"  #: the rank that owns the factor it estimates (A, G)
+    #: every gradient worker of the layer, which keeps it in the method's state
+    WORKERS = "workers"
+
+
+class StatisticDtype(str, enum.Enum):
+    """The dtype a statistic is formed, reduced and kept in."""
+
+    FACTOR = "factor"  #: ``factor_dtype`` (the running factors')
+    SECOND_ORDER = "second_order"  #: ``inv_dtype`` (the method's state, e.g. its eigenbases)
 
 
 @dataclass(frozen=True)
@@ -102,6 +141,81 @@ class FactorSpec:
         if self.kind is FactorKind.DIAGONAL:
             return float(self.dim)
         return self.layout.cost(3 if strategy is AssignmentStrategy.COMPUTE else 2)
+
+
+@dataclass(frozen=True)
+class StatisticSpec:
+    """One statistic a curvature method needs of a layer, per factor step.
+
+    Attributes:
+        name: its name (a factor's name; for a ``WORKERS`` statistic the key
+            of the method's state its running average is kept under).
+        source: what it is formed from (``INPUT``/``OUTPUT_GRAD`` through the
+            adapter's :meth:`~kaisa.layers.base.LayerAdapter.factor_term`;
+            ``JOINT`` through the method's
+            :meth:`~kaisa.methods.base.CurvatureMethod.joint_term`).
+        shape: the shape of its sums (what travels and is kept).
+        reduced_to: onto the owner of the factor it estimates, or onto the
+            layer's gradient workers.
+        dtype: the dtype rule.
+        factor: the index of the layer's factor it estimates (``OWNER``
+            statistics), else None.
+        symmetric: may travel as a triangle.
+        needs_state: formed from the method's second-order state (EKFAC's
+            eigenbases): every rank forming it must hold that state, so only
+            plans where every rank is a gradient worker of the layer run it.
+        flop_per_row: the floating-point operations one row (data point ×
+            shared position) of a call costs its term, for the forecast (a
+            factor's Gram is costed from its factor spec instead).
+    """
+
+    name: str
+    source: FactorSource
+    shape: tuple[int, ...]
+    reduced_to: ReducedTo = ReducedTo.OWNER
+    dtype: StatisticDtype = StatisticDtype.FACTOR
+    factor: int | None = None
+    symmetric: bool = False
+    needs_state: bool = False
+    flop_per_row: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.reduced_to is ReducedTo.OWNER) != (self.factor is not None):
+            raise ValueError(
+                f"statistic {self.name}: exactly the statistics reduced to an owner name the "
+                f"factor they estimate; got reduced_to={self.reduced_to.value}, "
+                f"factor={self.factor}"
+            )
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def counts_rows(self) -> bool:
+        """Divided by rows (data points × shared positions), as an input
+        factor is; else by data points, as an output-gradient factor is."""
+        return self.source is FactorSource.INPUT
+
+
+def factor_statistics(factors: tuple[FactorSpec, ...]) -> tuple[StatisticSpec, ...]:
+    """K-FAC's declaration: one statistic per factor, in the factors' order,
+    from its source, reduced onto its owner, in ``factor_dtype``."""
+    return tuple(
+        StatisticSpec(
+            spec.name,
+            spec.source,
+            spec.shape,
+            ReducedTo.OWNER,
+            StatisticDtype.FACTOR,
+            factor=i,
+            symmetric=spec.symmetric,
+        )
+        for i, spec in enumerate(factors)
+    )
 
 
 def kfac_factors(a_dim: int, g_dim: int) -> tuple[FactorSpec, ...]:

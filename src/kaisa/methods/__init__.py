@@ -1,10 +1,13 @@
 """Curvature methods: how running factors become a preconditioner.
 
-:func:`method_for` is the one place a :class:`~kaisa.config.ComputeMethod`
-is mapped to its implementation.
+:data:`REGISTRY` is the one place a :class:`~kaisa.config.ComputeMethod`
+is mapped to its implementation, as ``"module:Class"`` (imported when
+selected): adding a method adds its module and one line here.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from kaisa.config import ComputeMethod
 from kaisa.methods.base import CurvatureMethod, HeldTensor, Transfer
@@ -12,6 +15,7 @@ from kaisa.methods.eigen import EigenMethod
 from kaisa.methods.inverse import InverseMethod
 
 __all__ = [
+    "REGISTRY",
     "CurvatureMethod",
     "EigenMethod",
     "HeldTensor",
@@ -20,9 +24,16 @@ __all__ = [
     "method_for",
 ]
 
+#: ``compute_method`` → the class implementing it
+REGISTRY: dict[ComputeMethod, str] = {
+    ComputeMethod.EIGEN: "kaisa.methods.eigen:EigenMethod",
+    ComputeMethod.INVERSE: "kaisa.methods.inverse:InverseMethod",
+    ComputeMethod.EKFAC: "kaisa.methods.ekfac:EKFACMethod",
+}
+
 
 def method_for(compute_method: ComputeMethod, outer_product: bool) -> CurvatureMethod:
     """The curvature method for a configuration."""
-    if compute_method is ComputeMethod.EIGEN:
-        return EigenMethod(outer_product=outer_product)
-    return InverseMethod()
+    module, _, name = REGISTRY[ComputeMethod(compute_method)].partition(":")
+    cls: type[CurvatureMethod] = getattr(importlib.import_module(module), name)
+    return cls.from_options(outer_product=outer_product)

@@ -8,6 +8,14 @@ shape, symmetric) and which owner produces which of them
 damping-only fallback iterate over the declaration and never name a tensor.
 The tensor names are private to each method's module.
 
+A method also declares the *statistics* it needs of a layer
+(:meth:`CurvatureMethod.statistics`, :class:`kaisa.core.specs.StatisticSpec`):
+K-FAC's are its factors, reduced onto their owners; a method may add a joint
+per-example statistic, formed by its own :meth:`CurvatureMethod.joint_term`
+(called generically by capture) and reduced onto the layer's gradient
+workers.  And it declares what it costs (:attr:`CurvatureMethod.kernel`,
+:attr:`CurvatureMethod.products_per_factor`), which the forecast reads.
+
 Methods never call ``torch.distributed`` and know nothing of ranks: the step
 pipeline (:mod:`kaisa.step.pipeline`) decides who decomposes and who receives.
 """
@@ -25,7 +33,7 @@ from torch import Tensor
 
 from kaisa.core.blocks import BlockLayout
 from kaisa.core.kronecker import mul_axis
-from kaisa.core.specs import FactorKind, FactorSpec
+from kaisa.core.specs import FactorKind, FactorSpec, StatisticSpec, factor_statistics
 from kaisa.core.workspace import Workspace
 
 __all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
@@ -106,6 +114,41 @@ class CurvatureMethod(ABC):
     """
 
     name: str
+    #: the kernel a dense factor's decomposition runs, in the cost model's
+    #: terms (:meth:`kaisa.planner.costs.CostModel.decompose`): ``"eigh"`` or ``"inverse"``
+    kernel: str = "eigh"
+    #: products of the gradient with each dense factor's matrix per step
+    #: (into an eigenbasis and back: 2; with an inverse: 1), for the forecast
+    products_per_factor: int = 2
+
+    @classmethod
+    def from_options(cls, *, outer_product: bool) -> CurvatureMethod:
+        """The method as ``compute_method`` selects it, with the options that
+        concern it (:func:`kaisa.methods.method_for`)."""
+        return cls()
+
+    def statistics(self, factors: Factors) -> tuple[StatisticSpec, ...]:
+        """What the method needs of a layer per factor step: the factors
+        themselves (K-FAC's A and G, reduced onto their owners) first, in
+        their order, then anything of its own."""
+        return factor_statistics(tuple(factors))
+
+    def joint_term(
+        self,
+        statistic: StatisticSpec,
+        factors: Factors,
+        state: Mapping[str, Tensor],
+        a_rows: Tensor,
+        g_rows: Tensor,
+        scale: float | Tensor,
+        dtype: torch.dtype,
+    ) -> Tensor | None:
+        """One call's unnormalised contribution to a ``JOINT`` statistic from
+        its ``[batch, shared, ·]`` input rows (with the bias column) and
+        output-gradient rows, ``scale`` being ``m²`` of the loss multiplier
+        (:mod:`kaisa.core.statistics`); its count is the call's data points.
+        None: no term this call (e.g. no eigenbasis yet)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no joint statistic")
 
     @abstractmethod
     def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:

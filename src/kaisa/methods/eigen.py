@@ -74,6 +74,10 @@ class EigenMethod(CurvatureMethod):
     def __init__(self, outer_product: bool = True) -> None:
         self.outer_product = outer_product
 
+    @classmethod
+    def from_options(cls, *, outer_product: bool) -> EigenMethod:
+        return cls(outer_product=outer_product)
+
     def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
         if colocated:
             return (Transfer(tuple(range(len(factors))), self.held(factors, True)),)

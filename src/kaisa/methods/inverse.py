@@ -57,6 +57,8 @@ class InverseMethod(CurvatureMethod):
     """Damped inverses of every factor."""
 
     name = "inverse"
+    kernel = "inverse"  #: damped Cholesky inverses
+    products_per_factor = 1  #: ``G⁻¹ ∇ A⁻¹``: one product per factor
 
     def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
         if colocated:

@@ -31,7 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CostModel", "Placement", "measure_costs", "placement"]
+__all__ = ["KERNELS", "CostModel", "Placement", "measure_costs", "placement"]
+
+#: the decomposition kernels the cost model has figures for
+KERNELS = ("eigh", "inverse")
 
 
 @dataclass(frozen=True)
@@ -137,11 +140,16 @@ class CostModel:
                 "a node; kaisa plan --intra-node-bandwidth-gbps)"
             )
 
-    def decompose(self, n: int, method: str, dense: bool = True) -> float:
-        """Seconds to decompose one factor of size ``n``; a diagonal is elementwise."""
+    def decompose(self, n: int, kernel: str, dense: bool = True) -> float:
+        """Seconds to decompose one factor of size ``n`` with ``kernel`` — what
+        a curvature method declares (:attr:`CurvatureMethod.kernel`):
+        ``"eigh"`` (an eigendecomposition) or ``"inverse"`` (a damped
+        Cholesky inverse); a diagonal factor is elementwise."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
         if not dense:
             return n / self.flops
-        if method == "eigen":
+        if kernel == "eigh":
             return self.eigh_n3 * n**3 + self.eigh_fixed
         return self.inverse_n3 * n**3 + self.inverse_fixed
 

@@ -31,7 +31,7 @@ from kaisa.config import (
     LargeFactor,
     layer_dtypes,
 )
-from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
+from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, StatisticDtype, StatisticSpec
 from kaisa.core.workspace import uses_workspace, workspace_bytes
 from kaisa.distributed.communicator import packed_numel
 from kaisa.distributed.plan import (
@@ -44,7 +44,7 @@ from kaisa.distributed.plan import (
 from kaisa.layers.base import sole_owners
 from kaisa.layers.registry import register_layers
 from kaisa.methods import method_for
-from kaisa.methods.base import HeldTensor
+from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.planner.costs import CostModel
 
 __all__ = [
@@ -208,23 +208,50 @@ def _bytes(tensors: Sequence[HeldTensor], itemsize: int, symmetry_aware: bool) -
     )
 
 
-def _product_flop(layer: LayerCost, method: ComputeMethod) -> float:
+def _product_flop(layer: LayerCost, method: CurvatureMethod) -> float:
     """Multiplying the gradient matrix by each dense (or block-diagonal)
-    factor's basis or inverse: twice per factor for eigen (into the eigenbasis
-    and back), once for inverse; a block-diagonal factor's rows are its
-    blocks' (``Σ b²/d`` multiply-adds per entry instead of ``d``)."""
+    factor's matrix as often as the method declares
+    (:attr:`CurvatureMethod.products_per_factor`: twice for an eigenbasis,
+    into it and back; once for an inverse); a block-diagonal factor's rows
+    are its blocks' (``Σ b²/d`` multiply-adds per entry instead of ``d``)."""
     numel = layer.grad_shape[0] * layer.grad_shape[1]
     per = sum(
         2.0 * numel * s.numel / s.dim for s in layer.factors if s.kind is not FactorKind.DIAGONAL
     )
-    return per * (2 if method is ComputeMethod.EIGEN else 1)
+    return per * method.products_per_factor
 
 
-def _decompose_seconds(cost: CostModel, spec: FactorSpec, method: ComputeMethod) -> float:
-    """One factor's decomposition: a block-diagonal factor's blocks one by one."""
+def _decompose_seconds(cost: CostModel, spec: FactorSpec, method: CurvatureMethod) -> float:
+    """One factor's decomposition with the method's declared kernel: a
+    block-diagonal factor's blocks one by one."""
     if spec.kind is FactorKind.BLOCK_DIAGONAL:
-        return sum(g.count * cost.decompose(g.size, method.value, True) for g in spec.layout.groups)
-    return cost.decompose(spec.dim, method.value, spec.kind is FactorKind.DENSE)
+        groups = spec.layout.groups
+        return sum(g.count * cost.decompose(g.size, method.kernel, True) for g in groups)
+    return cost.decompose(spec.dim, method.kernel, spec.kind is FactorKind.DENSE)
+
+
+def _add_statistics(
+    t: _Tally,
+    layer: LayerCost,
+    statistics: Sequence[StatisticSpec],
+    cost: CostModel,
+    sym: bool,
+) -> None:
+    """The statistics a method declares beyond the factors: summed onto every
+    rank on factor steps (``statistic_allreduce``), their terms formed on
+    every rank (``flop_per_row``), folded on the workers (every rank)."""
+    for stat in statistics:
+        itemsize = (
+            layer.inv_itemsize
+            if stat.dtype is StatisticDtype.SECOND_ORDER
+            else (layer.factor_itemsize)
+        )
+        nbytes = itemsize * packed_numel(torch.Size(stat.shape), sym and stat.symmetric)
+        t.factor_step["statistic_allreduce"] += nbytes
+        t.secs["factor_fold"] += cost.traffic(3.0 * stat.numel * itemsize)
+        if layer.rows is not None:
+            t.secs["capture"] += cost.compute(layer.rows * stat.flop_per_row)
+    t.factor_step["factor_counts"] += 8 * len(statistics)
 
 
 @dataclass
@@ -244,7 +271,7 @@ class _Tally:
 
         return cls(
             memory=table("factors", "batch_statistics", "second_order", "workspace"),
-            factor_step=table("factor_reduce", "factor_counts"),
+            factor_step=table("factor_reduce", "factor_counts", "statistic_allreduce"),
             inverse_step=table("second_order_broadcast", "allreduce"),
             every_step=table("grad_broadcast", "agree"),
             secs=table(*STAGES),
@@ -325,8 +352,9 @@ def forecast(
         config.assignment_strategy,
         config.colocate_factors,
     )
-    method_kind = ComputeMethod(config.compute_method)
-    method = method_for(method_kind, config.compute_eigenvalue_outer_product)
+    method = method_for(
+        ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product
+    )
     w, sym = world_size, config.symmetry_aware
     t = _Tally.zeros(w)
     exchange, grad_bytes = 0, 0
@@ -334,6 +362,8 @@ def forecast(
         lp = plan.layer(layer.name)
         workers, m = lp.worker_slice, len(lp.grad_workers)
         _add_factors(t, layer, lp.owners, cost, sym)
+        extra = method.statistics(layer.factors)[len(layer.factors) :]
+        _add_statistics(t, layer, extra, cost, sym)
         held = method.held(layer.factors, lp.colocated)
         itemsize = layer.inv_itemsize
         copy = config.precondition_dtype  # a torch.dtype once validated
@@ -346,14 +376,14 @@ def forecast(
             owner = lp.owners[transfer.factors[0]]
             for i in transfer.factors:
                 spec = layer.factors[i]
-                t.secs["decompose"][owner] += _decompose_seconds(cost, spec, method_kind)
+                t.secs["decompose"][owner] += _decompose_seconds(cost, spec, method)
             if m > 1:
                 sent = _bytes(transfer.tensors, layer.inv_itemsize, sym)
                 t.inverse_step["second_order_broadcast"][workers] += sent
                 # over the layer's worker column {g, g+n, …}: across nodes
                 column = range(w)[workers]
                 t.secs["inverse_comm"][workers] += cost.collective(sent, column, 1)
-        t.secs["precondition"][workers] += cost.compute(_product_flop(layer, method_kind))
+        t.secs["precondition"][workers] += cost.compute(_product_flop(layer, method))
         g, a = layer.grad_shape
         grad_bytes += (g * a + 1) * layer.grad_itemsize
     if plan.grad_workers < w:
@@ -367,7 +397,7 @@ def forecast(
                 largest, first.grad_itemsize, _compute_itemsize(first, config)
             )
     _add_group_collectives(t, plan, config, cost, exchange, gradients_agree, len(layers))
-    return _finish(t, plan, config, method_kind.value, sym)
+    return _finish(t, plan, config, method.name, sym)
 
 
 def _add_group_collectives(
@@ -398,7 +428,9 @@ def _add_group_collectives(
     calls = max(len(set(o for la in plan.layers for o in la.owners)), reduce_bytes / cap)
     everyone = range(w)
     counts, allreduce = t.factor_step["factor_counts"][0], t.inverse_step["allreduce"][0]
+    statistics = float(t.factor_step["statistic_allreduce"][0])
     t.secs["factor_comm"] += cost.collective(int(reduce_bytes), everyone, int(np.ceil(calls)))
+    t.secs["factor_comm"] += cost.collective(int(statistics), everyone, 1, True)
     t.secs["factor_comm"] += cost.collective(int(counts), everyone, 1, True)
     t.secs["inverse_comm"] += cost.collective(int(allreduce), everyone, 1, True)
 

@@ -14,6 +14,13 @@ were split — unequal local batches included.
 A bucket leaves as soon as its layers are complete *and* every earlier bucket
 has left, so reductions overlap the rest of backward without ever depending
 on the order in which layers happen to finish on one rank.
+
+What is reduced is what the curvature method declared
+(:attr:`KFACLayer.statistics`): a statistic reduced to an ``OWNER`` (A, G)
+goes to its factor's owner; one reduced to the ``WORKERS`` (EKFAC's second
+moment) is summed onto every rank — only plans where every rank is a
+gradient worker of the layer allow such statistics (:mod:`kaisa.wiring`) —
+and folded into the method's state there.
 """
 
 from __future__ import annotations
@@ -25,16 +32,20 @@ import torch
 from torch import Tensor
 
 from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import ReducedTo
 from kaisa.distributed.communicator import Communicator, pack, packed_numel, unpack
 from kaisa.distributed.plan import WorkPlan
 
-__all__ = ["FactorReduction"]
+__all__ = ["EVERY_RANK", "FactorReduction"]
+
+#: the "owner" of a bucket summed onto every rank (statistics reduced to the workers)
+EVERY_RANK = -1
 
 
 @dataclass
 class _Slot:
     layer: KFACLayer
-    index: int  #: factor index in the layer
+    index: int  #: statistic index in the layer (a factor's index for its statistic)
     offset: int
     numel: int
     symmetric: bool
@@ -88,14 +99,16 @@ class FactorReduction:
         position: dict[int, int] = {}  # id(bucket) -> position of its last slot
         for pos, layer in enumerate(reversed(self.layers)):  # backward order
             owners = self.plan.layer(layer.name).owners
-            for i, spec in enumerate(layer.factors):
-                key = (owners[i], layer.factor_dtype)
-                symmetric = symmetry_aware and spec.symmetric
-                numel = packed_numel(torch.Size(spec.shape), symmetric)
+            for i, stat in enumerate(layer.statistics):
+                owner = EVERY_RANK if stat.factor is None else owners[stat.factor]
+                dtype = layer.dtype_of(stat)
+                key = (owner, dtype)
+                symmetric = symmetry_aware and stat.symmetric
+                numel = packed_numel(torch.Size(stat.shape), symmetric)
                 bucket = open_.get(key)
-                size = layer.factor_dtype.itemsize
+                size = dtype.itemsize
                 if bucket is None or (bucket.slots and (bucket.numel + numel) * size > cap):
-                    bucket = _Bucket(owners[i], layer.factor_dtype)
+                    bucket = _Bucket(owner, dtype)
                     open_[key] = bucket
                     buckets.append(bucket)
                 slot = _Slot(layer, i, bucket.numel, numel, symmetric)
@@ -136,7 +149,12 @@ class FactorReduction:
             if not force and bucket.filled < len(bucket.slots):
                 return
             assert bucket.buffer is not None
-            self.comm.reduce_sum(bucket.buffer, bucket.owner, self._receiver(bucket))
+            if bucket.owner == EVERY_RANK:
+                self.comm.allreduce_sum(
+                    bucket.buffer, self._receiver(bucket), kind="statistic_allreduce"
+                )
+            else:
+                self.comm.reduce_sum(bucket.buffer, bucket.owner, self._receiver(bucket))
             bucket.sent = True
             self._next += 1
 
@@ -144,7 +162,7 @@ class FactorReduction:
         def store(received: list[Tensor]) -> None:
             flat = received[0]
             for slot in bucket.slots:
-                shape = torch.Size(slot.layer.factors[slot.index].shape)
+                shape = torch.Size(slot.layer.statistics[slot.index].shape)
                 segment = flat[slot.offset : slot.offset + slot.numel]
                 self._reduced[(slot.layer.name, slot.index)] = unpack(
                     segment, shape, slot.symmetric
@@ -186,19 +204,26 @@ class FactorReduction:
             layer.batch.reset()
 
     def fold(self, counts: list[float], decay: float) -> None:
-        """Divide by the counts and fold into the running averages (owners)."""
+        """Divide by the counts and fold into the running averages: a
+        factor's on its owner, a workers' statistic into the method's state
+        on each gradient worker."""
         k = 0
         for layer in self.layers:
-            owners = self.plan.layer(layer.name).owners
-            for i in range(len(layer.factors)):
+            lp = self.plan.layer(layer.name)
+            for i, stat in enumerate(layer.statistics):
                 count = counts[k]
                 k += 1
                 if count <= 0:
                     continue
-                layer.captured = True
                 reduced = self._reduced.pop((layer.name, i), None)
-                if owners[i] == self.rank and reduced is not None:
-                    layer.fold(i, reduced.div_(count), decay)
+                if stat.reduced_to is ReducedTo.WORKERS:
+                    if reduced is not None and lp.is_grad_worker(self.rank):
+                        layer.fold_state(stat.name, reduced.div_(count), decay)
+                    continue
+                layer.captured = True
+                assert stat.factor is not None
+                if lp.owners[stat.factor] == self.rank and reduced is not None:
+                    layer.fold(stat.factor, reduced.div_(count), decay)
             layer.batch.reset()
         self._reduced.clear()
 

@@ -35,6 +35,7 @@ from kaisa.engines import (
 from kaisa.layers import LinearAdapter, register_layer_type
 from kaisa.layers.registry import _ADAPTERS
 from kaisa.methods import CurvatureMethod, EigenMethod, InverseMethod
+from kaisa.methods.ekfac import EKFACMethod
 
 from kfac_reference import grad_matrix, rel_err, unvec, vec
 
@@ -45,6 +46,8 @@ METHODS: dict[str, CurvatureMethod] = {
     "eigen-outer": EigenMethod(outer_product=True),
     "eigen-plain": EigenMethod(outer_product=False),
     "inverse": InverseMethod(),
+    # right after a decomposition S = λ_G λ_Aᵀ: the eigen method's result
+    "ekfac": EKFACMethod(),
 }
 
 # factor sets: (kind, dim, axis) per factor

@@ -51,8 +51,8 @@ def test_cost_model_rejects_bad_fields_and_round_trips(tmp_path: Path) -> None:
 def test_measured_costs_grow_with_n_cubed() -> None:
     cost = measure_costs("cpu", sizes=(64, 128, 256), repeats=2)
     assert cost.flops > 1e8 and cost.eigh_n3 > 0 and cost.inverse_n3 > 0
-    assert cost.decompose(512, "eigen") > cost.decompose(128, "eigen")
-    assert cost.decompose(512, "eigen", dense=False) < cost.decompose(512, "eigen")
+    assert cost.decompose(512, "eigh") > cost.decompose(128, "eigh")
+    assert cost.decompose(512, "eigh", dense=False) < cost.decompose(512, "eigh")
 
 
 def test_fractions_for_small_and_huge_worlds() -> None:

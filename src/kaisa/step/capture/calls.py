@@ -44,6 +44,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource
 from kaisa.core.statistics import grad_multiplier
 from kaisa.layers.base import LayerAdapter
+from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture.attention import capture_functional
 from kaisa.step.capture.broadcast import wrap_broadcast
 from kaisa.step.capture.hooks import (
@@ -72,9 +73,11 @@ def _input_terms(
     since a layer's sums may start as the very tensor it is given."""
     out = []
     adapter = layer.adapter
-    for i, spec in enumerate(layer.factors):
-        if spec.source is not FactorSource.INPUT:
+    for i, stat in enumerate(layer.statistics):
+        if stat.source is not FactorSource.INPUT:
             continue
+        assert stat.factor is not None  # an input statistic estimates a factor
+        spec = layer.factors[stat.factor]
         key = (
             type(adapter),
             spec.name,
@@ -100,6 +103,12 @@ def _input_terms(
 PassKey = tuple[int, int]
 
 
+def needs_input(layer: KFACLayer) -> bool:
+    """Whether a call's input must wait for its output gradient: a declared
+    statistic is formed from both (``JOINT``)."""
+    return any(s.source is FactorSource.JOINT for s in layer.statistics)
+
+
 def commit_call(
     layer: KFACLayer,
     inputs: list[tuple[int, Tensor, float]],
@@ -107,19 +116,46 @@ def commit_call(
     batch: int,
     multiplier: float | Tensor,
     pass_id: PassKey,
+    x: Tensor | None = None,
+    method: CurvatureMethod | None = None,
 ) -> None:
-    """Add one call's input terms and output-gradient terms to the layer's sums."""
+    """Add one call's terms to the layer's sums: the input terms formed at
+    forward, then every statistic the method declared from the output
+    gradient — through the adapter for a factor, through the method's
+    :meth:`~kaisa.methods.base.CurvatureMethod.joint_term` (with the call's
+    input ``x``) for a joint one.  Output-gradient and joint statistics count
+    the data points of each pass once."""
     stats = layer.batch
     for i, value, count in inputs:
         stats.add(i, value)
         stats.counts[i] += count
     new_pass = stats.new_pass(pass_id)
     scale = multiplier * multiplier
-    for i, spec in enumerate(layer.factors):
-        if spec.source is FactorSource.OUTPUT_GRAD:
-            stats.add(i, layer.adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
-            if new_pass:
-                stats.counts[i] += batch
+    adapter = layer.adapter
+    for i, stat in enumerate(layer.statistics):
+        if stat.source is FactorSource.OUTPUT_GRAD:
+            assert stat.factor is not None
+            spec = layer.factors[stat.factor]
+            stats.add(i, adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
+        elif stat.source is FactorSource.JOINT:
+            if x is None or method is None:
+                raise RuntimeError(f"kaisa: layer {layer.name!r}: a joint statistic needs x")
+            term = method.joint_term(
+                stat,
+                layer.factors,
+                layer.state,
+                adapter.a_rows(x),
+                adapter.grad_output_rows(g),
+                scale,
+                layer.dtype_of(stat),
+            )
+            if term is None:
+                continue
+            stats.add(i, term)
+        else:
+            continue
+        if new_pass:
+            stats.counts[i] += batch
     stats.calls += 1
 
 
@@ -137,6 +173,8 @@ class Capture:
         in_hook: compute the statistics inside the hooks (no activations kept)
             or keep the raw tensors until :meth:`flush`.
         loss_scale: returns the current loss scale of a grad scaler (or None).
+        method: the curvature method, whose joint statistics (if it declares
+            any) it forms (None: the layers' factors only).
     """
 
     def __init__(
@@ -149,7 +187,9 @@ class Capture:
         in_hook: bool,
         loss_scale: ScaleGetter | None = None,
         loss_divisor: int | None = None,
+        method: CurvatureMethod | None = None,
     ) -> None:
+        self.method = method
         self.loss_average = loss_average
         self.accumulation_steps = accumulation_steps
         self.loss_divisor = accumulation_steps if loss_divisor is None else loss_divisor
@@ -271,6 +311,7 @@ class Capture:
     ) -> Callable[[Tensor], None]:
         pass_id = self.pass_id
         keep = None if self.in_hook else x
+        joint_x = x if self.in_hook and needs_input(layer) else None
 
         def hook(grad: Tensor) -> None:
             if not _updates_gradients(layer.adapter.parameters()):
@@ -283,7 +324,7 @@ class Capture:
             if keep is not None:
                 layer.pending.calls.append((keep, g, batch, multiplier, key))
                 return
-            commit_call(layer, terms, g, batch, multiplier, key)
+            commit_call(layer, terms, g, batch, multiplier, key, joint_x, self.method)
             stats = layer.batch
             complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
             if complete and self.on_layer_complete is not None:
@@ -306,7 +347,9 @@ class Capture:
     def flush(self, layer: KFACLayer) -> None:
         """Turn raw captures kept by ``in_hook=False`` into statistics."""
         for x, g, batch, multiplier, pass_id in layer.pending.calls:
-            commit_call(layer, _input_terms(layer, x), g, batch, multiplier, pass_id)
+            commit_call(
+                layer, _input_terms(layer, x), g, batch, multiplier, pass_id, x, self.method
+            )
         layer.pending.calls.clear()
 
     def remove(self) -> None:
