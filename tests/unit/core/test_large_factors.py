@@ -230,14 +230,14 @@ def test_blocked_state_round_trips_and_a_dense_checkpoint_is_refused() -> None:
 
 # -- memory -----------------------------------------------------------------------------
 
-CASE = Path(__file__).resolve().parents[1] / "large_head_case.py"
+CASE = Path(__file__).resolve().parents[2] / "large_head_case.py"
 
 
 @functools.cache
 def first_step_peak(*args: str) -> int:
     """Peak resident bytes of the first step, measured in a fresh process
     (tests/large_head_case.py), so nothing another test allocated counts."""
-    src = Path(__file__).resolve().parents[2] / "src"
+    src = Path(__file__).resolve().parents[3] / "src"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     out = subprocess.run(
