@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
+import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kaisa.cli.distributed import DistContext, eval_indices
-from kaisa.cli.main import build_parser, main
-from kaisa.cli.options import kfac_options, kfac_overrides
 from kaisa.config import KFACConfig
-from kaisa.tasks import get_task
+from kaisa_lab.cli.distributed import DistContext, eval_indices
+from kaisa_lab.cli.main import build_parser, main
+from kaisa_lab.cli.options import kfac_options, kfac_overrides
+from kaisa_lab.tasks import get_task
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN_FIELDS = {
@@ -38,6 +41,18 @@ RUN_FIELDS = {
 }
 # One thread: these models are too small to gain from more, and a single thread
 # keeps the tests fast when other processes compete for the cores.
+#: the repository; its src/ (kaisa) and lab/src/ (kaisa_lab) are what a
+#: command started by a test runs (as pytest's pythonpath does in-process)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tree_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess that runs this tree's kaisa and kaisa_lab,
+    installed or not."""
+    paths = [str(ROOT / "src"), str(ROOT / "lab" / "src"), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
+
+
 QUICK = ["--task", "digits-mlp", "--max-steps-per-epoch", "5", "--quiet", "--threads", "1"]
 
 
@@ -121,7 +136,7 @@ def test_compare_runs_share_hyperparameters_and_record_kfac_config(
     assert not get_task("digits-mlp").defaults.kfac
     assert kfac_config["damping"] == KFACConfig().damping
     # ... and where a task sets some, they win over the library's.
-    from kaisa.cli.spec import build_specs
+    from kaisa_lab.cli.spec import build_specs
 
     cnn = get_task("digits-cnn")
     args = build_parser()[0].parse_args(["compare", "--task", "digits-cnn"])
@@ -149,7 +164,7 @@ def test_compare_prints_a_table_saying_evaluation_is_excluded(
 
 def test_wall_time_excludes_evaluation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake clock that jumps 1000 s during each evaluation must not show in the times."""
-    import kaisa.cli.train as train_module
+    import kaisa_lab.cli.train as train_module
 
     now = [0.0]
 
@@ -340,9 +355,12 @@ def test_single_process_context_and_eval_shards() -> None:
     assert sorted(torch.cat(shards).tolist()) == list(range(10))
 
 
-def test_python_dash_m_kaisa_help() -> None:
+@pytest.mark.parametrize("module", ["kaisa", "kaisa_lab"])
+def test_python_dash_m_kaisa_help(module: str) -> None:
+    """``python -m kaisa`` (the library's hand-over) and ``python -m kaisa_lab``."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kaisa", "--help"],
+        [sys.executable, "-m", module, "--help"],
+        env=tree_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -351,6 +369,27 @@ def test_python_dash_m_kaisa_help() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "usage: kaisa" in proc.stdout
     assert "train" in proc.stdout and "compare" in proc.stdout
+
+
+def test_the_kaisa_console_script_is_kaisa_labs() -> None:
+    """The installed ``kaisa`` command runs kaisa-lab's main (kaisa itself
+    declares no script); skipped where kaisa-lab is not installed in this
+    interpreter's environment (in-tree egg-info on the path does not count)."""
+    site = [sysconfig.get_paths()["purelib"]]
+    found = list(importlib.metadata.distributions(name="kaisa-lab", path=site))
+    if not found:
+        pytest.skip("kaisa-lab is not installed here (pip install -e ./lab)")
+    (lab,) = found
+    (script,) = [e for e in lab.entry_points if e.group == "console_scripts"]
+    assert (script.name, script.value) == ("kaisa", "kaisa_lab.cli.main:main")
+    (library,) = importlib.metadata.distributions(name="kaisa", path=site)
+    assert [e for e in library.entry_points if e.group == "console_scripts"] == []
+    command = Path(sys.executable).parent / "kaisa"
+    proc = subprocess.run(
+        [str(command), "plan", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: kaisa plan" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -365,7 +404,7 @@ def test_cuda_without_cuda_is_a_usage_error(
 
 def _record_lrs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float | None]]:
     """Patch the training step to record (run, optimizer lr, K-FAC's lr) at every step."""
-    from kaisa.cli import train
+    from kaisa_lab.cli import train
 
     seen: list[tuple[str, float, float | None]] = []
     original = train._Trainer.step
@@ -429,8 +468,8 @@ def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Order: --kfac-arm-*, then the shared option, then the task's kfac_arm, then its default."""
-    from kaisa.cli.spec import build_specs
-    from kaisa.tasks.base import Defaults
+    from kaisa_lab.cli.spec import build_specs
+    from kaisa_lab.tasks.base import Defaults
 
     task = get_task("digits-mlp")
     defaults = dataclasses.replace(
@@ -465,7 +504,7 @@ def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
 def test_a_tasks_kfac_arm_lr_yields_to_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The K-FAC arm's lr: --kfac-arm-lr, then --lr, then the task's kfac_arm lr for the
     optimizer, then the task's lr; the first-order arm never takes the K-FAC arm's."""
-    from kaisa.cli.spec import build_specs
+    from kaisa_lab.cli.spec import build_specs
 
     task = get_task("digits-mlp")
     base = task.defaults.lr
@@ -496,7 +535,7 @@ def test_constant_schedule_never_writes_the_lr(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default (constant, no warm-up) is bit-identical to training without a schedule."""
-    from kaisa.cli import train
+    from kaisa_lab.cli import train
 
     def refuse(self: Any, lr: float) -> None:
         raise AssertionError("a constant schedule must not write the lr")
@@ -524,7 +563,7 @@ def test_constant_schedule_with_warmup_ramps_then_holds(
 
 
 def test_eval_steps_are_evenly_spaced_and_end_the_epoch() -> None:
-    from kaisa.cli.train import eval_steps
+    from kaisa_lab.cli.train import eval_steps
 
     assert eval_steps(23, 1) == {23}
     assert eval_steps(23, 4) == {6, 12, 18, 23}

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from test_cli import QUICK, RUN_FIELDS, assert_valid_png, run_cli
 
-from kaisa.cli.main import main
-from kaisa.cli.plot import seed_bands
+from kaisa_lab.cli.main import main
+from kaisa_lab.cli.plot import seed_bands
 
 SEED_FIELDS = {
     "seed",

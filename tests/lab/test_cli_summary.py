@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kaisa.cli.results import write_results
-from kaisa.cli.summary import paired_ratios, quantile, ratio_of_medians, summarize_seeds
+from kaisa_lab.cli.results import write_results
+from kaisa_lab.cli.summary import paired_ratios, quantile, ratio_of_medians, summarize_seeds
 
 
 def record(seed: int, time: float | None, final: float = 0.9) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def test_paired_ratios_divide_seed_by_seed_and_skip_missed_seeds() -> None:
 
 
 def test_seed_table_prints_the_ratio_of_medians_and_per_seed() -> None:
-    from kaisa.cli.results import format_seed_table
+    from kaisa_lab.cli.results import format_seed_table
 
     def arm(name: str, times: list[float | None]) -> dict[str, Any]:
         seeds = [

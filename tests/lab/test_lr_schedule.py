@@ -1,4 +1,4 @@
-"""The CLI's learning-rate schedule (:mod:`kaisa.cli.schedule`) against its formula."""
+"""The CLI's learning-rate schedule (:mod:`kaisa_lab.cli.schedule`) against its formula."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kaisa.cli.schedule import LRSchedule
+from kaisa_lab.cli.schedule import LRSchedule
 
 
 def test_warmup_then_cosine_matches_the_formula() -> None:

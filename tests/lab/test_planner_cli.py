@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-import kaisa.cli.plan as plan_cli
-from kaisa.cli.main import main
+import kaisa_lab.cli.plan as plan_cli
 from kaisa.config import KFACConfig
 from kaisa.costs import CostModel
 from kaisa.forecast import layer_costs
 from kaisa.workspace import MIN_BYTES, workspace_bytes
+from kaisa_lab.cli.main import main
 
 MODULE = "plan_models_cli"
 #: a hidden layer of 256 × 257 float32 (263 KB ≥ the workspace's 128 KiB) and a small head
@@ -95,6 +95,16 @@ def test_each_failure_names_its_own_option(
         assert option in named, message
         others = set(cases) - {option} - ({"--costs"} if option == "--save-costs" else set())
         assert not any(f"{o}/" in named or named.endswith(o) for o in others), message
+
+
+def test_the_old_zoo_name_points_to_kaisa_lab(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model kaisa.zoo:resnet50`` (the docs' spelling before kaisa-lab)
+    names the new one instead of "No module named 'kaisa.zoo'"."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "kaisa.zoo:resnet50", "--world-size", "1"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --model" in message and "--model kaisa_lab.zoo:resnet50" in message, message
 
 
 def test_a_gpu_plan_leaves_out_the_cpu_workspace(

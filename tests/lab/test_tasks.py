@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from kaisa.cli.schedule import SCHEDULES
 from kaisa.config import KFACConfig
-from kaisa.tasks import EvalSums, Metric, bits_per_char, get_task, task_names
-from kaisa.tasks.base import OPTIMIZERS
-from kaisa.tasks.cifar import SUBFOLDER, TEST_FILE, load_cifar10
-from kaisa.tasks.text import TextLMTask, WindowDataset
+from kaisa_lab.cli.schedule import SCHEDULES
+from kaisa_lab.tasks import EvalSums, Metric, bits_per_char, get_task, task_names
+from kaisa_lab.tasks.base import OPTIMIZERS
+from kaisa_lab.tasks.cifar import SUBFOLDER, TEST_FILE, load_cifar10
+from kaisa_lab.tasks.text import TextLMTask, WindowDataset
 
 from fakes import write_fake_cifar
 

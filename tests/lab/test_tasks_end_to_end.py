@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kaisa.cli.main import main
+from kaisa_lab.cli.main import main
 
 from fakes import write_fake_cifar
 

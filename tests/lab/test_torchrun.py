@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from test_cli import tree_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 @pytest.mark.parametrize(("fraction", "seeds"), [("mem-opt", 1), ("comm-opt", 2)])
 def test_compare_under_torchrun(tmp_path, fraction: str, seeds: int) -> None:
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = tree_env(OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--standalone", "-m", "kaisa", "compare", "--task", "digits-mlp",

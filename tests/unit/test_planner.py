@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.cli.main import main
 from kaisa.config import AssignmentStrategy, ComputeMethod
 from kaisa.costs import CostModel, measure_costs
 from kaisa.factors import FactorKind
 from kaisa.forecast import choose_fraction, forecast, fractions_for, layer_costs, probe_rows
 from kaisa.methods import method_for
+from kaisa_lab.cli.main import main
 
 
 def mlp(width: int = 16, depth: int = 4) -> nn.Module:

@@ -1,1 +1,1 @@
-"""The ``kaisa`` command-line tool (entry point: :func:`kaisa.cli.main.main`)."""
+"""The ``kaisa`` command-line tool (entry point: :func:`kaisa_lab.cli.main.main`)."""

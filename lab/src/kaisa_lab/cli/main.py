@@ -6,10 +6,10 @@ same initial weights and batches, and reports time and steps to a target
 metric; ``--seeds N`` repeats that on N seeds and reports medians and spreads.
 Both write ``results.json`` and ``results.png`` into ``--out``.
 
-This module only parses arguments and dispatches; see :mod:`kaisa.cli.spec`
-(defaults), :mod:`kaisa.cli.train` (the loop), :mod:`kaisa.cli.sweep` (seeds),
-:mod:`kaisa.cli.results`, :mod:`kaisa.cli.summary` and :mod:`kaisa.cli.plot`
-(outputs), :mod:`kaisa.cli.distributed` (torchrun).
+This module only parses arguments and dispatches; see :mod:`kaisa_lab.cli.spec`
+(defaults), :mod:`kaisa_lab.cli.train` (the loop), :mod:`kaisa_lab.cli.sweep` (seeds),
+:mod:`kaisa_lab.cli.results`, :mod:`kaisa_lab.cli.summary` and :mod:`kaisa_lab.cli.plot`
+(outputs), :mod:`kaisa_lab.cli.distributed` (torchrun).
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ import torch
 
 from kaisa import __version__
 from kaisa.allocator import tune_cpu_allocator
-from kaisa.cli import distributed
-from kaisa.cli.options import add_kfac_arguments
-from kaisa.cli.plan import add_plan_parser, run_plan
-from kaisa.cli.plot import plot_runs
-from kaisa.cli.progress import Progress
-from kaisa.cli.results import arms_to_dicts, format_seed_table, format_table, write_results
-from kaisa.cli.schedule import SCHEDULES
-from kaisa.cli.spec import ScheduleError, build_specs
-from kaisa.cli.sweep import run_seeds
-from kaisa.cli.train import RunResult, warm_up
 from kaisa.config import DistributedStrategy
 from kaisa.plan import grad_workers_for
-from kaisa.tasks.base import OPTIMIZERS
-from kaisa.tasks.registry import TASKS, get_task
+from kaisa_lab.cli import distributed
+from kaisa_lab.cli.options import add_kfac_arguments
+from kaisa_lab.cli.plan import add_plan_parser, run_plan
+from kaisa_lab.cli.plot import plot_runs
+from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.results import arms_to_dicts, format_seed_table, format_table, write_results
+from kaisa_lab.cli.schedule import SCHEDULES
+from kaisa_lab.cli.spec import ScheduleError, build_specs
+from kaisa_lab.cli.sweep import run_seeds
+from kaisa_lab.cli.train import RunResult, warm_up
+from kaisa_lab.tasks.base import OPTIMIZERS
+from kaisa_lab.tasks.registry import TASKS, get_task
 
 __all__ = ["build_parser", "main"]
 

@@ -119,7 +119,7 @@ def _value_parser(name: str, hint: Any) -> tuple[Callable[[str], Any], str]:
         return parse_bool, "{true,false}"
     if not (choices or numeric or free_text):
         raise TypeError(
-            f"KFACConfig.{name} has type {hint!r}, which kaisa.cli.options cannot parse; "
+            f"KFACConfig.{name} has type {hint!r}, which kaisa_lab.cli.options cannot parse; "
             "teach _value_parser about it"
         )
 

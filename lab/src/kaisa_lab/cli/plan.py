@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.cli.options import add_kfac_arguments, kfac_overrides
 from kaisa.config import KFACConfig
 from kaisa.costs import CostModel, measure_costs
 from kaisa.forecast import choose_fraction, layer_costs, probe_rows
-from kaisa.tasks import get_task, task_names
+from kaisa_lab.cli.options import add_kfac_arguments, kfac_overrides
+from kaisa_lab.tasks import get_task, task_names
 
 MIB = 2**20
 
@@ -127,6 +127,8 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...] | 
     module_name, _, attr = args.model.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--model must be MODULE:CALLABLE; got {args.model!r}")
+    if module_name == "kaisa.zoo":  # the zoo's home before kaisa-lab split off
+        raise ValueError(f"the model zoo is kaisa_lab.zoo now: --model kaisa_lab.zoo:{attr}")
     built = getattr(importlib.import_module(module_name), attr)()
     if isinstance(built, nn.Module):
         return built, None, args.batch_size or 32

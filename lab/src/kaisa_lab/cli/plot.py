@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kaisa.cli.summary import MIN_SEEDS_FOR_IQR, quantile, to_target_values
+from kaisa_lab.cli.summary import MIN_SEEDS_FOR_IQR, quantile, to_target_values
 
 __all__ = ["plot_runs", "seed_bands"]
 

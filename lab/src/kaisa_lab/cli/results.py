@@ -8,7 +8,7 @@ With ``--seeds N`` a "run" is an arm (one optimizer, with or without K-FAC)
 trained on N seeds. Its original fields still describe one real run, the one
 on the first seed (``--seed``), so with N = 1 the file reads exactly as
 before; ``seeds`` holds every seed's record (same fields, plus ``seed``) and
-``summary`` their median and spread (:mod:`kaisa.cli.summary`), and for every
+``summary`` their median and spread (:mod:`kaisa_lab.cli.summary`), and for every
 arm after the first the ratio of its median time to target to the first
 arm's (the baseline's), and the spread of the same ratio seed by seed.
 """
@@ -22,8 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kaisa.cli.summary import Spread, paired_ratios, ratio_of_medians, summarize_seeds
-from kaisa.cli.train import RunResult
+from kaisa_lab.cli.summary import Spread, paired_ratios, ratio_of_medians, summarize_seeds
+from kaisa_lab.cli.train import RunResult
 
 __all__ = [
     "TIMING_NOTE",

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kaisa.cli.options import kfac_overrides
 from kaisa.config import KFACConfig
-from kaisa.tasks.base import Task
+from kaisa_lab.cli.options import kfac_overrides
+from kaisa_lab.tasks.base import Task
 
 __all__ = ["RunSpec", "ScheduleError", "build_specs"]
 
@@ -44,7 +44,7 @@ class RunSpec:
     stop_at_target: bool = False
     #: Evaluations per epoch, at evenly spaced steps (the last at the epoch's end).
     evals_per_epoch: int = 1
-    #: Learning-rate schedule (:mod:`kaisa.cli.schedule`) and its warm-up length.
+    #: Learning-rate schedule (:mod:`kaisa_lab.cli.schedule`) and its warm-up length.
     schedule: str = "constant"
     warmup_epochs: float = 0.0
     #: Keywords for ``KFACPreconditioner`` besides ``optimizer``; contains

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kaisa.cli.distributed import DistContext
-from kaisa.cli.progress import Progress
-from kaisa.cli.spec import RunSpec
-from kaisa.cli.train import RunResult, train_run
-from kaisa.tasks.base import Task, TaskData
+from kaisa_lab.cli.distributed import DistContext
+from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.cli.train import RunResult, train_run
+from kaisa_lab.tasks.base import Task, TaskData
 
 __all__ = ["run_seeds", "seeded"]
 

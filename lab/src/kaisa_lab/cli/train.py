@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.cli.distributed import DistContext, eval_indices, train_sampler
-from kaisa.cli.progress import Progress
-from kaisa.cli.schedule import LRSchedule
-from kaisa.cli.spec import RunSpec
-from kaisa.tasks.base import BatchDataset, EvalSums, Task, TaskData
+from kaisa_lab.cli.distributed import DistContext, eval_indices, train_sampler
+from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.schedule import LRSchedule
+from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.tasks.base import BatchDataset, EvalSums, Task, TaskData
 
 __all__ = [
     "EpochRecord",

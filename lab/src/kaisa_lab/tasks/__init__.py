@@ -1,6 +1,6 @@
-"""Built-in training tasks of the ``kaisa`` command (see :mod:`kaisa.tasks.registry`)."""
+"""Built-in training tasks of the ``kaisa`` command (see :mod:`kaisa_lab.tasks.registry`)."""
 
-from kaisa.tasks.base import (
+from kaisa_lab.tasks.base import (
     ArrayDataset,
     BatchDataset,
     Defaults,
@@ -10,7 +10,7 @@ from kaisa.tasks.base import (
     TaskData,
     bits_per_char,
 )
-from kaisa.tasks.registry import TASKS, get_task, task_names
+from kaisa_lab.tasks.registry import TASKS, get_task, task_names
 
 __all__ = [
     "TASKS",

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kaisa.tasks.base import ArrayDataset, Defaults, EvalSums, Metric, Task, TaskData
-from kaisa.tasks.digits import load_digits_split
+from kaisa_lab.tasks.base import ArrayDataset, Defaults, EvalSums, Metric, Task, TaskData
+from kaisa_lab.tasks.digits import load_digits_split
 
 __all__ = ["DigitsAutoencoderTask"]
 

@@ -134,7 +134,7 @@ class Defaults:
     ``evals_per_epoch`` is how often the metric is read within an epoch: time
     to target can be no finer than it.
     ``schedule`` (``constant`` or ``cosine``) and ``warmup_epochs`` shape the
-    learning rate of both arms (see :mod:`kaisa.cli.schedule`); a tuned
+    learning rate of both arms (see :mod:`kaisa_lab.cli.schedule`); a tuned
     baseline usually needs them, and K-FAC must be compared with that baseline.
     ``kfac_arm`` overrides ``lr`` (per optimizer, like ``lr``), ``schedule``
     and/or ``warmup_epochs`` for the K-FAC arm alone: each arm is tuned on its

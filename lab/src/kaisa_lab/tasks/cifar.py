@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kaisa.tasks.base import ArrayDataset, Defaults, Metric, Task, TaskData
-from kaisa.tasks.resnet import SmallResNet
+from kaisa_lab.tasks.base import ArrayDataset, Defaults, Metric, Task, TaskData
+from kaisa_lab.tasks.resnet import SmallResNet
 
 __all__ = ["TRAIN_FILES", "Cifar10Task", "find_cifar10_dir", "load_cifar10"]
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kaisa.tasks.autoencoder import DigitsAutoencoderTask
-from kaisa.tasks.base import Task
-from kaisa.tasks.cifar import Cifar10Task
-from kaisa.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from kaisa.tasks.text import TextConvTask, TextLMTask
+from kaisa_lab.tasks.autoencoder import DigitsAutoencoderTask
+from kaisa_lab.tasks.base import Task
+from kaisa_lab.tasks.cifar import Cifar10Task
+from kaisa_lab.tasks.digits import DigitsCNNTask, DigitsMLPTask
+from kaisa_lab.tasks.text import TextConvTask, TextLMTask
 
 __all__ = ["TASKS", "get_task", "task_names"]
 

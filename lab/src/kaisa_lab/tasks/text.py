@@ -14,9 +14,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kaisa.tasks.base import BatchDataset, Defaults, EvalSums, Metric, Task, TaskData, bits_per_char
-from kaisa.tasks.convlm import CharConvNet
-from kaisa.tasks.transformer import CharTransformer
+from kaisa_lab.tasks.base import (
+    BatchDataset,
+    Defaults,
+    EvalSums,
+    Metric,
+    Task,
+    TaskData,
+    bits_per_char,
+)
+from kaisa_lab.tasks.convlm import CharConvNet
+from kaisa_lab.tasks.transformer import CharTransformer
 
 __all__ = ["TextConvTask", "TextLMTask", "WindowDataset", "load_corpus"]
 

@@ -1,4 +1,4 @@
-"""Full-size models for planning runs (``kaisa plan --model kaisa.zoo:resnet50``).
+"""Full-size models for planning runs (``kaisa plan --model kaisa_lab.zoo:resnet50``).
 
 Each callable returns ``(model, example)``: a freshly initialised model and
 one example input of batch 1, from which the planner counts the rows each
@@ -7,6 +7,6 @@ layer sees.  Nothing is downloaded; weights are random (only shapes matter).
 
 from __future__ import annotations
 
-from kaisa.zoo.models import bert_large, resnet50
+from kaisa_lab.zoo.models import bert_large, resnet50
 
 __all__ = ["bert_large", "resnet50"]

@@ -64,7 +64,7 @@ def bert_large(sequence: int = 512) -> tuple[nn.Module, tuple[Any, ...]]:
         from transformers import BertConfig, BertForPreTraining
     except ImportError as exc:  # pragma: no cover - the extra is installed in dev
         raise ImportError(
-            "kaisa.zoo.bert_large needs transformers (pip install kaisa[transformers])"
+            "kaisa_lab.zoo.bert_large needs transformers (pip install -e './lab[transformers]')"
         ) from exc
     config = BertConfig(
         hidden_size=1024,
