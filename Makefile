@@ -9,11 +9,14 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test lint venv bench clean docs-check docs-update docs
 
-$(VENV)/.installed: pyproject.toml
+# The library (.) and the experiment harness kaisa-lab (./lab: the `kaisa`
+# command, tasks, zoo) are installed editable in one call, so the resolver
+# takes lab's `kaisa` requirement from this tree and torch stays pinned.
+$(VENV)/.installed: pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e ".[dev]" "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev]" -e ./lab "$(TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -27,8 +30,8 @@ test: venv lint
 	$(PY) -m pytest -q --durations=15
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks examples tools
-	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
+	$(VENV)/bin/ruff check src lab tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check src lab tests benchmarks examples tools
 	$(VENV)/bin/mypy
 
 ## The docs' generated regions (plans, bytes, memory) against the commands that print

@@ -55,7 +55,7 @@ from kaisa.planner.forecast import (
     layer_costs,
 )
 from kaisa.planner.probe import probe_rows
-from kaisa.zoo import bert_large, resnet50
+from kaisa_lab.zoo import bert_large, resnet50
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_paper_tables import memory_table, overhead_table, stages_table

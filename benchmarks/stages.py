@@ -71,8 +71,8 @@ from kaisa import KFACPreconditioner, tune_cpu_allocator
 from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
 from kaisa.core.statistics import gram
-from kaisa.tasks.digits import DigitsCNNTask
-from kaisa.tasks.transformer import CharTransformer
+from kaisa_lab.tasks.digits import DigitsCNNTask
+from kaisa_lab.tasks.transformer import CharTransformer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_time import mlp  # the 784-512-512-10 MLP of the field notes

@@ -115,7 +115,10 @@ def _floor(model: nn.Module, reps: int = 200) -> float:
 
 
 def measure(tasks: list[str], steps: int) -> dict[str, dict[str, float]]:
-    from kaisa.tasks.registry import get_task
+    try:
+        from kaisa_lab.tasks.registry import get_task
+    except ImportError:  # a --before tree from when the tasks were kaisa.tasks
+        from kaisa.tasks.registry import get_task  # type: ignore[no-redef]
 
     out = {}
     for name in tasks:
@@ -159,7 +162,8 @@ def _plot(rows: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
 
 def _single(args: argparse.Namespace, src: Path) -> dict[str, dict[str, float]]:
-    env = dict(os.environ, PYTHONPATH=str(src))
+    # the tree's library and, where it has one, its harness (lab/src: the tasks)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(src.parent / "lab" / "src")]))
     cmd = [sys.executable, __file__, "--single", "--threads", str(args.threads)]
     cmd += ["--steps", str(args.steps), "--tasks", *args.tasks]
     done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)

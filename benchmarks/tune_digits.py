@@ -3,7 +3,7 @@
 Issue 10 asks whether K-FAC reaches the target in at most 0.7x the time of a
 *tuned* first-order baseline at the same batch size; a comparison against an
 untuned baseline says little. Three stages, each through the real command line
-(``kaisa.cli.main.main`` in-process, so every number is what ``kaisa`` itself
+(``kaisa_lab.cli.main.main`` in-process, so every number is what ``kaisa`` itself
 measures and writes to ``results.json``):
 
 1. ``baseline``: ``kaisa train --no-kfac`` over learning rates x schedules
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kaisa.cli.main import main as kaisa_main
+from kaisa_lab.cli.main import main as kaisa_main
 
 INF = math.inf
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kaisa.tasks.cifar import TEST_FILE, TRAIN_FILES
+from kaisa_lab.tasks.cifar import TEST_FILE, TRAIN_FILES
 
 
 def write_fake_cifar(folder: Path, per_batch: int = 4, n_test: int = 3) -> np.ndarray:

@@ -3,7 +3,7 @@
 A region of a markdown file that a command prints is fenced by two HTML
 comments, which name the command::
 
-    <!-- generated code: kaisa plan --model kaisa.zoo:resnet50 --world-size 64 -->
+    <!-- generated code: kaisa plan --model kaisa_lab.zoo:resnet50 --world-size 64 -->
     ```
     ...what the command printed...
     ```
@@ -13,14 +13,15 @@ Flags between ``generated`` and the colon: ``code`` puts the output in a
 ``` block (without it the output is markdown, e.g. a table, and goes in
 as it is); ``slow`` marks a command of more than a few seconds, which the
 quick check (``--skip-slow``, the fast test) leaves to the full one.  A
-command starts with ``kaisa`` (the CLI of this tree) or ``python`` (this
-interpreter), runs in a scratch folder that links to the repository's
-files (so ``runs/`` outputs land there, not in the tree), with this tree's
-``src`` first on the path, and only its standard output counts.  The
-region must equal that output exactly, line by line after stripping
-trailing spaces: a number edited by hand, or a change to the code that
-moves one, fails the check with a diff.  Only deterministic outputs belong
-in a region (plans, bytes, memory, modelled time), never timings.
+command starts with ``kaisa`` (the CLI of this tree: kaisa-lab's, run as
+``python -m kaisa_lab``) or ``python`` (this interpreter), runs in a scratch
+folder that links to the repository's files (so ``runs/`` outputs land there,
+not in the tree), with this tree's ``src`` and ``lab/src`` first on the path,
+and only its standard output counts.  The region must equal that output
+exactly, line by line after stripping trailing spaces: a number edited by
+hand, or a change to the code that moves one, fails the check with a diff.
+Only deterministic outputs belong in a region (plans, bytes, memory,
+modelled time), never timings.
 
 Whole files can be generated too (:data:`FILES`: a cost model the docs'
 commands read).
@@ -30,9 +31,9 @@ commands read).
     python tools/docs_check.py --skip-slow
 
 Outputs are cached under ``.cache/docs-check`` by command and a digest of the
-sources that could change them (``src/``, ``benchmarks/``, this file, the
-files the command names, the torch version): a re-run without a change to
-those is instant, and any change to them runs the command again.
+sources that could change them (``src/``, ``lab/src/``, ``benchmarks/``, this
+file, the files the command names, the torch version): a re-run without a
+change to those is instant, and any change to them runs the command again.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ MARKER = re.compile(r"^<!-- generated(?P<flags>(?: [a-z]+)*): (?P<command>.+?) -
 END = "<!-- end generated -->"
 FLAGS = {"code", "slow"}
 #: what a region's command may start with, and what runs it
-RUNNERS = {"kaisa": [sys.executable, "-m", "kaisa"], "python": [sys.executable]}
+RUNNERS = {"kaisa": [sys.executable, "-m", "kaisa_lab"], "python": [sys.executable]}
+#: the source folders put first on a command's path: the library and kaisa-lab
+PATHS = ("src", "lab/src")
 #: what the digest of the sources covers (besides the files a command names)
-SOURCES = ("src", "benchmarks")
+SOURCES = (*PATHS, "benchmarks")
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ class Runner:
         argv = self._argv(command)
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(self.root / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            [*(str(self.root / p) for p in PATHS), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         with tempfile.TemporaryDirectory(prefix="docs-check-") as scratch:
             for entry in self.root.iterdir():  # the tree's files, its runs/ left out

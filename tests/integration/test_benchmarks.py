@@ -128,7 +128,7 @@ def test_task_steps_floor_counts_every_registered_layer() -> None:
         import task_steps
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    from kaisa.tasks import get_task
+    from kaisa_lab.tasks import get_task
 
     blocks = task_steps.floor_blocks(get_task("text-cnn").build_model())
     shapes = sorted((tuple(g.shape), tuple(a.shape), tuple(grad.shape)) for g, a, grad in blocks)

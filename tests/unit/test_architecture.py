@@ -135,11 +135,6 @@ def test_pure_packages_never_import_torch_distributed(package: str) -> None:
 #: DTensor and FSDP checks, pipelining schedules)
 DISTRIBUTED = "kaisa.distributed"
 
-#: kaisa's command-line application: its own training loop joins torchrun's
-#: process group and wraps the model in DDP, as a user's script does; it is
-#: not the library, and leaves kaisa for kaisa_lab (issue 22's lab split)
-APPLICATION = ("kaisa.cli",)
-
 
 def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
@@ -228,9 +223,7 @@ def test_only_kaisa_distributed_touches_torch_distributed() -> None:
     offenders = {
         name: uses
         for name, path in _modules().items()
-        if not _within(name, DISTRIBUTED)
-        and not any(_within(name, app) for app in APPLICATION)
-        and (uses := torch_distributed_uses(path.read_text()))
+        if not _within(name, DISTRIBUTED) and (uses := torch_distributed_uses(path.read_text()))
     }
     assert not offenders, (
         "torch.distributed outside kaisa.distributed (move the call into "

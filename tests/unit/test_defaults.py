@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kaisa import KFAC_PYTORCH_DEFAULTS, ComputeMethod, KFACConfig, KFACPreconditioner
-from kaisa.tasks import get_task
+from kaisa_lab.tasks import get_task
 
 pytestmark = pytest.mark.library_defaults
 

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.cli.main import main
 from kaisa.config import AssignmentStrategy, ComputeMethod
 from kaisa.core.specs import FactorKind
 from kaisa.methods import method_for
 from kaisa.planner.costs import CostModel, measure_costs
 from kaisa.planner.forecast import choose_fraction, forecast, fractions_for, layer_costs
 from kaisa.planner.probe import probe_rows
+from kaisa_lab.cli.main import main
 
 
 def mlp(width: int = 16, depth: int = 4) -> nn.Module:

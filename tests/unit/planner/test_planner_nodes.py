@@ -18,10 +18,10 @@ import pytest
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.cli.main import main
 from kaisa.config import KFACConfig
 from kaisa.planner.costs import CostModel, placement
 from kaisa.planner.forecast import auto_fraction, choose_fraction, forecast, layer_costs
+from kaisa_lab.cli.main import main
 
 INTER, INTRA = 1e9, 1e11  # bytes/s per rank
 

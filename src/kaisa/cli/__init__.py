@@ -1,1 +1,0 @@
-"""The ``kaisa`` command-line tool (entry point: :func:`kaisa.cli.main.main`)."""

@@ -1,0 +1,135 @@
+"""``kaisa plan`` says what it planned with, and each failure names its option (issue 21)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import kaisa_lab.cli.plan as plan_cli
+from kaisa.config import KFACConfig
+from kaisa.core.workspace import MIN_BYTES, workspace_bytes
+from kaisa.planner.costs import CostModel
+from kaisa.planner.forecast import layer_costs
+from kaisa_lab.cli.main import main
+
+MODULE = "plan_models_cli"
+#: a hidden layer of 256 × 257 float32 (263 KB ≥ the workspace's 128 KiB) and a small head
+SOURCE = (
+    "import torch\nfrom torch import nn\n"
+    "def big():\n"
+    "    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 2)), "
+    "(torch.randn(1, 256),)\n"
+)
+
+
+@pytest.fixture
+def plan_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    (tmp_path / f"{MODULE}.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield ["plan", "--model", f"{MODULE}:big", "--out", str(tmp_path / "out")]
+    sys.modules.pop(MODULE, None)
+
+
+def comm_opt_memory(out: Path, world: int) -> int:
+    report = json.loads((out / "plan.json").read_text())
+    return next(
+        p["memory_max_bytes"]
+        for p in report["plans"]
+        if p["world_size"] == world and p["grad_worker_fraction"] == 1.0
+    )
+
+
+@pytest.mark.library_defaults
+def test_header_names_the_intervals_and_method_the_table_used(
+    plan_args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Unset, the intervals are the library's (10 and 100), not 1 and 1."""
+    assert main([*plan_args, "--world-size", "2"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    defaults = KFACConfig()
+    expected = {
+        "factor_update_steps": defaults.factor_update_steps,
+        "inv_update_steps": defaults.inv_update_steps,
+        "compute_method": defaults.compute_method.value,
+    }
+    assert expected["factor_update_steps"] != 1 and expected["inv_update_steps"] != 1
+    assert str(expected) in header
+    out = Path(plan_args[-1])
+    assert json.loads((out / "plan.json").read_text())["settings"] == expected
+    given = ["--kfac-factor-update-steps", "3", "--kfac-compute-method", "eigen"]
+    assert main([*plan_args, "--world-size", "2", *given]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "'factor_update_steps': 3, 'inv_update_steps': 100, 'compute_method': 'eigen'" in header
+
+
+def test_save_costs_creates_its_folder(
+    plan_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "not" / "yet" / "costs.json"
+    assert main([*plan_args, "--world-size", "1", "--save-costs", str(target)]) == 0
+    assert CostModel.load(target) == CostModel()
+
+
+def test_each_failure_names_its_own_option(
+    plan_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = {
+        "--save-costs": ["--save-costs", str(blocker / "costs.json")],
+        "--costs": ["--costs", str(tmp_path / "missing.json")],
+        "--ranks-per-node": ["--ranks-per-node", "4"],  # without the intra-node bandwidth
+        "--device": ["--measure-costs", "cpu", "--device", "cuda"],
+    }
+    for option, extra in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([*plan_args, "--world-size", "1", *extra])
+        assert exit_info.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        named = message.split(": ")[2]  # "kaisa plan: error: argument OPTIONS: why"
+        assert option in named, message
+        others = set(cases) - {option} - ({"--costs"} if option == "--save-costs" else set())
+        assert not any(f"{o}/" in named or named.endswith(o) for o in others), message
+
+
+def test_the_old_zoo_name_points_to_kaisa_lab(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model kaisa.zoo:resnet50`` (the docs' spelling before kaisa-lab)
+    names the new one instead of "No module named 'kaisa.zoo'"."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "kaisa.zoo:resnet50", "--world-size", "1"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --model" in message and "--model kaisa_lab.zoo:resnet50" in message, message
+
+
+def test_a_gpu_plan_leaves_out_the_cpu_workspace(
+    plan_args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The workspace is CPU-only (kaisa.core.workspace): --device cuda, or costs
+    measured on cuda, must not count it; a CPU plan does."""
+    out = Path(plan_args[-1])
+    big = 256 * 257
+    assert big * 4 >= MIN_BYTES
+    held = workspace_bytes(big, 4, 4)
+    assert main([*plan_args, "--world-size", "2"]) == 0
+    cpu = comm_opt_memory(out, 2)
+    assert main([*plan_args, "--world-size", "2", "--device", "cuda"]) == 0
+    assert cpu - comm_opt_memory(out, 2) == held
+    assert "layers on cuda" in capsys.readouterr().out
+    monkeypatch.setattr(plan_cli, "measure_costs", lambda device: CostModel(device=device))
+    assert main([*plan_args, "--world-size", "2", "--measure-costs", "cuda"]) == 0
+    assert cpu - comm_opt_memory(out, 2) == held
+    assert main([*plan_args, "--world-size", "2", "--measure-costs", "cpu"]) == 0
+    assert comm_opt_memory(out, 2) == cpu
+
+
+def test_layer_costs_on_another_device() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 2))
+    assert [la.reuses_workspace for la in layer_costs(model)] == [True, False]
+    assert [la.reuses_workspace for la in layer_costs(model, device="cuda")] == [False, False]
+    assert [la.reuses_workspace for la in layer_costs(model, device="cpu")] == [True, False]
