@@ -6,7 +6,7 @@ diagonal ``d``, the gradient axis it acts on, and whether it is estimated
 from the layer's inputs or from its output gradients).  Everything that sizes,
 sends, stores or plans a factor reads it from the spec.
 
-Conventions (stated in the README and tested against dense references):
+Conventions (stated in docs/numerics.md and tested against dense references):
 
 * an input factor is ``A = Σ_r ā_r ā_rᵀ / R`` over all R rows (data points ×
   shared positions × calls) a layer saw between two factor updates — on every
