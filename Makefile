@@ -39,11 +39,15 @@ lint: venv
 docs-check: venv
 	$(PY) tools/docs_check.py
 
-## Rewrite every generated region of README.md and docs/*.md from its command.
+## Rewrite every generated region of README.md and docs/**/*.md from its command.
 docs-update: venv
 	$(PY) tools/docs_check.py --write
 
-docs: docs-update
+## The documentation site (mkdocs.yml: README.md, the guides under docs/, the API
+## reference from the docstrings) in site/, strictly: any warning (a broken link or
+## anchor, a docstring griffe cannot read) fails it.  The test suite builds it too.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 ## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).
 bench: venv
@@ -60,4 +64,4 @@ bench: venv
 	OMP_NUM_THREADS=1 $(PY) benchmarks/tensor_parallel_comm.py --out runs/bench
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""Docs that cannot go stale: re-run the commands behind README.md and docs/*.md.
+"""Docs that cannot go stale: re-run the commands behind README.md and docs/**/*.md.
 
 A region of a markdown file that a command prints is fenced by two HTML
 comments, which name the command::
@@ -53,8 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: the markdown files whose regions are checked (globs, relative to the root)
-DOCS = ("README.md", "docs/*.md")
+#: the markdown files whose regions are checked (globs, relative to the root): the
+#: README and every page of the documentation site, in any folder under docs/
+DOCS = ("README.md", "docs/**/*.md")
 #: whole files a command prints, relative to the root
 FILES = {"docs/plan-paper-costs.json": "python benchmarks/plan_paper.py --print-costs"}
 MARKER = re.compile(r"^<!-- generated(?P<flags>(?: [a-z]+)*): (?P<command>.+?) -->\s*$")

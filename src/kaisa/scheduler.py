@@ -35,10 +35,13 @@ class LambdaParamScheduler:
 
     Args:
         preconditioner: a :class:`kaisa.KFACPreconditioner` (or kfac-pytorch's).
-        factor_update_steps_lambda, inv_update_steps_lambda: the factor each
-            interval is multiplied by; the product is cast to int.
-        damping_lambda, factor_decay_lambda, kl_clip_lambda, lr_lambda: the
-            factor each value is multiplied by.
+        factor_update_steps_lambda: the factor the factor-update interval is
+            multiplied by; the product is cast to int.
+        inv_update_steps_lambda: the same for the inverse-update interval.
+        damping_lambda: the factor the damping is multiplied by.
+        factor_decay_lambda: the same for the running averages' decay.
+        kl_clip_lambda: the same for the KL clip.
+        lr_lambda: the same for the learning rate the KL clip assumes.
 
     Raises:
         ValueError: a lambda is given for an option the preconditioner holds as

@@ -1,4 +1,5 @@
-"""The docs' generated regions equal what their commands print (tools/docs_check.py).
+"""The docs' generated regions equal what their commands print (tools/docs_check.py),
+and the documentation site builds with no warning (mkdocs.yml, ``make docs``).
 
 The quick regions run in the fast suite, the slow ones (BERT-Large, every
 link scenario, the benchmarks' bytes and memory tables: strategies.py under
@@ -7,12 +8,20 @@ so ``make test`` checks every region; outputs
 are cached by a digest of the sources, so a re-run without a change is quick.
 A region whose numbers were edited by hand, or whose command now prints
 something else, fails with a diff; ``make docs-update`` rewrites them.
+
+The site (README.md as its landing page, the guides under ``docs/``, the API
+reference from the public objects' docstrings) is built with ``--strict``:
+a broken link or anchor, an unresolved cross-reference or a docstring that
+griffe cannot read fails the suite.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -81,7 +90,8 @@ def test_every_plan_and_bytes_table_in_the_docs_is_generated() -> None:
                     f"{path.name}:{i + 1} is a generated table outside a generated region"
                 )
     regions = [r for p in docs_check.doc_paths(ROOT) for r in docs_check.find_regions(p)]
-    assert sum("kaisa plan" in r.command for r in regions) >= 2  # README and planning.md
+    planning = docs_check.find_regions(ROOT / "docs" / "planning.md")
+    assert any("kaisa plan" in r.command for r in planning)  # the README's moved there
     benchmarks = ("strategies.py", "tensor_parallel_comm.py", "precision.py")
     for name in benchmarks:  # docs/benchmarks.md
         assert any(name in r.command and "--markdown" in r.command for r in regions), name
@@ -126,3 +136,88 @@ def test_code_regions_are_fenced_and_bad_regions_refused(tmp_path: Path) -> None
     (root / "README.md").write_text("<!-- generated fast: python -c 'print(1)' -->\n")
     with pytest.raises(ValueError, match="unknown flags"):
         check(*files)
+
+
+def test_regions_in_a_folder_under_docs_are_checked(tmp_path: Path) -> None:
+    """The guides may live in folders (docs/api/…): their regions are checked too."""
+    root = small_tree(tmp_path, "# doc\n")
+    (root / "docs" / "guide").mkdir()
+    page = root / "docs" / "guide" / "page.md"
+    page.write_text("<!-- generated: python -c \"print('a')\" -->\nb\n<!-- end generated -->\n")
+    assert page in docs_check.doc_paths(root)
+    code, diff = check("--root", str(root), "--no-cache", "docs/guide/page.md")
+    assert code == 1 and "docs/guide/page.md:1" in diff and "+a" in diff
+
+
+# -- the documentation site -------------------------------------------------------------
+
+needs_mkdocs = pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None,
+    reason="mkdocs is not installed (the dev extra installs it: pip install -e '.[dev]')",
+)
+
+
+def build_site(root: Path, site: Path) -> tuple[int, str]:
+    """``mkdocs build --strict`` of the tree at ``root`` into ``site``: exit code and log."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=root,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+@needs_mkdocs
+def test_the_site_builds_with_no_warning(tmp_path: Path) -> None:
+    code, log = build_site(ROOT, tmp_path / "site")
+    assert code == 0 and "WARNING" not in log, f"make docs fails:\n{log}"
+    landing = (tmp_path / "site" / "index.html").read_text()
+    assert "Two lines in your training script" in landing  # README.md is the landing page
+    assert 'href="getting-started/"' in landing  # its docs/… links point into the site
+    api = (tmp_path / "site" / "api" / "preconditioner" / "index.html").read_text()
+    assert "Precondition the gradients of every registered layer in place." in api
+    assert ":class:" not in api and ":meth:" not in api  # reST roles rendered as code
+
+
+def site_copy(tmp_path: Path) -> Path:
+    """What the site is built from (mkdocs.yml, README.md, docs/, tools/, src/), copied."""
+    root = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__")
+    for name in ("docs", "tools", "src"):
+        shutil.copytree(ROOT / name, root / name, ignore=ignore)
+    for name in ("mkdocs.yml", "README.md"):
+        shutil.copy(ROOT / name, root / name)
+    return root
+
+
+@needs_mkdocs
+def test_a_broken_link_reference_or_docstring_fails_the_build(tmp_path: Path) -> None:
+    """Each defect is reported as a warning, and a warning fails the build."""
+    root = site_copy(tmp_path)
+    page = root / "docs" / "numerics.md"
+    page.write_text(
+        page.read_text()
+        + "\n[gone](no-such-page.md), [no section](engines.md#no-such-section), "
+        + "[kaisa.NoSuchObject][]\n"
+    )
+    readme = root / "README.md"
+    readme.write_text(readme.read_text() + "\n[gone](docs/no-such-guide.md)\n")
+    scheduler = root / "src" / "kaisa" / "scheduler.py"
+    text = scheduler.read_text()
+    documented = "        lr_lambda: the same for the learning rate the KL clip assumes.\n"
+    assert documented in text
+    scheduler.write_text(text.replace(documented, documented + "        no_such_lambda: gone.\n"))
+    code, log = build_site(root, tmp_path / "site")
+    assert code != 0 and "Aborted with" in log, log
+    warnings = "\n".join(line for line in log.splitlines() if line.startswith("WARNING"))
+    for warning in (
+        "'no-such-page.md'",  # a link to a missing page
+        "'engines.md#no-such-section'",  # an anchor that is not there
+        "'no-such-guide.md'",  # the README's link, as the landing page holds it
+        "kaisa.NoSuchObject",  # a cross-reference to no object
+        "no_such_lambda",  # a docstring parameter the signature lacks
+    ):
+        assert warning in warnings, f"{warning} not reported as a warning:\n{log}"

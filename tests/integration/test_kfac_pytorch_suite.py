@@ -11,7 +11,7 @@ Two runs:
 
 * **only the import switched**: every test passes except those in
   :data:`DIFFERENCES`, and each of those fails exactly at its documented
-  statement (README, "Coming from kfac-pytorch");
+  statement (docs/kfac-pytorch.md);
 * **with each documented statement replaced** by kaisa's behaviour: every
   test passes, so the checks after a documented difference run too.
 """
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 FILES = ("training_test.py", "preconditioner_test.py", "scheduler_test.py")
 IMPORT = "from kfac.preconditioner import KFACPreconditioner\n"
 
-#: (file, test, kfac-pytorch's statement, kaisa's, the reason) — each also in the README
+#: (file, test, kfac-pytorch's statement, kaisa's, the reason) — each also in docs/kfac-pytorch.md
 DIFFERENCES = (
     (
         "preconditioner_test.py",
@@ -136,7 +136,9 @@ def test_kfac_pytorch_tests_pass_with_only_the_import_switched(tmp_path: Path) -
             file, _, statement, *_ = next(d for d in DIFFERENCES if d[1] == test)
             text = (tmp_path / "switched" / file).read_text()
             line = text[: text.index(statement)].count("\n") + 1
-            assert outcome != "passed", f"{key} passes: drop it from DIFFERENCES and the README"
+            assert outcome != "passed", (
+                f"{key} passes: drop it from DIFFERENCES and docs/kfac-pytorch.md"
+            )
             assert f"{file}:{line}: " in outcome, (key, line, outcome[-2000:])
         else:
             assert outcome == "passed", f"{key}: {outcome[-3000:]}\n{run.stdout[-3000:]}"

@@ -1,6 +1,6 @@
 """Robustness of the public API in real training loops.
 
-Each section is one promised behaviour (README, "Real training loops"):
+Each section is one promised behaviour (docs/getting-started.md, "Real training loops"):
 
 1. a deep copy / pickle of the model after attaching captures nothing;
 2. ``load_state_dict`` validates everything before changing anything;

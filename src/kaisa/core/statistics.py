@@ -3,7 +3,7 @@
 What a factor is comes from its spec (:mod:`kaisa.core.specs`); this module
 forms its values.
 
-Conventions (stated in the README and tested against dense references):
+Conventions (stated in docs/numerics.md and tested against dense references):
 
 * an input factor is ``A = Σ_r ā_r ā_rᵀ / R`` over all R rows (data points ×
   shared positions × calls) a layer saw between two factor updates — on every

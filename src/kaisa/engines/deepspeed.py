@@ -30,7 +30,7 @@ preconditioned gradient after kaisa's broadcast and keeps its own part.
 
 DeepSpeed divides the loss by ``gradient_accumulation_steps`` and owns the
 learning rate, so both come from the engine.  Its ``gradient_clipping``
-(default 1.0) clips *after* kaisa, on top of the KL clip: see the README.
+(default 1.0) clips *after* kaisa, on top of the KL clip: see docs/frameworks.md.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ count, and with ``include_second_order=True`` the eigenbases/inverses too.
 Only then is a resume exact at any step; without them they are recomputed
 at the first step after the resume, from factors that already hold that
 step's batch, so the resumed run equals the uninterrupted one only where
-that step is an inverse update step anyway (see the README, "Checkpoints").
+that step is an inverse update step anyway (see docs/engines.md, "Checkpoints").
 The second-order state costs about as much again as the factors (eigen: the
 eigenbases, as large as the factors, plus their eigenvalues).
 """

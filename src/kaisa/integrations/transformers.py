@@ -25,8 +25,8 @@ The preconditioner's state is saved with every Trainer checkpoint
 rank takes part in gathering it) and restored when training resumes from
 one (``resume_from_checkpoint``): the running factors and the step count,
 and with ``include_second_order=True`` the eigenbases/inverses too, which
-makes the resume exact at any step (about the factors' size again; see the
-README, "Checkpoints").
+makes the resume exact at any step (about the factors' size again; see
+docs/engines.md, "Checkpoints").
 """
 
 from __future__ import annotations

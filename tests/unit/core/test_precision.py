@@ -1,7 +1,7 @@
 """Opt-in lower precision for the products: ``precondition_dtype`` and ``factor_compute_dtype``.
 
 Every bfloat16 path is checked against the float64 dense reference
-(``kfac_reference``) within the bounds the README states:
+(``kfac_reference``) within the bounds docs/numerics.md states:
 
 * preconditioning products in bfloat16 (stored tensors in float32/float64):
   relative error of V ≤ 2e-2 and cosine ≥ 0.999 on well-conditioned layers.
