@@ -29,7 +29,6 @@ from kaisa.config import (
     ComputeMethod,
     DistributedStrategy,
     KFACConfig,
-    LargeFactor,
     layer_dtypes,
 )
 from kaisa.costs import CostModel
@@ -132,7 +131,9 @@ def layer_costs(
     (:mod:`kaisa.workspace`) is held only on the CPU, so a plan for a GPU
     must not count it.  None: each layer's own device."""
     where = torch.device(device) if device is not None else None
-    config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
+    config = KFACConfig.from_options(
+        **{k: v for k, v in kfac.items() if k in KFACConfig.field_names()}
+    )
     adapters, _ = register_layers(model, config.skip_layers)
     # as TorchEngine.rescalable: a layer that owns whole parameters, unshared
     owns = sole_owners(adapters)
@@ -140,7 +141,7 @@ def layer_costs(
     for adapter, whole in zip(adapters, owns):
         factor, inv = layer_dtypes(config, adapter.weight.dtype)
         adapter.max_factor_dim = config.max_factor_dim
-        adapter.large_factor = LargeFactor(config.large_factor)
+        adapter.large_factor = config.large_factor
         g, a = adapter.matrix_shape
         out.append(
             LayerCost(
@@ -320,7 +321,7 @@ def _config_of(kfac: dict[str, Any]) -> KFACConfig:
             f"forecast() got unknown option(s) {unknown}; "
             f"allowed: {sorted(KFACConfig.field_names())}"
         )
-    return KFACConfig(**kfac)
+    return KFACConfig.from_options(**kfac)
 
 
 def forecast(
@@ -344,11 +345,11 @@ def forecast(
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in layers],
         world_size,
-        config.worker_fraction,
+        config.grad_worker_fraction,
         config.assignment_strategy,
         config.colocate_factors,
     )
-    method_kind = ComputeMethod(config.compute_method)
+    method_kind = config.compute_method
     method = method_for(method_kind, config.compute_eigenvalue_outer_product)
     w, sym = world_size, config.symmetry_aware
     t = _Tally.zeros(w)
@@ -359,8 +360,8 @@ def forecast(
         _add_factors(t, layer, lp.owners, cost, sym)
         held = method.held(layer.factors, lp.colocated)
         itemsize = layer.inv_itemsize
-        copy = config.precondition_dtype  # a torch.dtype once validated
-        if isinstance(copy, torch.dtype) and copy.itemsize != itemsize:
+        copy = config.precondition_dtype
+        if copy is not None and copy.itemsize != itemsize:
             itemsize += copy.itemsize  # cast copies the products run on (kaisa.precision)
         t.memory["second_order"][workers] += sum(h.numel for h in held) * itemsize
         vector = method.exchange(layer.factors, [None] * len(layer.factors))
@@ -429,7 +430,7 @@ def _add_group_collectives(
 def _compute_itemsize(layer: LayerCost, config: KFACConfig) -> int:
     """The dtype the products run in: ``precondition_dtype``, else ``inv_dtype``'s."""
     copy = config.precondition_dtype
-    return copy.itemsize if isinstance(copy, torch.dtype) else layer.inv_itemsize
+    return copy.itemsize if copy is not None else layer.inv_itemsize
 
 
 def _finish(t: _Tally, plan: WorkPlan, config: KFACConfig, method: str, sym: bool) -> Forecast:

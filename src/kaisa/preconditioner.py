@@ -8,8 +8,10 @@ parts, :mod:`kaisa.pipeline` runs ``step()`` phase by phase,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import os
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from enum import Enum
 from typing import Any
 
 import torch
@@ -18,19 +20,33 @@ from torch import nn
 from kaisa.checkpoint import STATE_VERSION
 from kaisa.comm import Communicator
 from kaisa.compat import KfacPytorchAttributes, is_kfac_pytorch_state, refuse_kfac_pytorch_state
-from kaisa.config import ComputeMethod, KFACConfig
-from kaisa.engines import Engine, GradientAccess, select_engine
+from kaisa.config import (
+    DEFAULT_MAX_FACTOR_DIM,
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    FloatOrSchedule,
+    IntOrSchedule,
+    KFACApprox,
+    KFACConfig,
+    LargeFactor,
+    LossAverage,
+    TensorParallelMode,
+)
+from kaisa.engines import Engine, GradientAccess
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule
 from kaisa.plan import WorkPlan
 from kaisa.report import describe, log_registration, memory_usage
-from kaisa.scaling import LossScaling
 from kaisa.schedule import Schedule, warn_unaligned_intervals
 from kaisa.sharded import restore_sharded, sharded_state
 from kaisa.topology import Topology
-from kaisa.wiring import build, check_runtime_arguments
+from kaisa.wiring import build, check_runtime_arguments, configure
 
 __all__ = ["KFACPreconditioner"]
+
+#: the constructor's keywords that are options of :class:`KFACConfig`
+OPTION_NAMES = frozenset(KFACConfig.field_names())
 
 logger = logging.getLogger("kaisa")
 
@@ -50,8 +66,15 @@ class KFACPreconditioner(KfacPytorchAttributes):
             precond.step()
             optimizer.step()
 
-    Keyword arguments are those of kfac-pytorch's ``KFACPreconditioner`` (see
-    :class:`kaisa.KFACConfig` for their meaning and allowed values), plus:
+    Keyword arguments are those of kfac-pytorch's ``KFACPreconditioner``, with
+    the same names, plus kaisa's own; each is listed with its type and default
+    below, grouped by concern.  The plain options become :attr:`config`, a
+    :class:`kaisa.KFACConfig` (see it and the per-concern configs for their
+    meaning and allowed values): enum options take a member, its value or
+    name in any case (``'eigen'``, ``'MEM_OPT'``) or kfac-pytorch's member of
+    the same name; dtypes take a ``torch.dtype`` or its name.  An unknown
+    keyword is a ``TypeError`` naming it, a bad value a ``ValueError`` or
+    ``TypeError`` naming the option and what it allows.
 
     Args:
         model: the model, optionally wrapped by DDP, DataParallel or
@@ -66,6 +89,10 @@ class KFACPreconditioner(KfacPytorchAttributes):
             current loss scale; it is divided out of the captured output
             gradients.  Call ``scaler.unscale_(optimizer)`` before :meth:`step`
             so the KL clip sees true gradients.
+        lr: the learning rate the KL clip assumes; None: the optimizer's, else
+            the engine's, else 0.1.
+        accumulation_steps: micro-batches per :meth:`step`; None: the
+            engine's (DeepSpeed's, a pipeline schedule's), else 1.
         gradient_access: how parameter gradients are read and written
             (default: ``.grad``).
         engine: the training engine (default: chosen from the model).
@@ -81,59 +108,58 @@ class KFACPreconditioner(KfacPytorchAttributes):
         *,
         optimizer: torch.optim.Optimizer | None = None,
         grad_scaler: Any | None = None,
+        # -- the algorithm (kaisa.AlgorithmConfig)
+        factor_update_steps: IntOrSchedule = 10,
+        inv_update_steps: IntOrSchedule = 100,
+        damping: FloatOrSchedule = 0.3,
+        factor_decay: FloatOrSchedule = 0.95,
+        kl_clip: FloatOrSchedule | None = 0.001,
+        lr: FloatOrSchedule | None = None,
+        accumulation_steps: int | None = None,
+        compute_method: ComputeMethod | str | Enum = ComputeMethod.INVERSE,
+        compute_eigenvalue_outer_product: bool = True,
+        skip_layers: str | Collection[str] | None = (),
+        update_factors_in_hook: bool = True,
+        loss_average: LossAverage | str = LossAverage.BATCH,
+        kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
+        large_factor: LargeFactor | str = LargeFactor.DIAGONAL,
+        # -- the distribution over ranks (kaisa.DistributionConfig)
+        grad_worker_fraction: DistributedStrategy | float | str | Enum = (
+            DistributedStrategy.COMM_OPT
+        ),
+        assignment_strategy: AssignmentStrategy | str | Enum = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        allreduce_bucket_cap_mb: float = 25.0,
+        symmetry_aware: bool = False,
+        tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT,
+        # -- precision (kaisa.PrecisionConfig)
+        factor_dtype: torch.dtype | str | None = None,
+        inv_dtype: torch.dtype | str | None = None,
+        factor_compute_dtype: torch.dtype | str | None = None,
+        precondition_dtype: torch.dtype | str | None = None,
+        # -- the planner of grad_worker_fraction='auto' (kaisa.PlannerConfig)
+        memory_budget_mb: float | None = None,
+        plan_costs: str | os.PathLike[str] | None = None,
+        # -- the runtime
         gradient_access: GradientAccess | None = None,
         engine: Engine | None = None,
         topology: Topology | None = None,
         pg_timeout_s: float | None = None,
-        lr: float | Callable[[int], float] | None = None,
         loglevel: int = logging.DEBUG,
-        **kwargs: Any,
     ) -> None:
+        options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
         check_runtime_arguments(
             model, optimizer, grad_scaler, gradient_access, pg_timeout_s, loglevel, topology, engine
         )
-        unknown = set(kwargs) - set(KFACConfig.field_names())
-        if unknown:
-            raise TypeError(
-                f"unknown keyword argument(s) {sorted(unknown)}; allowed: "
-                f"{sorted(KFACConfig.field_names())}"
-            )
-        scaling = LossScaling(grad_scaler, optimizer)
-        engine = engine or select_engine(model, gradient_access)
-        given = engine.defaults()
-        if given.accumulation_steps is not None:
-            asked = kwargs.setdefault("accumulation_steps", given.accumulation_steps)
-            if asked != given.accumulation_steps:
-                raise ValueError(
-                    f"accumulation_steps={asked!r} but the {engine.name} engine accumulates "
-                    f"{given.accumulation_steps} micro-batches per step; leave "
-                    "accumulation_steps out"
-                )
-        if lr is None and optimizer is None:
-            lr = given.lr
-        topology = topology or given.topology
-        engine.check_topology(topology)
-        if grad_scaler is None and given.loss_scale is not None:
-            grad_scaler = given.loss_scale
-            scaling = LossScaling(grad_scaler, optimizer)
-        config = KFACConfig(lr=0.1 if lr is None else lr, **kwargs)
-        self._schedule = Schedule(config, optimizer, lr is None and optimizer is not None)
+        setup = configure(model, options, optimizer, grad_scaler, gradient_access, engine, topology)
+        self._schedule = Schedule(setup.config, optimizer, setup.lr_from_optimizer)
         self.model = model
         self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        warn_unaligned_intervals(config)
-        self._parts = build(
-            model,
-            config,
-            self._schedule,
-            optimizer=optimizer,
-            scaling=scaling,
-            engine=engine,
-            topology=topology,
-            pg_timeout_s=pg_timeout_s,
-            loss_divisor=given.loss_divisor,
-        )
-        self._attached = engine.attach(self.step, self.paused)
+        self.grad_scaler = setup.grad_scaler
+        warn_unaligned_intervals(setup.config)
+        self._parts = build(model, setup, self._schedule, pg_timeout_s)
+        self._attached = setup.engine.attach(self.step, self.paused)
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
         )
@@ -319,7 +345,7 @@ class KFACPreconditioner(KfacPytorchAttributes):
         cfg = self.config
         return (
             f"KFACPreconditioner(layers={len(self.layers)}, skipped={len(self.skipped)}, "
-            f"compute_method={ComputeMethod(cfg.compute_method).value}, "
+            f"compute_method={cfg.compute_method.value}, "
             f"factor_update_steps={cfg.factor_update_steps}, "
             f"inv_update_steps={cfg.inv_update_steps}, "
             f"damping={cfg.damping}, factor_decay={cfg.factor_decay}, kl_clip={cfg.kl_clip}, "

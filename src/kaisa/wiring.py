@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,16 +21,8 @@ from kaisa.apply import GradientApplication
 from kaisa.capture import Capture
 from kaisa.checkpoint import Checkpointer
 from kaisa.comm import Communicator, group_ranks
-from kaisa.config import (
-    ComputeMethod,
-    DistributedStrategy,
-    KFACApprox,
-    KFACConfig,
-    LargeFactor,
-    LossAverage,
-    layer_dtypes,
-)
-from kaisa.engines import Engine
+from kaisa.config import DistributedStrategy, KFACApprox, KFACConfig, layer_dtypes
+from kaisa.engines import Engine, GradientAccess, select_engine
 from kaisa.forecast import auto_fraction
 from kaisa.layer import KFACLayer
 from kaisa.layers.registry import SkippedModule, register_layers
@@ -43,7 +35,7 @@ from kaisa.schedule import Schedule
 from kaisa.second_order import SecondOrderUpdate
 from kaisa.topology import Topology
 
-__all__ = ["Parts", "build", "check_runtime_arguments"]
+__all__ = ["Parts", "Setup", "build", "check_runtime_arguments", "configure"]
 
 
 @dataclass
@@ -59,6 +51,62 @@ class Parts:
     capture: Capture
     pipeline: StepPipeline
     checkpointer: Checkpointer
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The options in force: the user's, completed by what the engine owns."""
+
+    config: KFACConfig
+    engine: Engine
+    topology: Topology | None
+    #: the user's grad scaler, else the engine's loss scale (DeepSpeed fp16)
+    grad_scaler: Any
+    scaling: LossScaling
+    #: the KL clip's lr is read from the optimizer at every step
+    lr_from_optimizer: bool
+    loss_divisor: int | None
+
+
+def configure(
+    model: nn.Module,
+    options: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    grad_scaler: Any,
+    gradient_access: GradientAccess | None,
+    engine: Engine | None,
+    topology: Topology | None,
+) -> Setup:
+    """Choose the engine and complete ``options`` (the constructor's plain
+    keywords) with what it owns: the accumulation steps, the lr, the topology
+    and the loss scale.  ``lr``/``accumulation_steps`` None: not given."""
+    engine = engine or select_engine(model, gradient_access)
+    given = engine.defaults()
+    options = {k: v for k, v in options.items() if v is not None or k not in _ENGINE_OWNED}
+    if given.accumulation_steps is not None:
+        asked = options.setdefault("accumulation_steps", given.accumulation_steps)
+        if asked != given.accumulation_steps:
+            raise ValueError(
+                f"accumulation_steps={asked!r} but the {engine.name} engine accumulates "
+                f"{given.accumulation_steps} micro-batches per step; leave "
+                "accumulation_steps out"
+            )
+    lr_from_optimizer = "lr" not in options and optimizer is not None
+    if "lr" not in options and optimizer is None and given.lr is not None:
+        options["lr"] = given.lr
+    config = KFACConfig.from_options(**options)
+    topology = topology or given.topology
+    engine.check_topology(topology)
+    if grad_scaler is None and given.loss_scale is not None:
+        grad_scaler = given.loss_scale
+    scaling = LossScaling(grad_scaler, optimizer)
+    return Setup(
+        config, engine, topology, grad_scaler, scaling, lr_from_optimizer, given.loss_divisor
+    )
+
+
+#: options whose None means "not given": the engine's value, else the default
+_ENGINE_OWNED = ("lr", "accumulation_steps")
 
 
 def check_runtime_arguments(
@@ -126,10 +174,10 @@ def _register(
         )
     for adapter in adapters:
         adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
-        adapter.factor_compute_dtype = cast("torch.dtype | None", config.factor_compute_dtype)
+        adapter.factor_compute_dtype = config.factor_compute_dtype
         adapter.max_factor_dim = config.max_factor_dim
-        adapter.large_factor = LargeFactor(config.large_factor)
-    precondition = cast("torch.dtype | None", config.precondition_dtype)
+        adapter.large_factor = config.large_factor
+    precondition = config.precondition_dtype
     layers = {
         a.name: KFACLayer(a, *layer_dtypes(config, a.weight.dtype), precondition) for a in adapters
     }
@@ -138,20 +186,15 @@ def _register(
 
 def build(
     model: nn.Module,
-    config: KFACConfig,
+    setup: Setup,
     schedule: Schedule,
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    scaling: LossScaling,
-    engine: Engine,
-    topology: Topology | None,
     pg_timeout_s: float | None,
-    loss_divisor: int | None = None,
 ) -> Parts:
+    config, engine, topology = setup.config, setup.engine, setup.topology
     layers, skipped = _register(engine, model, config)
     ordered = list(layers.values())
     world = len(group_ranks(topology.dp if topology is not None else None))
-    fraction = config.worker_fraction
+    fraction = config.grad_worker_fraction
     if fraction is DistributedStrategy.AUTO:
         fraction = auto_fraction(ordered, world, config)
     plan = make_plan(
@@ -169,17 +212,15 @@ def build(
         symmetry_aware=config.symmetry_aware,
         timeout_s=pg_timeout_s,
     )
-    method = method_for(
-        ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product
-    )
+    method = method_for(config.compute_method, config.compute_eigenvalue_outer_product)
     capture = Capture(
         model,
         ordered,
-        loss_average=LossAverage(config.loss_average),
+        loss_average=config.loss_average,
         accumulation_steps=config.accumulation_steps,
-        loss_divisor=loss_divisor,
+        loss_divisor=setup.loss_divisor,
         in_hook=config.update_factors_in_hook,
-        loss_scale=scaling.getter(),
+        loss_scale=setup.scaling.getter(),
     )
     engine.connect(comm, capture, ordered)
     reduction = FactorReduction(
@@ -202,7 +243,7 @@ def build(
         second_order=second_order,
         application=application,
         in_hook=config.update_factors_in_hook,
-        scaling=scaling,
+        scaling=setup.scaling,
     )
     checkpointer = Checkpointer(layers, plan, comm, method, second_order)
     pipeline.on_inverse_step = checkpointer.mirror.at_inverse_step
