@@ -233,14 +233,17 @@ def _as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
     raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
-def _dtype_error(name: str, value: Any) -> TypeError:
+def _dtype_error(name: str, value: Any, *, converted: bool = False) -> TypeError:
+    """``converted``: raised by a config, where a dtype's name is not converted."""
+    hint = _AT_THE_BOUNDARY if converted and isinstance(value, str) else ""
     if name in ("factor_compute_dtype", "precondition_dtype"):
         return TypeError(
             f"{name} must be None, float32, float64 or bfloat16 (a torch.dtype or its name); "
-            f"got {value!r}"
+            f"got {value!r}{hint}"
         )
     return TypeError(
-        f"{name} must be None, a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}"
+        f"{name} must be None, a floating torch.dtype or one of {sorted(_DTYPES)}; "
+        f"got {value!r}{hint}"
     )
 
 
@@ -349,7 +352,7 @@ def _check_dtype(name: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, torch.dtype):
-        raise _dtype_error(name, value)
+        raise _dtype_error(name, value, converted=True)
     if not value.is_floating_point:
         raise ValueError(f"{name} must be a floating-point torch.dtype; got {value}")
 
@@ -367,7 +370,7 @@ def _check_product_dtype(name: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise _dtype_error(name, value)
+        raise _dtype_error(name, value, converted=True)
     if value not in _PRODUCT_DTYPES:
         raise ValueError(
             f"{name} must be None, float32, float64 or bfloat16; got {value} (float16 is "
