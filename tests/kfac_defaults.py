@@ -20,16 +20,27 @@ from kaisa.preconditioner import KFACPreconditioner
 _SIGNATURES: tuple[Callable[..., Any], ...] = (KFACPreconditioner.__init__,)
 
 
-def _patch_kwdefaults(function: Any, values: dict[str, object]) -> None:
+class Defaults(dict[str, object]):
+    """The defaults a pin replaced, by option (the configs'), and each
+    signature's own: restoring them restores a signature that drifted from the
+    configs as it was, so the tests of kaisa's defaults see the drift."""
+
+    signatures: list[dict[str, object]]
+
+
+def _patch_kwdefaults(function: Any, values: dict[str, object]) -> dict[str, object]:
+    """Set the keyword defaults named in ``values``; return what they were."""
     defaults = dict(function.__kwdefaults__ or {})
+    old = {k: defaults[k] for k in values if k in defaults}
     defaults.update({k: v for k, v in values.items() if k in defaults})
     function.__kwdefaults__ = defaults
+    return old
 
 
-def pin_defaults(values: dict[str, object]) -> dict[str, object]:
+def pin_defaults(values: dict[str, object]) -> Defaults:
     """Make ``values`` the defaults of the configs and of the constructor; return the old ones."""
     by_name = {f.name: f for f in dataclasses.fields(KFACConfig)}
-    old = {name: by_name[name].default for name in values}
+    old = Defaults({name: by_name[name].default for name in values})
     for name, value in values.items():
         by_name[name].default = value  # the one Field object every config shares
         for cls in (*CONCERNS, KFACConfig):
@@ -37,8 +48,8 @@ def pin_defaults(values: dict[str, object]) -> dict[str, object]:
                 setattr(cls, name, value)
     for cls in (*CONCERNS, KFACConfig):
         _patch_kwdefaults(cls.__init__, values)
-    for function in _SIGNATURES:
-        _patch_kwdefaults(function, values)
+    own = values.signatures if isinstance(values, Defaults) else [values] * len(_SIGNATURES)
+    old.signatures = [_patch_kwdefaults(f, v) for f, v in zip(_SIGNATURES, own, strict=True)]
     return old
 
 
