@@ -3,14 +3,18 @@
 from kaisa.allocator import tune_cpu_allocator
 from kaisa.config import (
     KFAC_PYTORCH_DEFAULTS,
+    AlgorithmConfig,
     AllreduceMethod,
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    DistributionConfig,
     KFACApprox,
     KFACConfig,
     LargeFactor,
     LossAverage,
+    PlannerConfig,
+    PrecisionConfig,
 )
 from kaisa.distributed.topology import Topology
 from kaisa.preconditioner import KFACPreconditioner
@@ -19,15 +23,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KFAC_PYTORCH_DEFAULTS",
+    "AlgorithmConfig",
     "AllreduceMethod",
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "DistributionConfig",
     "KFACApprox",
     "KFACConfig",
     "KFACPreconditioner",
     "LargeFactor",
     "LossAverage",
+    "PlannerConfig",
+    "PrecisionConfig",
     "Topology",
     "__version__",
     "tune_cpu_allocator",

@@ -142,11 +142,11 @@ class KfacPytorchAttributes:
     # -- configuration, as kfac-pytorch exposes it --------------------------------------
     @property
     def compute_method(self) -> ComputeMethod:
-        return ComputeMethod(self.config.compute_method)
+        return self.config.compute_method
 
     @property
     def assignment_strategy(self) -> AssignmentStrategy:
-        return AssignmentStrategy(self.config.assignment_strategy)
+        return self.config.assignment_strategy
 
     @property
     def grad_worker_fraction(self) -> float:
@@ -157,7 +157,7 @@ class KfacPytorchAttributes:
     @property
     def distributed_strategy(self) -> DistributedStrategy:
         """COMM_OPT (f = 1), MEM_OPT (one worker per layer) or HYBRID_OPT."""
-        given = self.config.worker_fraction
+        given = self.config.grad_worker_fraction
         if isinstance(given, DistributedStrategy) and given is not DistributedStrategy.AUTO:
             return given
         if self.plan.grad_workers == self.plan.world_size:
@@ -198,11 +198,11 @@ class KfacPytorchAttributes:
 
     @property
     def factor_dtype(self) -> torch.dtype | None:
-        return self.config.factor_dtype  # type: ignore[return-value]  # normalised
+        return self.config.factor_dtype
 
     @property
     def inv_dtype(self) -> torch.dtype | None:
-        return self.config.inv_dtype  # type: ignore[return-value]  # normalised
+        return self.config.inv_dtype
 
     @property
     def skip_layers(self) -> list[str]:

@@ -5,6 +5,15 @@ runtime object such as a model, optimizer or grad scaler) lives here, so that
 validation happens in one place, before any hook is registered, and so that the
 command-line tool can build its options from the same list.
 
+The options are grouped by concern, one frozen dataclass each
+(:class:`AlgorithmConfig`, :class:`DistributionConfig`,
+:class:`PrecisionConfig`, :class:`PlannerConfig`), as Distributed Shampoo
+keeps one config per component; :class:`KFACConfig` is all four at once, the
+flat view kfac-pytorch's names live in.  Their fields hold converted values
+only, typed exactly, so code reading them needs no casts; the spellings a
+user may write (enum names, kfac-pytorch's enums, dtype names, one regex for
+a list) are converted at one boundary, :meth:`KFACConfig.from_options`.
+
 Hyperparameters that kfac-pytorch lets be callables of the K-FAC step
 (``factor_update_steps``, ``inv_update_steps``, ``damping``, ``factor_decay``,
 ``kl_clip``, ``lr``) may be callables here too; their values are checked each
@@ -16,28 +25,31 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 
 __all__ = [
     "KFAC_PYTORCH_DEFAULTS",
+    "AlgorithmConfig",
     "AllreduceMethod",
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "DistributionConfig",
     "KFACApprox",
     "KFACConfig",
     "LargeFactor",
     "LossAverage",
+    "PlannerConfig",
+    "PrecisionConfig",
     "TensorParallelMode",
     "resolve",
 ]
 
-T = TypeVar("T", int, float)
 IntOrSchedule = int | Callable[[int], int]
 FloatOrSchedule = float | Callable[[int], float]
 
@@ -191,6 +203,18 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+#: dtypes the products may run in; float16 is refused (see _check_product_dtype)
+_PRODUCT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+#: why a config refuses a name or a list where the boundary takes it
+_AT_THE_BOUNDARY = (
+    " (names, kfac-pytorch's enums, lists and paths are converted by KFACPreconditioner and "
+    "KFACConfig.from_options; the configs themselves hold converted values)"
+)
+
+
+# -- the boundary: what a user may pass, converted to what a config holds ---------------------
+
 
 def _as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
     if isinstance(value, enum_cls):
@@ -213,47 +237,79 @@ def _as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
     raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
-def _as_dtype(name: str, value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        if value is not None and not value.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point torch.dtype; got {value}")
-        return value
-    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[value.removeprefix("torch.")]
-    raise TypeError(
-        f"{name} must be None, a floating torch.dtype or one of {sorted(_DTYPES)}; got {value!r}"
+def _dtype_error(name: str, value: Any, *, converted: bool = False) -> TypeError:
+    """``converted``: raised by a config, where a dtype's name is not converted."""
+    hint = _AT_THE_BOUNDARY if converted and isinstance(value, str) else ""
+    if name in ("factor_compute_dtype", "precondition_dtype"):
+        return TypeError(
+            f"{name} must be None, float32, float64 or bfloat16 (a torch.dtype or its name); "
+            f"got {value!r}{hint}"
+        )
+    return TypeError(
+        f"{name} must be None, a floating torch.dtype or one of {sorted(_DTYPES)}; "
+        f"got {value!r}{hint}"
     )
 
 
-#: dtypes the products may run in; float16 is refused (see _as_product_dtype)
-_PRODUCT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+def _as_dtype(name: str, value: Any) -> Any:
+    """A dtype's name (``'float32'``, ``'torch.bfloat16'``) as the dtype; anything
+    else unchanged, for the config to check."""
+    if not isinstance(value, str):
+        return value
+    if value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise _dtype_error(name, value)
 
 
-def _as_product_dtype(name: str, value: Any) -> torch.dtype | None:
-    """A dtype for ``factor_compute_dtype``/``precondition_dtype``: None,
-    float32, float64 or bfloat16.
+def _as_fraction(name: str, value: Any) -> Any:
+    """A strategy's name or enum member as a :class:`DistributedStrategy`, a
+    number as a float; anything else unchanged, for the config to check."""
+    if isinstance(value, (str, enum.Enum)):
+        return _as_enum(name, value, DistributedStrategy)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
 
-    float16 is refused because of its range, not its precision: its largest
-    value is 65504 and its smallest normal 6e-5, while a preconditioned
-    gradient reaches ``|∇|/γ`` (≥ 65504 for ``|∇| ≥ 65`` at γ = 1e-3) and
-    output gradients of a mean loss are routinely below 1e-5 (their squares
-    far below).  bfloat16 has float32's exponent range and, on CPUs with
-    AVX-512 BF16 and on GPUs, faster matrix products.
-    """
-    try:
-        dtype = _as_dtype(name, value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{name} must be None, float32, float64 or bfloat16 (a torch.dtype or its name); "
-            f"got {value!r}"
-        ) from None
-    if dtype is not None and dtype not in _PRODUCT_DTYPES:
-        raise ValueError(
-            f"{name} must be None, float32, float64 or bfloat16; got {dtype} (float16 is "
-            "refused: preconditioned gradients and squared output gradients leave its range; "
-            "bfloat16 has float32's range)"
-        )
-    return dtype
+
+def _as_patterns(name: str, value: Any) -> Any:
+    """None, one regex or a collection of regexes as a tuple of regexes."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return tuple(value)
+    return value
+
+
+def _as_path(name: str, value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _enum_of(enum_cls: type[enum.Enum]) -> Callable[[str, Any], Any]:
+    return lambda name, value: _as_enum(name, value, enum_cls)
+
+
+#: how :meth:`KFACConfig.from_options` converts each option that has more than
+#: one spelling; the others are taken as given (and checked by the configs)
+_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
+    "compute_method": _enum_of(ComputeMethod),
+    "loss_average": _enum_of(LossAverage),
+    "kfac_approx": _enum_of(KFACApprox),
+    "large_factor": _enum_of(LargeFactor),
+    "skip_layers": _as_patterns,
+    "grad_worker_fraction": _as_fraction,
+    "assignment_strategy": _enum_of(AssignmentStrategy),
+    "tensor_parallel": _enum_of(TensorParallelMode),
+    "factor_dtype": _as_dtype,
+    "inv_dtype": _as_dtype,
+    "factor_compute_dtype": _as_dtype,
+    "precondition_dtype": _as_dtype,
+    "plan_costs": _as_path,
+}
+
+
+# -- checks of converted values (the configs' __post_init__) ----------------------------------
 
 
 def _check_number(
@@ -283,7 +339,51 @@ def _check_number(
         raise ValueError(f"{name} must be in {interval}; got {value!r}")
 
 
-# name -> keyword arguments of _check_number, shared by __post_init__ and resolve()
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+
+
+def _check_member(name: str, value: Any, enum_cls: type[enum.Enum]) -> None:
+    if not isinstance(value, enum_cls):
+        raise TypeError(
+            f"{name} must be a kaisa.{enum_cls.__name__} member; got {value!r}{_AT_THE_BOUNDARY}"
+        )
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    """None or a floating torch.dtype (``factor_dtype``, ``inv_dtype``)."""
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise _dtype_error(name, value, converted=True)
+    if not value.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point torch.dtype; got {value}")
+
+
+def _check_product_dtype(name: str, value: Any) -> None:
+    """None, float32, float64 or bfloat16 (``factor_compute_dtype``, ``precondition_dtype``).
+
+    float16 is refused because of its range, not its precision: its largest
+    value is 65504 and its smallest normal 6e-5, while a preconditioned
+    gradient reaches ``|∇|/γ`` (≥ 65504 for ``|∇| ≥ 65`` at γ = 1e-3) and
+    output gradients of a mean loss are routinely below 1e-5 (their squares
+    far below).  bfloat16 has float32's exponent range and, on CPUs with
+    AVX-512 BF16 and on GPUs, faster matrix products.
+    """
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise _dtype_error(name, value, converted=True)
+    if value not in _PRODUCT_DTYPES:
+        raise ValueError(
+            f"{name} must be None, float32, float64 or bfloat16; got {value} (float16 is "
+            "refused: preconditioned gradients and squared output gradients leave its range; "
+            "bfloat16 has float32's range)"
+        )
+
+
+# name -> keyword arguments of _check_number, shared by AlgorithmConfig and resolve()
 _RANGES: dict[str, dict[str, Any]] = {
     "factor_update_steps": {"low": 1, "integer": True},
     "inv_update_steps": {"low": 1, "integer": True},
@@ -330,17 +430,18 @@ KFAC_PYTORCH_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "factor_update_steps": 1,
         "inv_update_steps": 1,
         "damping": 0.001,
-        "compute_method": "eigen",
+        "compute_method": ComputeMethod.EIGEN,
     }
 )
 
 
-@dataclass(frozen=True)
-class KFACConfig:
-    """All plain-value options of :class:`kaisa.KFACPreconditioner`.
+# -- the configs ------------------------------------------------------------------------------
 
-    The names and meanings match kfac-pytorch's ``KFACPreconditioner``;
-    ``loss_average``, ``kfac_approx`` and ``pg_timeout_s`` are kaisa additions.
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """What K-FAC computes: schedules, damping, the curvature method, which
+    layers and how their factors are approximated.
 
     Four defaults differ from kfac-pytorch's (:data:`KFAC_PYTORCH_DEFAULTS`
     restores them): they were chosen from time-to-target sweeps on a ResNet
@@ -360,113 +461,201 @@ class KFACConfig:
     kl_clip: FloatOrSchedule | None = 0.001
     lr: FloatOrSchedule = 0.1
     accumulation_steps: int = 1
-    compute_method: ComputeMethod | str = ComputeMethod.INVERSE
+    compute_method: ComputeMethod = ComputeMethod.INVERSE
     compute_eigenvalue_outer_product: bool = True
-    symmetry_aware: bool = False
-    grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
-    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
+    #: regexes (``re.search``) on module names or class names K-FAC leaves alone
+    skip_layers: tuple[str, ...] = ()
+    update_factors_in_hook: bool = True
+    loss_average: LossAverage = LossAverage.BATCH
+    kfac_approx: KFACApprox = KFACApprox.EXPAND
+    #: a dense factor with more rows than this is kept as ``large_factor`` says
+    #: (:mod:`kaisa.core.blocks`); None: every factor stays dense, however large
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
+    large_factor: LargeFactor = LargeFactor.DIAGONAL
+
+    def __post_init__(self) -> None:
+        for name, limits in _RANGES.items():
+            value = getattr(self, name)
+            if not (callable(value) or (name == "kl_clip" and value is None)):
+                _check_number(name, value, **limits)
+        _check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
+        for flag in ("compute_eigenvalue_outer_product", "update_factors_in_hook"):
+            _check_bool(flag, getattr(self, flag))
+        _check_member("compute_method", self.compute_method, ComputeMethod)
+        _check_member("loss_average", self.loss_average, LossAverage)
+        _check_member("kfac_approx", self.kfac_approx, KFACApprox)
+        _check_member("large_factor", self.large_factor, LargeFactor)
+        if self.max_factor_dim is not None:
+            _check_number("max_factor_dim", self.max_factor_dim, low=1, integer=True)
+        skip = self.skip_layers
+        if not (isinstance(skip, tuple) and all(isinstance(s, str) for s in skip)):
+            hint = _AT_THE_BOUNDARY if isinstance(skip, (str, list, set, frozenset)) else ""
+            raise TypeError(
+                f"skip_layers must be a regex string or a list of regex strings; got {skip!r}{hint}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributionConfig:
+    """How the work and the traffic are laid out over the ranks (KAISA)."""
+
+    #: f: the fraction of the data-parallel ranks that precondition each layer
+    grad_worker_fraction: DistributedStrategy | float = DistributedStrategy.COMM_OPT
+    assignment_strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE
     colocate_factors: bool = True
     allreduce_bucket_cap_mb: float = 25.0
-    factor_dtype: torch.dtype | str | None = None
-    inv_dtype: torch.dtype | str | None = None
+    symmetry_aware: bool = False
+    tensor_parallel: TensorParallelMode = TensorParallelMode.EXACT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.grad_worker_fraction, DistributedStrategy):
+            if isinstance(self.grad_worker_fraction, str):
+                raise TypeError(
+                    "grad_worker_fraction must be a float in [0.0, 1.0] or a "
+                    f"kaisa.DistributedStrategy member; got {self.grad_worker_fraction!r}"
+                    f"{_AT_THE_BOUNDARY}"
+                )
+            _check_number("grad_worker_fraction", self.grad_worker_fraction, low=0.0, high=1.0)
+        _check_member("assignment_strategy", self.assignment_strategy, AssignmentStrategy)
+        _check_bool("colocate_factors", self.colocate_factors)
+        _check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
+        _check_bool("symmetry_aware", self.symmetry_aware)
+        _check_member("tensor_parallel", self.tensor_parallel, TensorParallelMode)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """The dtypes factors, decompositions and products are held and computed in."""
+
+    #: dtype of A and G; None: the parameter's dtype, at least float32
+    factor_dtype: torch.dtype | None = None
+    #: dtype of the decompositions (float32 or float64); None: the factor dtype, at least float32
+    inv_dtype: torch.dtype | None = None
     #: dtype of each batch's Gram product ``rowsᵀ rows`` (dense factors); the
     #: product is cast back and accumulated/stored in ``factor_dtype``.
     #: None: ``factor_dtype`` (no cast)
-    factor_compute_dtype: torch.dtype | str | None = None
+    factor_compute_dtype: torch.dtype | None = None
     #: dtype the preconditioning products run in (``Q_Gᵀ ∇ Q_A``, the divide
     #: and back; ``G⁻¹ ∇ A⁻¹``); the stored tensors keep ``inv_dtype`` and a
     #: cast copy is cached per inverse update.  None: ``inv_dtype`` (no copy)
-    precondition_dtype: torch.dtype | str | None = None
-    skip_layers: Sequence[str] = field(default_factory=tuple)
-    update_factors_in_hook: bool = True
+    precondition_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        _check_dtype("factor_dtype", self.factor_dtype)
+        _check_dtype("inv_dtype", self.inv_dtype)
+        if self.inv_dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                "inv_dtype must be float32 or float64 (eigh/inverse have no half-precision "
+                f"kernels); got {self.inv_dtype}"
+            )
+        _check_product_dtype("factor_compute_dtype", self.factor_compute_dtype)
+        _check_product_dtype("precondition_dtype", self.precondition_dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """What ``grad_worker_fraction='auto'`` chooses with (:mod:`kaisa.planner.forecast`)."""
+
+    #: K-FAC memory per rank the chosen fraction must fit in; None: no limit
     memory_budget_mb: float | None = None
     #: the cost model ``grad_worker_fraction='auto'`` predicts with: a JSON file
     #: written by ``kaisa plan --save-costs`` (e.g. measured on one of the
     #: cluster's GPUs with ``--measure-costs cuda``); None: the default figures
     plan_costs: str | None = None
-    loss_average: LossAverage | str = LossAverage.BATCH
-    kfac_approx: KFACApprox | str = KFACApprox.EXPAND
-    tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT
-    #: a dense factor with more rows than this is kept as ``large_factor`` says
-    #: (:mod:`kaisa.core.blocks`); None: every factor stays dense, however large
-    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
-    large_factor: LargeFactor | str = LargeFactor.DIAGONAL
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen dataclass: normalise in place once
-        for name in _RANGES:
-            value = getattr(self, name)
-            if name == "kl_clip" and value is None:
-                continue
-            if not callable(value):
-                _check_number(name, value, **_RANGES[name])
-        _check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
-        _check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
         if self.memory_budget_mb is not None:
             _check_number("memory_budget_mb", self.memory_budget_mb, low=0.0, low_open=True)
-        if self.plan_costs is not None:
-            if not isinstance(self.plan_costs, (str, os.PathLike)):
-                raise TypeError(f"plan_costs must be a path or None; got {self.plan_costs!r}")
-            set_(self, "plan_costs", os.fspath(self.plan_costs))
-        for flag in (
-            "compute_eigenvalue_outer_product",
-            "symmetry_aware",
-            "colocate_factors",
-            "update_factors_in_hook",
-        ):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be a bool; got {getattr(self, flag)!r}")
-        set_(self, "compute_method", _as_enum("compute_method", self.compute_method, ComputeMethod))
-        set_(
-            self,
-            "assignment_strategy",
-            _as_enum("assignment_strategy", self.assignment_strategy, AssignmentStrategy),
-        )
-        set_(self, "loss_average", _as_enum("loss_average", self.loss_average, LossAverage))
-        set_(self, "kfac_approx", _as_enum("kfac_approx", self.kfac_approx, KFACApprox))
-        set_(
-            self,
-            "tensor_parallel",
-            _as_enum("tensor_parallel", self.tensor_parallel, TensorParallelMode),
-        )
-        if self.max_factor_dim is not None:
-            _check_number("max_factor_dim", self.max_factor_dim, low=1, integer=True)
-        set_(self, "large_factor", _as_enum("large_factor", self.large_factor, LargeFactor))
-        set_(self, "factor_dtype", _as_dtype("factor_dtype", self.factor_dtype))
-        set_(self, "inv_dtype", _as_dtype("inv_dtype", self.inv_dtype))
-        for name in ("factor_dtype", "inv_dtype"):
-            dt = getattr(self, name)
-            if name == "inv_dtype" and dt in (torch.float16, torch.bfloat16):
-                raise ValueError(
-                    "inv_dtype must be float32 or float64 (eigh/inverse have no half-precision "
-                    f"kernels); got {dt}"
-                )
-        for name in ("factor_compute_dtype", "precondition_dtype"):
-            set_(self, name, _as_product_dtype(name, getattr(self, name)))
-        fraction = self.grad_worker_fraction
-        if isinstance(fraction, (str, enum.Enum)):
-            fraction = _as_enum("grad_worker_fraction", fraction, DistributedStrategy)
-        elif not isinstance(fraction, DistributedStrategy):
-            _check_number("grad_worker_fraction", fraction, low=0.0, high=1.0)
-            fraction = float(fraction)
-        set_(self, "grad_worker_fraction", fraction)
-        skip = self.skip_layers
-        if skip is None:
-            skip = ()
-        elif isinstance(skip, str):
-            skip = (skip,)
-        if not isinstance(skip, (list, tuple, set, frozenset)) or not all(
-            isinstance(s, str) for s in skip
-        ):
-            raise TypeError(
-                f"skip_layers must be a regex string or a list of regex strings; got {skip!r}"
-            )
-        set_(self, "skip_layers", tuple(skip))
+        if self.plan_costs is not None and not isinstance(self.plan_costs, str):
+            hint = _AT_THE_BOUNDARY if isinstance(self.plan_costs, os.PathLike) else ""
+            raise TypeError(f"plan_costs must be a path or None; got {self.plan_costs!r}{hint}")
+
+
+#: the configs per concern, in the order KFACConfig lists their fields
+CONCERNS: tuple[type, ...] = (AlgorithmConfig, DistributionConfig, PrecisionConfig, PlannerConfig)
+
+
+# Bases in reverse: a dataclass lists the fields of its last base first, so the
+# fields run algorithm, distribution, precision, planner.
+@dataclass(frozen=True, kw_only=True)
+class KFACConfig(PlannerConfig, PrecisionConfig, DistributionConfig, AlgorithmConfig):
+    """All plain-value options of :class:`kaisa.KFACPreconditioner`, flat.
+
+    The names and meanings match kfac-pytorch's ``KFACPreconditioner``;
+    ``loss_average``, ``kfac_approx``, ``tensor_parallel``, ``max_factor_dim``,
+    ``large_factor``, the product dtypes and the planner's options are kaisa
+    additions.  It is each of the per-concern configs at once
+    (:class:`AlgorithmConfig`, :class:`DistributionConfig`,
+    :class:`PrecisionConfig`, :class:`PlannerConfig`: a function that needs
+    one concern takes that type) and is built from them by
+    :meth:`from_concerns`.
+
+    Fields hold converted values only (enum members, ``torch.dtype``, numbers
+    or callables of the step, a tuple of regexes, a path string), so code that
+    reads them needs no casts.  What a user may write — names of enum members
+    in any case, kfac-pytorch's enums, dtype names, one regex, a list, a
+    ``PathLike`` — is converted at the boundary, :meth:`from_options` (which
+    :class:`kaisa.KFACPreconditioner` calls).
+    """
+
+    def __post_init__(self) -> None:
+        AlgorithmConfig.__post_init__(self)
+        DistributionConfig.__post_init__(self)
+        PrecisionConfig.__post_init__(self)
+        PlannerConfig.__post_init__(self)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> KFACConfig:
+        """The config of ``KFACPreconditioner(model, **options)``'s plain options.
+
+        Converts every spelling the preconditioner accepts; an option not
+        given takes its default.  An unknown name is a ``TypeError`` naming
+        it; a bad value a ``ValueError``/``TypeError`` naming the option and
+        what it allows."""
+        names = cls.field_names()
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; allowed: {sorted(names)}")
+        converted = {
+            name: _CONVERTERS[name](name, value) if name in _CONVERTERS else value
+            for name, value in options.items()
+        }
+        return cls(**converted)
+
+    @classmethod
+    def from_concerns(
+        cls,
+        algorithm: AlgorithmConfig | None = None,
+        distribution: DistributionConfig | None = None,
+        precision: PrecisionConfig | None = None,
+        planner: PlannerConfig | None = None,
+    ) -> KFACConfig:
+        """One flat config of the per-concern ones (a concern not given: its defaults)."""
+        options: dict[str, Any] = {}
+        for part, concern in zip((algorithm, distribution, precision, planner), CONCERNS):
+            if part is not None:
+                options.update(_values(part, concern))
+        return cls(**options)
+
+    @property
+    def algorithm(self) -> AlgorithmConfig:
+        return AlgorithmConfig(**_values(self, AlgorithmConfig))
+
+    @property
+    def distribution(self) -> DistributionConfig:
+        return DistributionConfig(**_values(self, DistributionConfig))
+
+    @property
+    def precision(self) -> PrecisionConfig:
+        return PrecisionConfig(**_values(self, PrecisionConfig))
+
+    @property
+    def planner(self) -> PlannerConfig:
+        return PlannerConfig(**_values(self, PlannerConfig))
 
     @property
     def worker_fraction(self) -> DistributedStrategy | float:
-        """``grad_worker_fraction`` as normalised by ``__post_init__`` (never a str)."""
-        assert not isinstance(self.grad_worker_fraction, str)
+        """``grad_worker_fraction`` (the name code before the typed fields used)."""
         return self.grad_worker_fraction
 
     @classmethod
@@ -490,12 +679,16 @@ class KFACConfig:
         return out
 
 
-def layer_dtypes(config: KFACConfig, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def _values(config: object, concern: type) -> dict[str, Any]:
+    """The fields of ``concern`` read from ``config`` (which has them)."""
+    return {f.name: getattr(config, f.name) for f in fields(concern)}
+
+
+def layer_dtypes(
+    precision: PrecisionConfig, weight_dtype: torch.dtype
+) -> tuple[torch.dtype, torch.dtype]:
     """(factor dtype, second-order dtype) of a layer whose weight has ``weight_dtype``:
     at least float32, unless ``factor_dtype``/``inv_dtype`` say otherwise."""
-    # normalised to torch.dtype | None by KFACConfig.__post_init__
-    factor = cast("torch.dtype | None", config.factor_dtype) or torch.promote_types(
-        weight_dtype, torch.float32
-    )
-    inv = cast("torch.dtype | None", config.inv_dtype) or torch.promote_types(factor, torch.float32)
+    factor = precision.factor_dtype or torch.promote_types(weight_dtype, torch.float32)
+    inv = precision.inv_dtype or torch.promote_types(factor, torch.float32)
     return factor, inv

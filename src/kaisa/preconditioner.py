@@ -8,8 +8,10 @@ parts, :mod:`kaisa.step.pipeline` runs ``step()`` phase by phase,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import os
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from enum import Enum
 from typing import Any
 
 import torch
@@ -18,20 +20,34 @@ from torch import nn
 from kaisa.checkpoint.sharded import restore_sharded, sharded_state
 from kaisa.checkpoint.state import STATE_VERSION
 from kaisa.compat import KfacPytorchAttributes, is_kfac_pytorch_state, refuse_kfac_pytorch_state
-from kaisa.config import ComputeMethod, KFACConfig
+from kaisa.config import (
+    DEFAULT_MAX_FACTOR_DIM,
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    FloatOrSchedule,
+    IntOrSchedule,
+    KFACApprox,
+    KFACConfig,
+    LargeFactor,
+    LossAverage,
+    TensorParallelMode,
+)
 from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.distributed.topology import Topology
-from kaisa.engines import Engine, GradientAccess, OwnsTheLoop, select_engine
+from kaisa.engines import Engine, GradientAccess, OwnsTheLoop
 from kaisa.layers.registry import SkippedModule
 from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
-from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
-from kaisa.wiring import build, check_runtime_arguments
+from kaisa.wiring import build, check_runtime_arguments, configure
 
 __all__ = ["KFACPreconditioner"]
+
+#: the constructor's keywords that are options of :class:`KFACConfig`
+OPTION_NAMES = frozenset(KFACConfig.field_names())
 
 logger = logging.getLogger("kaisa")
 
@@ -51,8 +67,15 @@ class KFACPreconditioner(KfacPytorchAttributes):
             precond.step()
             optimizer.step()
 
-    Keyword arguments are those of kfac-pytorch's ``KFACPreconditioner`` (see
-    :class:`kaisa.KFACConfig` for their meaning and allowed values), plus:
+    Keyword arguments are those of kfac-pytorch's ``KFACPreconditioner``, with
+    the same names, plus kaisa's own; each is listed with its type and default
+    below, grouped by concern.  The plain options become :attr:`config`, a
+    :class:`kaisa.KFACConfig` (see it and the per-concern configs for their
+    meaning and allowed values): enum options take a member, its value or
+    name in any case (``'eigen'``, ``'MEM_OPT'``) or kfac-pytorch's member of
+    the same name; dtypes take a ``torch.dtype`` or its name.  An unknown
+    keyword is a ``TypeError`` naming it, a bad value a ``ValueError`` or
+    ``TypeError`` naming the option and what it allows.
 
     Args:
         model: the model, optionally wrapped by DDP, DataParallel or
@@ -67,6 +90,10 @@ class KFACPreconditioner(KfacPytorchAttributes):
             current loss scale; it is divided out of the captured output
             gradients.  Call ``scaler.unscale_(optimizer)`` before :meth:`step`
             so the KL clip sees true gradients.
+        lr: the learning rate the KL clip assumes; None: the optimizer's, else
+            the engine's, else 0.1.
+        accumulation_steps: micro-batches per :meth:`step`; None: the
+            engine's (DeepSpeed's, a pipeline schedule's), else 1.
         gradient_access: how parameter gradients are read and written
             (default: ``.grad``).
         engine: the training engine (default: chosen from the model).
@@ -86,62 +113,60 @@ class KFACPreconditioner(KfacPytorchAttributes):
         *,
         optimizer: torch.optim.Optimizer | None = None,
         grad_scaler: Any | None = None,
+        # -- the algorithm (kaisa.AlgorithmConfig)
+        factor_update_steps: IntOrSchedule = 10,
+        inv_update_steps: IntOrSchedule = 100,
+        damping: FloatOrSchedule = 0.3,
+        factor_decay: FloatOrSchedule = 0.95,
+        kl_clip: FloatOrSchedule | None = 0.001,
+        lr: FloatOrSchedule | None = None,
+        accumulation_steps: int | None = None,
+        compute_method: ComputeMethod | str | Enum = ComputeMethod.INVERSE,
+        compute_eigenvalue_outer_product: bool = True,
+        skip_layers: str | Collection[str] | None = (),
+        update_factors_in_hook: bool = True,
+        loss_average: LossAverage | str = LossAverage.BATCH,
+        kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
+        large_factor: LargeFactor | str = LargeFactor.DIAGONAL,
+        # -- the distribution over ranks (kaisa.DistributionConfig)
+        grad_worker_fraction: DistributedStrategy | float | str | Enum = (
+            DistributedStrategy.COMM_OPT
+        ),
+        assignment_strategy: AssignmentStrategy | str | Enum = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        allreduce_bucket_cap_mb: float = 25.0,
+        symmetry_aware: bool = False,
+        tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT,
+        # -- precision (kaisa.PrecisionConfig)
+        factor_dtype: torch.dtype | str | None = None,
+        inv_dtype: torch.dtype | str | None = None,
+        factor_compute_dtype: torch.dtype | str | None = None,
+        precondition_dtype: torch.dtype | str | None = None,
+        # -- the planner of grad_worker_fraction='auto' (kaisa.PlannerConfig)
+        memory_budget_mb: float | None = None,
+        plan_costs: str | os.PathLike[str] | None = None,
+        # -- the runtime
         gradient_access: GradientAccess | None = None,
         engine: Engine | None = None,
         topology: Topology | None = None,
         pg_timeout_s: float | None = None,
-        lr: float | Callable[[int], float] | None = None,
         loglevel: int = logging.DEBUG,
         method: CurvatureMethod | str | None = None,
-        **kwargs: Any,
     ) -> None:
+        options = {k: v for k, v in locals().items() if k in OPTION_NAMES}
         check_runtime_arguments(
             model, optimizer, grad_scaler, gradient_access, pg_timeout_s, loglevel, topology, engine
         )
-        method = _method_argument(method, kwargs)
-        unknown = set(kwargs) - set(KFACConfig.field_names())
-        if unknown:
-            raise TypeError(
-                f"unknown keyword argument(s) {sorted(unknown)}; allowed: "
-                f"{sorted(KFACConfig.field_names())}"
-            )
-        scaling = LossScaling(grad_scaler, optimizer)
-        engine = engine or select_engine(model, gradient_access)
-        given = engine.defaults()
-        if given.accumulation_steps is not None:
-            asked = kwargs.setdefault("accumulation_steps", given.accumulation_steps)
-            if asked != given.accumulation_steps:
-                raise ValueError(
-                    f"accumulation_steps={asked!r} but the {engine.name} engine accumulates "
-                    f"{given.accumulation_steps} micro-batches per step; leave "
-                    "accumulation_steps out"
-                )
-        if lr is None and optimizer is None:
-            lr = given.lr
-        topology = topology or given.topology
-        if isinstance(engine, OwnsTheLoop):
-            engine.check_topology(topology)
-        if grad_scaler is None and given.loss_scale is not None:
-            grad_scaler = given.loss_scale
-            scaling = LossScaling(grad_scaler, optimizer)
-        config = KFACConfig(lr=0.1 if lr is None else lr, **kwargs)
-        self._schedule = Schedule(config, optimizer, lr is None and optimizer is not None)
+        method_object = _method_argument(method, options, _signature_default("compute_method"))
+        setup = configure(model, options, optimizer, grad_scaler, gradient_access, engine, topology)
+        self._schedule = Schedule(setup.config, optimizer, setup.lr_from_optimizer)
         self.model = model
         self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        warn_unaligned_intervals(config)
-        self._parts = build(
-            model,
-            config,
-            self._schedule,
-            optimizer=optimizer,
-            scaling=scaling,
-            engine=engine,
-            topology=topology,
-            pg_timeout_s=pg_timeout_s,
-            loss_divisor=given.loss_divisor,
-            method=method,
-        )
+        self.grad_scaler = setup.grad_scaler
+        warn_unaligned_intervals(setup.config)
+        self._parts = build(model, setup, self._schedule, pg_timeout_s, method_object)
+        engine = setup.engine
         self._attached = (
             engine.attach(self.step, self.paused) if isinstance(engine, OwnsTheLoop) else None
         )
@@ -339,18 +364,26 @@ class KFACPreconditioner(KfacPytorchAttributes):
         )
 
 
-def _method_argument(method: Any, kwargs: dict[str, Any]) -> CurvatureMethod | None:
-    """``method=``: a name joins ``kwargs`` as ``compute_method``; an object is
-    returned; with ``compute_method`` given too, a ``ValueError``."""
+def _signature_default(name: str) -> Any:
+    """The constructor's current default of ``name`` (the tests may pin it)."""
+    return (KFACPreconditioner.__init__.__kwdefaults__ or {})[name]
+
+
+def _method_argument(
+    method: Any, options: dict[str, Any], default_compute_method: Any
+) -> CurvatureMethod | None:
+    """``method=``: a name replaces ``compute_method`` in ``options``; an object
+    is returned; with ``compute_method`` given too (not its default), a
+    ``ValueError``."""
     if method is None:
         return None
-    if "compute_method" in kwargs:
+    if options["compute_method"] != default_compute_method:
         raise ValueError(
             "give method= or compute_method=, not both; "
-            f"got method={method!r}, compute_method={kwargs['compute_method']!r}"
+            f"got method={method!r}, compute_method={options['compute_method']!r}"
         )
     if isinstance(method, (str, ComputeMethod)):
-        kwargs["compute_method"] = method
+        options["compute_method"] = method
         return None
     if not isinstance(method, CurvatureMethod):
         allowed = ", ".join(repr(m.value) for m in ComputeMethod)

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from kaisa.checkpoint.state import Checkpointer
 from kaisa.config import (
-    ComputeMethod,
     DistributedStrategy,
     KFACApprox,
     KFACConfig,
-    LargeFactor,
-    LossAverage,
     layer_dtypes,
 )
 from kaisa.core.layer_state import KFACLayer
@@ -32,7 +29,7 @@ from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
 from kaisa.distributed.topology import Topology
-from kaisa.engines import Engine, ModelParallelLayers
+from kaisa.engines import Engine, GradientAccess, ModelParallelLayers, OwnsTheLoop, select_engine
 from kaisa.layers.registry import SkippedModule, register_layers
 from kaisa.methods import CurvatureMethod, method_for
 from kaisa.planner.forecast import auto_fraction
@@ -44,7 +41,15 @@ from kaisa.step.reduce import FactorReduction
 from kaisa.step.schedule import Schedule
 from kaisa.step.second_order import SecondOrderUpdate
 
-__all__ = ["Parts", "build", "check_method_plan", "check_runtime_arguments", "resolve_method"]
+__all__ = [
+    "Parts",
+    "Setup",
+    "build",
+    "check_method_plan",
+    "check_runtime_arguments",
+    "configure",
+    "resolve_method",
+]
 
 
 @dataclass
@@ -60,6 +65,63 @@ class Parts:
     capture: Capture
     pipeline: StepPipeline
     checkpointer: Checkpointer
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The options in force: the user's, completed by what the engine owns."""
+
+    config: KFACConfig
+    engine: Engine
+    topology: Topology | None
+    #: the user's grad scaler, else the engine's loss scale (DeepSpeed fp16)
+    grad_scaler: Any
+    scaling: LossScaling
+    #: the KL clip's lr is read from the optimizer at every step
+    lr_from_optimizer: bool
+    loss_divisor: int | None
+
+
+def configure(
+    model: nn.Module,
+    options: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    grad_scaler: Any,
+    gradient_access: GradientAccess | None,
+    engine: Engine | None,
+    topology: Topology | None,
+) -> Setup:
+    """Choose the engine and complete ``options`` (the constructor's plain
+    keywords) with what it owns: the accumulation steps, the lr, the topology
+    and the loss scale.  ``lr``/``accumulation_steps`` None: not given."""
+    engine = engine or select_engine(model, gradient_access)
+    given = engine.defaults()
+    options = {k: v for k, v in options.items() if v is not None or k not in _ENGINE_OWNED}
+    if given.accumulation_steps is not None:
+        asked = options.setdefault("accumulation_steps", given.accumulation_steps)
+        if asked != given.accumulation_steps:
+            raise ValueError(
+                f"accumulation_steps={asked!r} but the {engine.name} engine accumulates "
+                f"{given.accumulation_steps} micro-batches per step; leave "
+                "accumulation_steps out"
+            )
+    lr_from_optimizer = "lr" not in options and optimizer is not None
+    if "lr" not in options and optimizer is None and given.lr is not None:
+        options["lr"] = given.lr
+    config = KFACConfig.from_options(**options)
+    topology = topology or given.topology
+    if isinstance(engine, OwnsTheLoop):
+        engine.check_topology(topology)
+    if grad_scaler is None and given.loss_scale is not None:
+        grad_scaler = given.loss_scale
+    scaling = LossScaling(grad_scaler, optimizer)
+    return Setup(
+        config, engine, topology, grad_scaler, scaling, lr_from_optimizer, given.loss_divisor
+    )
+
+
+#: options whose None means "not given": the engine's value, else the default
+_ENGINE_OWNED = ("lr", "accumulation_steps")
 
 
 def check_runtime_arguments(
@@ -114,7 +176,7 @@ def resolve_method(method: CurvatureMethod | None, config: KFACConfig) -> Curvat
     """The method object given (``method=``), else the one ``compute_method`` names."""
     if method is not None:
         return method
-    return method_for(ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product)
+    return method_for(config.compute_method, config.compute_eigenvalue_outer_product)
 
 
 def _needs_every_worker(layers: list[KFACLayer]) -> str | None:
@@ -173,10 +235,10 @@ def _register(
         )
     for adapter in adapters:
         adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
-        adapter.factor_compute_dtype = cast("torch.dtype | None", config.factor_compute_dtype)
+        adapter.factor_compute_dtype = config.factor_compute_dtype
         adapter.max_factor_dim = config.max_factor_dim
-        adapter.large_factor = LargeFactor(config.large_factor)
-    precondition = cast("torch.dtype | None", config.precondition_dtype)
+        adapter.large_factor = config.large_factor
+    precondition = config.precondition_dtype
     layers = {}
     for a in adapters:
         statistics = method.statistics(a.effective_specs())
@@ -187,22 +249,17 @@ def _register(
 
 def build(
     model: nn.Module,
-    config: KFACConfig,
+    setup: Setup,
     schedule: Schedule,
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    scaling: LossScaling,
-    engine: Engine,
-    topology: Topology | None,
     pg_timeout_s: float | None,
-    loss_divisor: int | None = None,
     method: CurvatureMethod | None = None,
 ) -> Parts:
+    config, engine, topology = setup.config, setup.engine, setup.topology
     method = resolve_method(method, config)
     layers, skipped = _register(engine, model, config, method)
     ordered = list(layers.values())
     world = len(group_ranks(topology.dp if topology is not None else None))
-    fraction = config.worker_fraction
+    fraction = config.grad_worker_fraction
     if fraction is DistributedStrategy.AUTO:
         # a method whose statistics need every rank to be a worker runs COMM-OPT only
         every = _needs_every_worker(ordered) is not None
@@ -226,11 +283,11 @@ def build(
     capture = Capture(
         model,
         ordered,
-        loss_average=LossAverage(config.loss_average),
+        loss_average=config.loss_average,
         accumulation_steps=config.accumulation_steps,
-        loss_divisor=loss_divisor,
+        loss_divisor=setup.loss_divisor,
         in_hook=config.update_factors_in_hook,
-        loss_scale=scaling.getter(),
+        loss_scale=setup.scaling.getter(),
         method=method,
     )
     if isinstance(engine, ModelParallelLayers):  # it feeds some statistics itself
@@ -255,7 +312,7 @@ def build(
         second_order=second_order,
         application=application,
         in_hook=config.update_factors_in_hook,
-        scaling=scaling,
+        scaling=setup.scaling,
     )
     checkpointer = Checkpointer(layers, plan, comm, method, second_order)
     pipeline.on_inverse_step = checkpointer.mirror.at_inverse_step

@@ -338,7 +338,7 @@ def test_every_kfac_config_field_has_a_typed_option() -> None:
         "kl_clip": None,
     }
     assert type(overrides["factor_update_steps"]) is int
-    KFACConfig(**overrides)
+    KFACConfig.from_options(**overrides)
     assert kfac_overrides(parser.parse_args(["train"])) == {}
     fraction = parser.parse_args(["train", "--kfac-grad-worker-fraction", "0.25"])
     assert kfac_overrides(fraction) == {"grad_worker_fraction": 0.25}

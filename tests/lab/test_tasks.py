@@ -45,7 +45,7 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
     assert defaults.epochs >= 1 and defaults.batch_size >= 1
     # The preconditioner must follow the optimizer's lr, so tasks never pin it.
     assert "lr" not in defaults.kfac
-    KFACConfig(loss_average=task.loss_average, **defaults.kfac)
+    KFACConfig.from_options(loss_average=task.loss_average, **defaults.kfac)
     # The CLI's schedule must accept the task's default schedule and warm-up.
     for kfac in (False, True):
         for name in OPTIMIZERS:

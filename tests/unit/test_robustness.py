@@ -599,7 +599,7 @@ BAD_ARGUMENTS: list[tuple[str, Any]] = [
     ("lr", [0.1]),
     ("accumulation_steps", "2"),
     ("accumulation_steps", 1.5),
-    ("accumulation_steps", None),
+    ("accumulation_steps", [2]),  # None: the engine's, else 1 (test_preconditioner)
     ("compute_method", 3),
     ("compute_method", None),
     ("compute_eigenvalue_outer_product", "yes"),

@@ -12,6 +12,7 @@ checkpoints whose names carry ``module.`` or ``_orig_mod.`` still load.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Mapping
@@ -186,7 +187,7 @@ class Checkpointer:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"state_dict['steps'] must be a non-negative int; got {steps!r}")
         try:
-            KFACConfig(**{**_plain(config), **restore})
+            dataclasses.replace(config, **restore)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"state_dict['hyperparameters'] is invalid: {exc}") from exc
         layers = state_dict.get("layers")
@@ -287,7 +288,3 @@ class Checkpointer:
                 stacklevel=3,
             )
         return compute_inverses and not complete
-
-
-def _plain(config: KFACConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in KFACConfig.field_names()}

@@ -25,10 +25,8 @@ import torch
 from torch import nn
 
 from kaisa.config import (
-    ComputeMethod,
     DistributedStrategy,
     KFACConfig,
-    LargeFactor,
     layer_dtypes,
 )
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, StatisticDtype, StatisticSpec
@@ -109,7 +107,9 @@ def layer_costs(
     (:mod:`kaisa.core.workspace`) is held only on the CPU, so a plan for a GPU
     must not count it.  None: each layer's own device."""
     where = torch.device(device) if device is not None else None
-    config = KFACConfig(**{k: v for k, v in kfac.items() if k in KFACConfig.field_names()})
+    config = KFACConfig.from_options(
+        **{k: v for k, v in kfac.items() if k in KFACConfig.field_names()}
+    )
     adapters, _ = register_layers(model, config.skip_layers)
     # as TorchEngine.rescalable: a layer that owns whole parameters, unshared
     owns = sole_owners(adapters)
@@ -117,7 +117,7 @@ def layer_costs(
     for adapter, whole in zip(adapters, owns):
         factor, inv = layer_dtypes(config, adapter.weight.dtype)
         adapter.max_factor_dim = config.max_factor_dim
-        adapter.large_factor = LargeFactor(config.large_factor)
+        adapter.large_factor = config.large_factor
         g, a = adapter.matrix_shape
         out.append(
             LayerCost(
@@ -324,7 +324,7 @@ def _config_of(kfac: dict[str, Any]) -> KFACConfig:
             f"forecast() got unknown option(s) {unknown}; "
             f"allowed: {sorted(KFACConfig.field_names())}"
         )
-    return KFACConfig(**kfac)
+    return KFACConfig.from_options(**kfac)
 
 
 def forecast(
@@ -348,13 +348,11 @@ def forecast(
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in layers],
         world_size,
-        config.worker_fraction,
+        config.grad_worker_fraction,
         config.assignment_strategy,
         config.colocate_factors,
     )
-    method = method_for(
-        ComputeMethod(config.compute_method), config.compute_eigenvalue_outer_product
-    )
+    method = method_for(config.compute_method, config.compute_eigenvalue_outer_product)
     w, sym = world_size, config.symmetry_aware
     t = _Tally.zeros(w)
     exchange, grad_bytes = 0, 0
@@ -366,8 +364,8 @@ def forecast(
         _add_statistics(t, layer, extra, cost, sym)
         held = method.held(layer.factors, lp.colocated)
         itemsize = layer.inv_itemsize
-        copy = config.precondition_dtype  # a torch.dtype once validated
-        if isinstance(copy, torch.dtype) and copy.itemsize != itemsize:
+        copy = config.precondition_dtype
+        if copy is not None and copy.itemsize != itemsize:
             itemsize += copy.itemsize  # cast copies the products run on (kaisa.core.precision)
         t.memory["second_order"][workers] += sum(h.numel for h in held) * itemsize
         vector = method.exchange(layer.factors, [None] * len(layer.factors))
@@ -438,7 +436,7 @@ def _add_group_collectives(
 def _compute_itemsize(layer: LayerCost, config: KFACConfig) -> int:
     """The dtype the products run in: ``precondition_dtype``, else ``inv_dtype``'s."""
     copy = config.precondition_dtype
-    return copy.itemsize if isinstance(copy, torch.dtype) else layer.inv_itemsize
+    return copy.itemsize if copy is not None else layer.inv_itemsize
 
 
 def _finish(t: _Tally, plan: WorkPlan, config: KFACConfig, method: str, sym: bool) -> Forecast:

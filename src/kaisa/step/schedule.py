@@ -108,7 +108,7 @@ class Schedule:
         }
 
     def restore(self, values: Mapping[str, Any]) -> None:
-        """Take checkpointed values (validated by :class:`KFACConfig`)."""
+        """Take checkpointed values (validated by :class:`KFACConfig`'s checks)."""
         if values:
             self._config = dataclasses.replace(self._config, **values)
             self.values.update(values)

@@ -185,7 +185,7 @@ def test_default_keeps_a_vocabulary_sized_factor_diagonal() -> None:
 )
 def test_bad_options_name_the_parameter(options: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        KFACConfig(**options)
+        KFACConfig.from_options(**options)
     with pytest.raises(error, match=match):
         KFACPreconditioner(_mlp(), **options)
 

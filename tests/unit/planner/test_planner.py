@@ -207,7 +207,9 @@ def test_auto_fraction_uses_the_given_cost_model(tmp_path: Path) -> None:
     }.items():
         cost.save(tmp_path / f"{name}.json")
         path = str(tmp_path / f"{name}.json")
-        config = KFACConfig(grad_worker_fraction="auto", inv_update_steps=100, plan_costs=path)
+        config = KFACConfig.from_options(
+            grad_worker_fraction="auto", inv_update_steps=100, plan_costs=path
+        )
         picks[name] = auto_fraction(layers, 8, config)
         expected, _ = choose_fraction(layer_costs(mlp(64, 6)), 8, cost, inv_update_steps=100)
         assert picks[name] == expected

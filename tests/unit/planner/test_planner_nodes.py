@@ -131,7 +131,7 @@ def test_node_aware_costs_can_change_the_choice(tmp_path: Path) -> None:
     two_levels, _ = choose_fraction(layers, 8, nodes, inv_update_steps=100)
     assert one_level == 1.0 and two_levels == 0.5
     nodes.save(tmp_path / "nodes.json")
-    config = KFACConfig(
+    config = KFACConfig.from_options(
         grad_worker_fraction="auto", inv_update_steps=100, plan_costs=str(tmp_path / "nodes.json")
     )
     registered = list(KFACPreconditioner(mlp(64, 6)).layers.values())

@@ -299,10 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except distributed.DeviceError as err:
         command.error(f"argument --device: {err}")
     for spec in specs:
-        if not spec.kfac or spec.kfac_config().worker_fraction is DistributedStrategy.AUTO:
+        if not spec.kfac or spec.kfac_config().grad_worker_fraction is DistributedStrategy.AUTO:
             continue
         try:  # fractions are only valid or not for a given world size
-            grad_workers_for(spec.kfac_config().worker_fraction, ctx.world_size)
+            grad_workers_for(spec.kfac_config().grad_worker_fraction, ctx.world_size)
         except ValueError as err:
             distributed.shutdown(ctx)
             command.error(f"argument --kfac-grad-worker-fraction: {err}")

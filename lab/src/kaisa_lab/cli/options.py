@@ -5,7 +5,7 @@ than written out by hand, so a field added to (or renamed in) the library shows
 up in the CLI without an edit here, and a field whose type the CLI cannot parse
 fails loudly at start-up instead of silently going missing.
 
-Every value is validated by constructing ``KFACConfig(**{field: value})``, so
+Every value is validated by ``KFACConfig.from_options(**{field: value})``, so
 the CLI accepts exactly what the library accepts and reports the library's own
 message, prefixed by argparse with the option's name.
 """
@@ -162,7 +162,7 @@ def _validated(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         value = parse(text)
         try:
-            KFACConfig(**{name: value})
+            KFACConfig.from_options(**{name: value})
         except (TypeError, ValueError) as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return value
@@ -186,8 +186,8 @@ def kfac_options() -> list[KFACOption]:
     options = []
     for f in dataclasses.fields(KFACConfig):
         hint = hints[f.name]
-        if typing.get_origin(hint) is collections.abc.Sequence:
-            (item,) = typing.get_args(hint)
+        if typing.get_origin(hint) is tuple:  # tuple[str, ...]: several values
+            item = typing.get_args(hint)[0]
             parse, metavar, nargs = _value_parser(f.name, item)[0], "VALUE", "*"
         else:
             parse, metavar = _value_parser(f.name, hint)

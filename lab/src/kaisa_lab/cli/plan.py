@@ -226,7 +226,8 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
     report["large_factors"] = limited
     if limited:
         fields = KFACConfig.field_names()
-        limit = KFACConfig(**{k: v for k, v in kfac.items() if k in fields}).max_factor_dim
+        given = {k: v for k, v in kfac.items() if k in fields}
+        limit = KFACConfig.from_options(**given).max_factor_dim
         print(f"factors above max_factor_dim={limit}, not kept dense: {', '.join(limited)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -53,7 +53,7 @@ class RunSpec:
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
-        return KFACConfig(**{"lr": self.lr, **self.kfac_kwargs})
+        return KFACConfig.from_options(**{"lr": self.lr, **self.kfac_kwargs})
 
     def to_dict(self) -> dict[str, Any]:
         """Every hyperparameter, JSON-ready; ``kfac`` is null for first-order runs."""
@@ -122,7 +122,7 @@ def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) ->
         **kfac_overrides(args),
     }
     shared_lr = _pick(args.lr, defaults.lr[optimizer])
-    KFACConfig(**{"lr": shared_lr, **kfac_kwargs})  # validate once, before any training
+    KFACConfig.from_options(**{"lr": shared_lr, **kfac_kwargs})  # validate before any training
     epochs = _pick(args.epochs, defaults.epochs)
     steps = defaults.steps_per_epoch
     if args.max_steps_per_epoch is not None:

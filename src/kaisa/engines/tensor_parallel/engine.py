@@ -124,7 +124,7 @@ class TensorParallelEngine(TorchEngine, ShardedReads, ModelParallelLayers):
     def select_layers(
         self, adapters: list[LayerAdapter], skipped: list[SkippedModule], config: KFACConfig
     ) -> list[LayerAdapter]:
-        self.mode = TensorParallelMode(config.tensor_parallel)
+        self.mode = config.tensor_parallel
         kept: list[LayerAdapter] = []
         sharded: list[tuple[LinearAdapter, Sharding]] = []
         for adapter in adapters:
