@@ -31,7 +31,7 @@ from kaisa.config import (
 )
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, StatisticDtype, StatisticSpec
 from kaisa.core.workspace import uses_workspace, workspace_bytes
-from kaisa.distributed.communicator import packed_numel
+from kaisa.distributed.communicator import message_numel
 from kaisa.distributed.plan import (
     LayerSpec,
     WorkPlan,
@@ -44,6 +44,8 @@ from kaisa.layers.registry import register_layers
 from kaisa.methods import method_for
 from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.planner.costs import CostModel
+from kaisa.step import apply as apply_phase
+from kaisa.step import reduce as reduce_phase
 
 __all__ = [
     "STAGES",
@@ -203,9 +205,8 @@ def _total(table: Mapping[str, np.ndarray]) -> np.ndarray:
 
 
 def _bytes(tensors: Sequence[HeldTensor], itemsize: int, symmetry_aware: bool) -> int:
-    return itemsize * sum(
-        packed_numel(torch.Size(t.shape), symmetry_aware and t.symmetric) for t in tensors
-    )
+    """A second-order broadcast: the transfer's tensors as the communicator packs them."""
+    return itemsize * message_numel(tensors, symmetry_aware)
 
 
 def _product_flop(layer: LayerCost, method: CurvatureMethod) -> float:
@@ -246,12 +247,12 @@ def _add_statistics(
             if stat.dtype is StatisticDtype.SECOND_ORDER
             else (layer.factor_itemsize)
         )
-        nbytes = itemsize * packed_numel(torch.Size(stat.shape), sym and stat.symmetric)
+        nbytes = itemsize * reduce_phase.statistic_numel(stat, sym)
         t.factor_step["statistic_allreduce"] += nbytes
         t.secs["factor_fold"] += cost.traffic(3.0 * stat.numel * itemsize)
         if layer.rows is not None:
             t.secs["capture"] += cost.compute(layer.rows * stat.flop_per_row)
-    t.factor_step["factor_counts"] += 8 * len(statistics)
+    t.factor_step["factor_counts"] += reduce_phase.COUNT_DTYPE.itemsize * len(statistics)
 
 
 @dataclass
@@ -285,8 +286,8 @@ def _add_factors(
     there on factor steps, captured on every rank."""
     for spec, owner in zip(layer.factors, owners):
         t.memory["factors"][owner] += spec.numel * layer.factor_itemsize
-        t.factor_step["factor_reduce"] += layer.factor_itemsize * packed_numel(
-            torch.Size(spec.shape), sym and spec.symmetric
+        t.factor_step["factor_reduce"] += layer.factor_itemsize * reduce_phase.statistic_numel(
+            spec, sym
         )
         # the owner folds the reduced sum into the running average: the
         # factor is read and written and the sum read (division by the
@@ -300,7 +301,7 @@ def _add_factors(
             copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
             t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
             t.secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
-    t.factor_step["factor_counts"] += 8 * len(layer.factors)
+    t.factor_step["factor_counts"] += reduce_phase.COUNT_DTYPE.itemsize * len(layer.factors)
 
 
 def _add_grad_broadcast(
@@ -382,8 +383,8 @@ def forecast(
                 column = range(w)[workers]
                 t.secs["inverse_comm"][workers] += cost.collective(sent, column, 1)
         t.secs["precondition"][workers] += cost.compute(_product_flop(layer, method))
-        g, a = layer.grad_shape
-        grad_bytes += (g * a + 1) * layer.grad_itemsize
+        message = apply_phase.grad_message(layer.grad_shape)
+        grad_bytes += message_numel(message, False) * layer.grad_itemsize
     if plan.grad_workers < w:
         _add_grad_broadcast(t, plan, grad_bytes, len(layers), cost)
     else:

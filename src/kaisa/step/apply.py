@@ -31,7 +31,7 @@ from torch import Tensor
 from kaisa.core.kl_clip import kl_scale, kl_scale_value, kl_term, sum_kl_terms
 from kaisa.core.layer_state import KFACLayer
 from kaisa.core.workspace import Workspace, uses_workspace
-from kaisa.distributed.communicator import Communicator
+from kaisa.distributed.communicator import Communicator, Part
 from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
 from kaisa.layers.base import LayerAdapter
@@ -39,6 +39,14 @@ from kaisa.methods.base import CurvatureMethod
 from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["GradientApplication"]
+
+
+def grad_message(matrix_shape: tuple[int, ...] | torch.Size) -> tuple[Part, Part]:
+    """What a layer's gradient worker sends its receivers every step when
+    ``grad_worker_fraction < 1``: the preconditioned gradient matrix and its
+    ``⟨V, ∇⟩`` (one element), so the receivers need not hold the gradient
+    for the KL clip.  :mod:`kaisa.planner.forecast` counts the same parts."""
+    return Part(tuple(matrix_shape)), Part((1,))
 
 
 class GradientApplication:
@@ -294,12 +302,13 @@ class GradientApplication:
                 src = lp.gradient_source(self.rank)
                 if self.rank == src:
                     v, dot = results[name]
-                    send = [v, dot.reshape(1)]
+                    send = [v, dot.reshape(grad_message(v.shape)[1].shape)]
                 else:
                     adapter = layer.adapter
                     dtype = grad.dtype if grad is not None else self._gradient_dtype(adapter)
-                    buf = torch.empty(adapter.matrix_shape, dtype=dtype, device=adapter.device)
-                    send = [buf, buf.new_empty(1)]
+                    matrix, dot_part = grad_message(adapter.matrix_shape)
+                    buf = torch.empty(matrix.shape, dtype=dtype, device=adapter.device)
+                    send = [buf, buf.new_empty(dot_part.shape)]
 
                 def store(received: list[Tensor], name: str = name) -> None:
                     results[name] = (received[0], received[1].reshape(()))

@@ -33,13 +33,23 @@ from torch import Tensor
 
 from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import ReducedTo
-from kaisa.distributed.communicator import Communicator, pack, packed_numel, unpack
+from kaisa.distributed.communicator import Communicator, MessagePart, message_numel, pack, unpack
 from kaisa.distributed.plan import WorkPlan
 
 __all__ = ["EVERY_RANK", "FactorReduction"]
 
 #: the "owner" of a bucket summed onto every rank (statistics reduced to the workers)
 EVERY_RANK = -1
+
+
+#: the row counts travel beside the sums, one per statistic, in this dtype
+COUNT_DTYPE = torch.float64
+
+
+def statistic_numel(stat: MessagePart, symmetry_aware: bool) -> int:
+    """Elements one statistic's sums take in a reduction bucket (and on the
+    wire); :mod:`kaisa.planner.forecast` counts the same."""
+    return message_numel([stat], symmetry_aware)
 
 
 @dataclass
@@ -104,7 +114,7 @@ class FactorReduction:
                 dtype = layer.dtype_of(stat)
                 key = (owner, dtype)
                 symmetric = symmetry_aware and stat.symmetric
-                numel = packed_numel(torch.Size(stat.shape), symmetric)
+                numel = statistic_numel(stat, symmetry_aware)
                 bucket = open_.get(key)
                 size = dtype.itemsize
                 if bucket is None or (bucket.slots and (bucket.numel + numel) * size > cap):
@@ -187,7 +197,7 @@ class FactorReduction:
                 self._fill(layer)
         self._send_ready(force=True)
         counts = torch.tensor(
-            [c for layer in self.layers for c in self._filled[layer.name]], dtype=torch.float64
+            [c for layer in self.layers for c in self._filled[layer.name]], dtype=COUNT_DTYPE
         )
         device = self.layers[0].adapter.device
         received: list[Tensor] = []
