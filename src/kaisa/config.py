@@ -83,12 +83,16 @@ class ComputeMethod(_SameNameEquality, str, enum.Enum):
     cheaper to compute but only approximates the same damped matrix.
     ``EKFAC`` divides in the eigenbasis by a running per-example second
     moment instead of the eigenvalues (:mod:`kaisa.methods.ekfac`;
-    ``grad_worker_fraction=1`` only).
+    ``grad_worker_fraction=1`` only).  ``EKFAC_ADAM`` runs Adam in K-FAC's
+    eigenbasis — running first and second moments of the rotated gradient,
+    carried over at each new basis — the K-FAC analogue of SOAP
+    (:mod:`kaisa.methods.ekfac_adam`).
     """
 
     EIGEN = "eigen"
     INVERSE = "inverse"
     EKFAC = "ekfac"
+    EKFAC_ADAM = "ekfac_adam"
 
 
 class AssignmentStrategy(_SameNameEquality, str, enum.Enum):

@@ -103,7 +103,7 @@ class KFACPreconditioner(KfacPytorchAttributes):
         loglevel: the level of the registration report on the ``"kaisa"`` logger.
         method: the curvature method: a :class:`kaisa.methods.CurvatureMethod`
             object (a method of one's own), or a ``compute_method`` name
-            (``'eigen'``, ``'inverse'``, ``'ekfac'``); give it or
+            (``'eigen'``, ``'inverse'``, ``'ekfac'``, ``'ekfac_adam'``); give it or
             ``compute_method``, not both.
     """
 

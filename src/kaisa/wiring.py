@@ -45,6 +45,7 @@ __all__ = [
     "Parts",
     "Setup",
     "build",
+    "check_method_options",
     "check_method_plan",
     "check_runtime_arguments",
     "configure",
@@ -179,6 +180,21 @@ def resolve_method(method: CurvatureMethod | None, config: KFACConfig) -> Curvat
     return method_for(config.compute_method, config.compute_eigenvalue_outer_product)
 
 
+def check_method_options(method: CurvatureMethod, config: KFACConfig) -> None:
+    """Refuse options a method cannot honour: a method whose :meth:`apply`
+    updates its state every step (running moments,
+    :attr:`CurvatureMethod.apply_updates_state`) must be handed the worker's
+    own tensors, where ``precondition_dtype`` would hand it cast copies (the
+    updates would land in a copy and the checkpoint would keep stale moments)."""
+    if method.apply_updates_state and config.precondition_dtype is not None:
+        raise ValueError(
+            f"precondition_dtype={config.precondition_dtype} is not supported with "
+            f"compute_method={method.name!r}: its apply() updates running moments in place, "
+            "which a cast copy of them would not keep. Use precondition_dtype=None (the "
+            "products then run in inv_dtype)"
+        )
+
+
 def _needs_every_worker(layers: list[KFACLayer]) -> str | None:
     """The first statistic formed from the method's state or reduced onto
     the workers, as ``layer.statistic`` (None: the plan may be any)."""
@@ -256,6 +272,7 @@ def build(
 ) -> Parts:
     config, engine, topology = setup.config, setup.engine, setup.topology
     method = resolve_method(method, config)
+    check_method_options(method, config)
     layers, skipped = _register(engine, model, config, method)
     ordered = list(layers.values())
     world = len(group_ranks(topology.dp if topology is not None else None))

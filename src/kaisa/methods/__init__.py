@@ -29,6 +29,7 @@ REGISTRY: dict[ComputeMethod, str] = {
     ComputeMethod.EIGEN: "kaisa.methods.eigen:EigenMethod",
     ComputeMethod.INVERSE: "kaisa.methods.inverse:InverseMethod",
     ComputeMethod.EKFAC: "kaisa.methods.ekfac:EKFACMethod",
+    ComputeMethod.EKFAC_ADAM: "kaisa.methods.ekfac_adam:EKFACAdamMethod",
 }
 
 

@@ -179,6 +179,18 @@ class CurvatureMethod(ABC):
         failure; the caller then keeps the previous tensors.
         """
 
+    def receive(
+        self, factors: Factors, state: dict[str, Tensor], new: Mapping[str, Tensor]
+    ) -> None:
+        """Take tensors a decomposition produced or a broadcast delivered into
+        ``state`` (default: ``state.update(new)``).
+
+        Called on every rank that keeps them, once per :class:`Transfer`,
+        before :meth:`complete`, while ``state`` still holds the previous
+        tensors: a method whose state is expressed in the old tensors' terms
+        (running moments in an eigenbasis) carries it over here."""
+        state.update(new)
+
     def complete(
         self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
     ) -> None:
@@ -212,6 +224,11 @@ class CurvatureMethod(ABC):
         (:class:`kaisa.core.workspace.Alternating`) and the result may be a view
         of one, valid until the next layer's; ``grad`` is never written.
         """
+
+    #: :meth:`apply` updates held tensors in place (running moments of the
+    #: gradient), so it must be handed the worker's own state: no cast copies
+    #: (``precondition_dtype`` is refused, :func:`kaisa.wiring.check_method_options`)
+    apply_updates_state = False
 
     #: :meth:`apply_blocks` forms ``⟨V, ∇⟩`` on its way, so ``∇`` need not be
     #: kept once ``V`` has overwritten it

@@ -101,7 +101,7 @@ class SecondOrderUpdate:
             logger.warning(
                 "decomposition of %s failed (%s); keeping the previous one", layer.name, exc
             )
-        layer.state.update(new)
+        self.method.receive(layer.factors, layer.state, new)
         self.fill_missing(layer, transfer.tensors, damping)
 
     def fill_missing(
@@ -128,7 +128,7 @@ class SecondOrderUpdate:
         keys = [t.key for t in transfer.tensors]
 
         def store(received: list[Tensor]) -> None:
-            layer.state.update(zip(keys, received))
+            self.method.receive(layer.factors, layer.state, dict(zip(keys, received)))
 
         self.comm.broadcast(
             tensors,

@@ -36,6 +36,7 @@ from kaisa.layers import LinearAdapter, register_layer_type
 from kaisa.layers.registry import _ADAPTERS
 from kaisa.methods import CurvatureMethod, EigenMethod, InverseMethod
 from kaisa.methods.ekfac import EKFACMethod
+from kaisa.methods.ekfac_adam import EKFACAdamMethod
 
 from kfac_reference import grad_matrix, rel_err, unvec, vec
 
@@ -48,6 +49,9 @@ METHODS: dict[str, CurvatureMethod] = {
     "inverse": InverseMethod(),
     # right after a decomposition S = λ_G λ_Aᵀ: the eigen method's result
     "ekfac": EKFACMethod(),
+    # Adam in the eigenbasis: its first step after a decomposition is
+    # C/(|C| + ε) there (adam_reference), its stand-ins plain Adam's ∇/(|∇| + ε)
+    "ekfac-adam": EKFACAdamMethod(eps=1e-3),
 }
 
 # factor sets: (kind, dim, axis) per factor
@@ -99,6 +103,21 @@ def reference(specs, values, grad: torch.Tensor, method: str) -> torch.Tensor:
     return v.reshape(tuple(reversed(shape))).permute(*reversed(range(n)))
 
 
+def adam_reference(specs, values, grad: torch.Tensor, eps: float) -> torch.Tensor:
+    """Adam's first step in the Kronecker eigenbasis, dense: ``K (c / (|c| + ε))``
+    with ``c = Kᵀ vec(∇)``, ``K`` the Kronecker product of the eigenbases
+    (column-major vec, as :func:`reference`)."""
+    by_axis = sorted(zip(specs, values), key=lambda sv: sv[0].axis)
+    bases = [torch.linalg.eigh(dense(s, v))[1] for s, v in by_axis]
+    big = bases[-1]
+    for q in reversed(bases[:-1]):
+        big = torch.kron(big, q)
+    c = big.t() @ column_major(grad)
+    v = big @ (c / (c.abs() + eps))
+    shape = tuple(s.dim for s, _ in by_axis)
+    return v.reshape(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
+
+
 def run_method(method: CurvatureMethod, specs, values, grad, colocated: bool) -> dict:
     running = list(values)
     state: dict[str, torch.Tensor] = {}
@@ -122,7 +141,10 @@ def test_method_equals_dense_reference(name: str, factors: str, colocated: bool)
     state = run_method(method, specs, values, grad, colocated)
     assert method.ready(specs, state, colocated)
     got = method.apply(specs, state, grad, DAMPING)
-    expected = reference(specs, values, grad, "inverse" if name == "inverse" else "eigen")
+    if isinstance(method, EKFACAdamMethod):
+        expected = adam_reference(specs, values, grad, method.eps)
+    else:
+        expected = reference(specs, values, grad, "inverse" if name == "inverse" else "eigen")
     assert rel_err(got, expected) <= TOL
 
 
@@ -160,7 +182,11 @@ def test_method_fallback_applies_gradient_over_damping(name: str, factors: str) 
     state = {t.key: method.fallback(t, len(specs), DAMPING, like) for t in method.held(specs, True)}
     shape = tuple(s.dim for s in sorted(specs, key=lambda s: s.axis))
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    assert rel_err(method.apply(specs, state, grad, DAMPING), grad / DAMPING) <= 1e-12
+    if isinstance(method, EKFACAdamMethod):  # Adam's first step in the identity basis
+        expected = grad / (grad.abs() + method.eps)
+    else:
+        expected = grad / DAMPING
+    assert rel_err(method.apply(specs, state, grad, DAMPING), expected) <= 1e-12
 
 
 # -- engines ----------------------------------------------------------------------------------
