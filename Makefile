@@ -11,12 +11,14 @@ TORCH ?= torch==2.13.0
 
 # The library (.) and the experiment harness kaisa-lab (./lab: the `kaisa`
 # command, tasks, zoo) are installed editable in one call, so the resolver
-# takes lab's `kaisa` requirement from this tree and torch stays pinned.
+# takes lab's `kaisa` requirement from this tree and torch stays pinned; lab's
+# extra `baselines` (heavyball, pytorch-optimizer: SOAP, Shampoo, LAMB for
+# kaisa compare) comes in the same call.
 $(VENV)/.installed: pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e ".[dev]" -e ./lab "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev]" -e "./lab[baselines]" "$(TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed

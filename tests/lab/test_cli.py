@@ -496,7 +496,7 @@ def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
     assert adamw.lr == kfac.lr and adamw.schedule == kfac.schedule == "cosine"
     with pytest.raises(ValueError, match="kfac_arm may set only lr, schedule, warmup_epochs"):
         Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"momentum": 0.5})
-    for bad in (0.1, {"lamb": 0.1}, {"sgd": 0.0}, {"sgd": "0.1"}, {"sgd": True}, {"sgd": math.inf}):
+    for bad in (0.1, {"lion": 0.1}, {"sgd": 0.0}, {"sgd": "0.1"}, {"sgd": True}, {"sgd": math.inf}):
         with pytest.raises(ValueError, match=r"kfac_arm\['lr'\] must map optimizer names"):
             Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"lr": bad})
 

@@ -3,7 +3,10 @@
 ``kaisa train`` trains one configuration; ``kaisa compare`` trains the
 first-order optimizer and the same optimizer preconditioned by K-FAC, from the
 same initial weights and batches, and reports time and steps to a target
-metric; ``--seeds N`` repeats that on N seeds and reports medians and spreads.
+metric; ``--optimizers adamw,muon,soap`` compares several optimizers (each with
+its K-FAC run where K-FAC applies on top of it, :data:`kaisa_lab.optim.KFAC_BASES`),
+each at the task's own lr and schedule for it; ``--seeds N`` repeats that on N
+seeds and reports medians and spreads.
 Both write ``results.json`` and ``results.png`` into ``--out``.
 
 This module only parses arguments and dispatches; see :mod:`kaisa_lab.cli.spec`
@@ -34,10 +37,10 @@ from kaisa_lab.cli.plot import plot_runs
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.results import arms_to_dicts, format_seed_table, format_table, write_results
 from kaisa_lab.cli.schedule import SCHEDULES
-from kaisa_lab.cli.spec import ScheduleError, build_specs
+from kaisa_lab.cli.spec import OptimizerError, RunSpec, ScheduleError, build_specs
 from kaisa_lab.cli.sweep import run_seeds
 from kaisa_lab.cli.train import RunResult, warm_up
-from kaisa_lab.tasks.base import OPTIMIZERS
+from kaisa_lab.optim import OPTIMIZERS, OptionalDependencyError, check_available
 from kaisa_lab.tasks.registry import TASKS, get_task
 
 __all__ = ["build_parser", "main"]
@@ -72,6 +75,19 @@ def _float_at_least(low: float, *, strict: bool) -> Any:
     return parse
 
 
+def _optimizer_list(text: str) -> list[str]:
+    """``--optimizers``: comma-separated names from :data:`OPTIMIZERS`, each once."""
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in OPTIMIZERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated optimizers from {', '.join(OPTIMIZERS)}; got {text!r}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"an optimizer is named twice in {text!r}")
+    return names
+
+
 def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare``; None means "the task's default"."""
     task_help = "; ".join(f"{name}: {cls.description}" for name, cls in TASKS.items()) + "."
@@ -84,7 +100,10 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        help="first-order optimizer (default: the task's; sgd except adamw for text-lm)",
+        help="first-order optimizer (default: the task's: sgd, or adamw on text-lm and "
+        "text-cnn). muon: torch.optim.Muon on the hidden weight matrices and AdamW on "
+        "embeddings, head, norms and biases; soap, shampoo (heavyball) and lamb "
+        "(pytorch-optimizer) need the extra kaisa-lab[baselines]",
     )
     training = parser.add_argument_group("training (unset: the task's default)")
     training.add_argument("--epochs", type=_positive_int, help="number of epochs")
@@ -229,12 +248,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description=(
             "Train the first-order optimizer and the same optimizer with K-FAC (same seed, "
             "batch size, initial weights and data order) and report time, steps and epochs "
-            "to the target metric. Times exclude evaluation. With --seeds N, both are "
+            "to the target metric; with --optimizers, every optimizer named and its K-FAC "
+            "run. Times exclude evaluation. With --seeds N, every arm is "
             "trained on N seeds and the table gives median [min-max] per run."
         ),
     )
     for sub in (train, compare):
         _add_common_arguments(sub)
+    compare.add_argument(
+        "--optimizers",
+        type=_optimizer_list,
+        metavar="NAME,NAME,...",
+        help="compare several optimizers (instead of --optimizer), e.g. adamw,muon,soap: "
+        "each is an arm at the task's lr, weight decay and schedule for it, followed by its "
+        "K-FAC arm where K-FAC runs on top of it (not soap, shampoo); the first is the "
+        "baseline of the time ratios",
+    )
     plan = add_plan_parser(commands)
     return parser, {"train": train, "compare": compare, "plan": plan}
 
@@ -267,6 +296,24 @@ def _write_outputs(
     print(f"wrote {out / RESULTS_JSON} and {out / RESULTS_PNG}", flush=True)
 
 
+def _check_optimizers(specs: Sequence[RunSpec], error: Any, flag: str) -> None:
+    """Refuse (``error``) an optimizer whose package is missing; warn about untuned lrs.
+
+    Both before any training, so a long comparison does not fail at its third arm.
+    """
+    for spec in specs:
+        try:
+            check_available(spec.optimizer)
+        except OptionalDependencyError as err:
+            error(f"argument {flag}: {err}")
+        if not spec.lr_tuned:
+            print(
+                f"note: {spec.name} runs at its library's lr {spec.lr:g}, not tuned for "
+                f"{spec.task} (docs/results.md); set it with --lr",
+                file=sys.stderr,
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kaisa`` console script and of ``python -m kaisa``.
 
@@ -282,10 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = get_task(args.task)
     try:
         specs = build_specs(args, task, [args.kfac] if args.command == "train" else [False, True])
-    except ScheduleError as err:
+    except (ScheduleError, OptimizerError) as err:
         command.error(str(err))
     except (TypeError, ValueError) as err:
         command.error(f"invalid K-FAC options: {err}")
+    several = getattr(args, "optimizers", None) is not None
+    _check_optimizers(specs, command.error, "--optimizers" if several else "--optimizer")
     try:
         data = task.load(args.data_dir)
     except FileNotFoundError as err:

@@ -9,19 +9,31 @@ records the values actually used.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kaisa.config import KFACConfig
 from kaisa_lab.cli.options import kfac_overrides
+from kaisa_lab.optim import KFAC_BASES
 from kaisa_lab.tasks.base import Task
 
-__all__ = ["RunSpec", "ScheduleError", "build_specs"]
+__all__ = ["OptimizerError", "RunSpec", "ScheduleError", "build_specs", "optimizers_of"]
+
+#: Options that set one value for every arm, which cannot fit several optimizers.
+_ONE_OPTIMIZER_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("lr", "--lr"),
+    ("kfac_arm_lr", "--kfac-arm-lr"),
+    ("weight_decay", "--weight-decay"),
+)
 
 
 class ScheduleError(ValueError):
     """The learning-rate schedule options do not fit the run (message names the option)."""
+
+
+class OptimizerError(ValueError):
+    """The optimizer options do not fit the command (message names the option)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,13 @@ class RunSpec:
     #: Keywords for ``KFACPreconditioner`` besides ``optimizer``; contains
     #: ``lr`` only when the user gave ``--kfac-lr``.
     kfac_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Whether ``lr`` was tuned for the task (given on the command line, or
+    #: the task names one): False for a baseline at its library's lr.
+    lr_tuned: bool = True
+    #: ``muon`` only: lr and weight decay of the AdamW that trains the
+    #: embeddings, head, norms and biases (the task's AdamW ones).
+    adamw_lr: float | None = None
+    adamw_weight_decay: float | None = None
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -77,6 +96,9 @@ class RunSpec:
             "evals_per_epoch": self.evals_per_epoch,
             "schedule": self.schedule,
             "warmup_epochs": self.warmup_epochs,
+            "lr_tuned": self.lr_tuned,
+            "adamw_lr": self.adamw_lr,
+            "adamw_weight_decay": self.adamw_weight_decay,
             "kfac": kfac,
         }
 
@@ -106,57 +128,121 @@ def _arm_schedule(
     return lr, schedule, warmup
 
 
-def build_specs(args: argparse.Namespace, task: Task, kfac_flags: list[bool]) -> list[RunSpec]:
-    """One :class:`RunSpec` per entry of ``kfac_flags``, identical except for
-    K-FAC and for what ``--kfac-arm-*`` (or the task's ``kfac_arm``) sets.
+def optimizers_of(args: argparse.Namespace, task: Task) -> list[str]:
+    """The optimizers of the command: ``--optimizers``, else ``--optimizer``, else the task's.
+
+    Raises :class:`OptimizerError` when several optimizers meet an option that
+    sets one value for every arm (each arm takes its own from the task).
+    """
+    several = getattr(args, "optimizers", None)
+    if several is None:
+        return [_pick(args.optimizer, task.defaults.optimizer)]
+    if args.optimizer is not None:
+        raise OptimizerError("argument --optimizers: not allowed with argument --optimizer")
+    if len(several) > 1:
+        for dest, flag in _ONE_OPTIMIZER_OPTIONS:
+            if getattr(args, dest, None) is not None:
+                raise OptimizerError(
+                    f"argument {flag}: one value cannot serve several optimizers "
+                    f"(--optimizers {','.join(several)}); each arm takes its task's own "
+                    "(compare one optimizer to set it)"
+                )
+    return list(several)
+
+
+def _arms(optimizers: Sequence[str], kfac_flags: Sequence[bool]) -> list[tuple[str, bool]]:
+    """``(optimizer, kfac)`` per arm: each optimizer's runs in ``kfac_flags`` order, its
+    K-FAC run left out where K-FAC does not apply on top of it (``compare``) and
+    refused where it was asked for alone (``train --kfac``)."""
+    arms = []
+    for optimizer in optimizers:
+        for use_kfac in kfac_flags:
+            if use_kfac and optimizer not in KFAC_BASES:
+                if len(kfac_flags) == 1:
+                    raise OptimizerError(
+                        f"argument --optimizer: K-FAC does not run on top of {optimizer} (it "
+                        "preconditions with its own Kronecker factors); K-FAC's bases are "
+                        f"{', '.join(sorted(KFAC_BASES))}; train {optimizer} with --no-kfac"
+                    )
+                continue
+            arms.append((optimizer, use_kfac))
+    return arms
+
+
+def _spec(
+    args: argparse.Namespace, task: Task, optimizer: str, use_kfac: bool, common: dict[str, Any]
+) -> RunSpec:
+    """The spec of one arm; ``common`` holds what every arm shares."""
+    defaults = task.defaults
+    lr, schedule, warmup_epochs = _arm_schedule(args, task, use_kfac, optimizer)
+    if warmup_epochs > common["epochs"]:
+        own = use_kfac and args.kfac_arm_warmup_epochs is not None
+        option = "--kfac-arm-warmup-epochs" if own else "--warmup-epochs"
+        raise ScheduleError(
+            f"argument {option}: {warmup_epochs:g} warm-up epochs is more than the "
+            f"{common['epochs']} epochs of training"
+        )
+    given = args.lr is not None or (use_kfac and args.kfac_arm_lr is not None)
+    muon = optimizer == "muon"
+    return RunSpec(
+        name=f"{optimizer}+kfac" if use_kfac else optimizer,
+        task=task.name,
+        optimizer=optimizer,
+        kfac=use_kfac,
+        lr=lr,
+        weight_decay=_pick(args.weight_decay, defaults.decay(optimizer)),
+        schedule=schedule,
+        warmup_epochs=warmup_epochs,
+        kfac_kwargs=dict(common["kfac_kwargs"]) if use_kfac else {},
+        lr_tuned=given or defaults.lr_tuned(optimizer),
+        adamw_lr=defaults.base_lr("adamw") if muon else None,
+        adamw_weight_decay=defaults.decay("adamw") if muon else None,
+        **{k: v for k, v in common.items() if k != "kfac_kwargs"},
+    )
+
+
+def build_specs(
+    args: argparse.Namespace,
+    task: Task,
+    kfac_flags: list[bool],
+    optimizers: Sequence[str] | None = None,
+) -> list[RunSpec]:
+    """One :class:`RunSpec` per optimizer (default: :func:`optimizers_of`) and entry of
+    ``kfac_flags``, identical except for the optimizer (and its lr, weight decay and
+    schedule, the task's for that optimizer), K-FAC, and what ``--kfac-arm-*`` (or
+    the task's ``kfac_arm``) sets. An optimizer K-FAC does not apply to
+    (:data:`kaisa_lab.optim.KFAC_BASES`) gets no K-FAC run.
 
     Raises ``ValueError``/``TypeError`` (from :class:`KFACConfig`) when the
-    merged K-FAC options are inconsistent, and :class:`ScheduleError` when the
-    warm-up is longer than training.
+    merged K-FAC options are inconsistent, :class:`ScheduleError` when the
+    warm-up is longer than training and :class:`OptimizerError` when the
+    optimizer options do not fit.
     """
     defaults = task.defaults
-    optimizer = _pick(args.optimizer, defaults.optimizer)
+    optimizers = optimizers_of(args, task) if optimizers is None else list(optimizers)
     kfac_kwargs: dict[str, Any] = {
         "loss_average": task.loss_average,
         **defaults.kfac,
         **kfac_overrides(args),
     }
-    shared_lr = _pick(args.lr, defaults.lr[optimizer])
+    shared_lr = _pick(args.lr, defaults.base_lr(optimizers[0]))
     KFACConfig.from_options(**{"lr": shared_lr, **kfac_kwargs})  # validate before any training
-    epochs = _pick(args.epochs, defaults.epochs)
     steps = defaults.steps_per_epoch
     if args.max_steps_per_epoch is not None:
         steps = args.max_steps_per_epoch if steps is None else min(steps, args.max_steps_per_epoch)
-    specs = []
-    for use_kfac in kfac_flags:
-        lr, schedule, warmup_epochs = _arm_schedule(args, task, use_kfac, optimizer)
-        if warmup_epochs > epochs:
-            own = use_kfac and args.kfac_arm_warmup_epochs is not None
-            option = "--kfac-arm-warmup-epochs" if own else "--warmup-epochs"
-            raise ScheduleError(
-                f"argument {option}: {warmup_epochs:g} warm-up epochs is more than the "
-                f"{epochs} epochs of training"
-            )
-        specs.append(
-            RunSpec(
-                name=f"{optimizer}+kfac" if use_kfac else optimizer,
-                task=task.name,
-                optimizer=optimizer,
-                kfac=use_kfac,
-                epochs=epochs,
-                batch_size=_pick(args.batch_size, defaults.batch_size),
-                lr=lr,
-                momentum=_pick(args.momentum, defaults.momentum),
-                weight_decay=_pick(args.weight_decay, defaults.weight_decay[optimizer]),
-                seed=args.seed,
-                target=_pick(args.target, task.target),
-                steps_per_epoch=steps,
-                eval_batch_size=defaults.eval_batch_size,
-                stop_at_target=args.stop_at_target,
-                evals_per_epoch=_pick(args.evals_per_epoch, defaults.evals_per_epoch),
-                schedule=schedule,
-                warmup_epochs=warmup_epochs,
-                kfac_kwargs=dict(kfac_kwargs) if use_kfac else {},
-            )
-        )
-    return specs
+    common: dict[str, Any] = {
+        "epochs": _pick(args.epochs, defaults.epochs),
+        "batch_size": _pick(args.batch_size, defaults.batch_size),
+        "momentum": _pick(args.momentum, defaults.momentum),
+        "seed": args.seed,
+        "target": _pick(args.target, task.target),
+        "steps_per_epoch": steps,
+        "eval_batch_size": defaults.eval_batch_size,
+        "stop_at_target": args.stop_at_target,
+        "evals_per_epoch": _pick(args.evals_per_epoch, defaults.evals_per_epoch),
+        "kfac_kwargs": kfac_kwargs,
+    }
+    return [
+        _spec(args, task, optimizer, use_kfac, common)
+        for optimizer, use_kfac in _arms(optimizers, kfac_flags)
+    ]

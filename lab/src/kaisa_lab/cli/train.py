@@ -22,6 +22,7 @@ from kaisa_lab.cli.distributed import DistContext, eval_indices, train_sampler
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.schedule import LRSchedule
 from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.optim import build_optimizer
 from kaisa_lab.tasks.base import BatchDataset, EvalSums, Task, TaskData
 
 __all__ = [
@@ -72,17 +73,17 @@ class RunResult:
         return self.curve[-1].metric if self.curve else None
 
 
-def make_optimizer(
-    name: str, params: Iterator[nn.Parameter], lr: float, momentum: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    """SGD (with ``momentum``), Adam or AdamW; ``momentum`` only affects SGD."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose from sgd, adam, adamw")
+def make_optimizer(spec: RunSpec, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of ``spec`` over ``model`` (:func:`kaisa_lab.optim.build_optimizer`)."""
+    return build_optimizer(
+        spec.optimizer,
+        model,
+        lr=spec.lr,
+        weight_decay=spec.weight_decay,
+        momentum=spec.momentum,
+        adamw_lr=spec.adamw_lr,
+        adamw_weight_decay=spec.adamw_weight_decay,
+    )
 
 
 class _Clock:
@@ -145,9 +146,9 @@ class _Trainer:
         torch.manual_seed(spec.seed)
         self.model = task.build_model().to(ctx.device)
         self.net = ctx.wrap(self.model)
-        self.optimizer = make_optimizer(
-            spec.optimizer, self.model.parameters(), spec.lr, spec.momentum, spec.weight_decay
-        )
+        self.optimizer = make_optimizer(spec, self.model)
+        # The schedule scales every group's own lr (muon's AdamW part has another).
+        self._lr_scales = [group["lr"] / spec.lr for group in self.optimizer.param_groups]
         self.preconditioner: Any = None
         if spec.kfac:
             # Imported here so that first-order runs work even while the
@@ -168,9 +169,11 @@ class _Trainer:
             self.preconditioner.remove_hooks()
 
     def set_lr(self, lr: float) -> None:
-        """Set every parameter group's lr; K-FAC reads it from the optimizer at its step."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """Set the lr of the run's schedule: each parameter group's lr is ``lr`` times its
+        own initial lr over the run's (1 for every group but muon's AdamW part, so
+        exactly ``lr`` there); K-FAC reads it from the optimizer at its step."""
+        for group, scale in zip(self.optimizer.param_groups, self._lr_scales):
+            group["lr"] = lr * scale
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on a batch; returns the (detached) batch loss."""

@@ -21,9 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from kaisa_lab.optim.build import BASELINE_LR, OPTIMIZERS
+
 __all__ = [
     "KFAC_ARM_KEYS",
     "OPTIMIZERS",
+    "REQUIRED_OPTIMIZERS",
     "ArrayDataset",
     "BatchDataset",
     "Defaults",
@@ -34,8 +37,11 @@ __all__ = [
     "bits_per_char",
 ]
 
-#: Optimizer names every task gives a default learning rate for.
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+#: Optimizers every task names a learning rate and weight decay for; the
+#: others of :data:`OPTIMIZERS` (today's baselines) fall back to
+#: :data:`kaisa_lab.optim.BASELINE_LR` and the task's AdamW weight decay
+#: where a task has not tuned them (:meth:`Defaults.lr_tuned`).
+REQUIRED_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
 #: What :attr:`Defaults.kfac_arm` may set for the K-FAC arm alone (``lr``
 #: per optimizer, as :attr:`Defaults.lr`).
@@ -140,6 +146,14 @@ class Defaults:
     and/or ``warmup_epochs`` for the K-FAC arm alone: each arm is tuned on its
     own, and a preconditioned optimizer may want another step size or no
     warm-up where its first-order baseline needs one (text-lm, text-cnn).
+
+    Today's baselines (``muon``, ``soap``, ``shampoo``, ``lamb``) may be left
+    out of ``lr`` and ``weight_decay``: they then run at their library's
+    documented lr (:data:`kaisa_lab.optim.BASELINE_LR`) and the task's AdamW
+    weight decay (all four decay weights decoupled, as AdamW does), and
+    :meth:`lr_tuned` says so, so ``kaisa compare`` can warn that such an arm
+    was not tuned for the task. ``muon``'s AdamW part (embeddings, head,
+    norms, biases) runs at the task's ``adamw`` lr and weight decay.
     """
 
     epochs: int
@@ -159,6 +173,11 @@ class Defaults:
     kfac_arm: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, mapping in (("lr", self.lr), ("weight_decay", self.weight_decay)):
+            if set(mapping) - set(OPTIMIZERS):
+                raise ValueError(
+                    f"Defaults.{name} may name only {', '.join(OPTIMIZERS)}; got {sorted(mapping)}"
+                )
         unknown = set(self.kfac_arm) - set(KFAC_ARM_KEYS)
         if unknown:
             raise ValueError(
@@ -179,11 +198,23 @@ class Defaults:
                 f"({', '.join(OPTIMIZERS)}) to positive learning rates; got {arm_lr!r}"
             )
 
+    def lr_tuned(self, optimizer: str) -> bool:
+        """Whether the task names an lr for ``optimizer`` (else the library's is used)."""
+        return optimizer in self.lr
+
+    def base_lr(self, optimizer: str) -> float:
+        """The first-order lr of ``optimizer``: the task's, else its library's."""
+        return float(self.lr[optimizer] if optimizer in self.lr else BASELINE_LR[optimizer])
+
+    def decay(self, optimizer: str) -> float:
+        """The weight decay of ``optimizer``: the task's, else the task's AdamW one."""
+        return float(self.weight_decay.get(optimizer, self.weight_decay["adamw"]))
+
     def arm(self, kfac: bool, optimizer: str) -> tuple[float, str, float]:
         """``(lr, schedule, warmup_epochs)`` of the K-FAC arm or of the
         first-order arm, with ``optimizer``."""
         own = self.kfac_arm if kfac else {}
-        lr = own.get("lr", {}).get(optimizer, self.lr[optimizer])
+        lr = own.get("lr", {}).get(optimizer, self.base_lr(optimizer))
         schedule = own.get("schedule", self.schedule)
         return float(lr), schedule, float(own.get("warmup_epochs", self.warmup_epochs))
 

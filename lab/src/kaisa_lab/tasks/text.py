@@ -92,12 +92,25 @@ class TextLMTask(Task):
     # Attention and embeddings are preconditioned.  Each arm tuned on its own
     # (session 8): AdamW needs its warm-up (no warm-up: 400-450 steps), K-FAC
     # does not (215 against 230 steps on seeds 0-1; 220 on seeds 0-4, 0.68x
-    # AdamW's time), so the K-FAC arm starts at the full lr.
+    # AdamW's time), so the K-FAC arm starts at the full lr.  Today's baselines
+    # (issue 23, docs/results.md: one seed, this schedule, steps to 2.5 read
+    # every 20, the middle lr of the fewest-steps plateau): Muon 0.02 on the
+    # hidden matrices (180 steps at 0.01-0.04; its AdamW part at AdamW's 0.002),
+    # SOAP 0.008 (140 at 0.005-0.012), Shampoo (heavyball's KLShampoo) 0.008
+    # (160 at 0.005-0.012), LAMB 0.01 (360); weight decay AdamW's 0.01.
     defaults = Defaults(
         epochs=5,
         batch_size=32,
         optimizer="adamw",
-        lr={"sgd": 0.1, "adam": 0.003, "adamw": 0.002},
+        lr={
+            "sgd": 0.1,
+            "adam": 0.003,
+            "adamw": 0.002,
+            "muon": 0.02,
+            "soap": 0.008,
+            "shampoo": 0.008,
+            "lamb": 0.01,
+        },
         steps_per_epoch=200,
         eval_batch_size=256,
         schedule="cosine",
