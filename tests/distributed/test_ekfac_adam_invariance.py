@@ -18,13 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa.methods.ekfac_adam import EKFACAdamMethod
 
 from harness import run_distributed
+from method_case import make_model, rel, train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -37,19 +36,6 @@ CONFIGS: list[dict[str, Any]] = [
     {"update_factors_in_hook": False, "colocate_factors": False},
     {"grad_worker_fraction": 0.5},
 ]
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 3, 3, stride=2, padding=1, bias=False),
-        nn.Flatten(),
-        nn.Linear(27, 6),
-        nn.Tanh(),
-        nn.Linear(6, 5),
-    ).double()
 
 
 def train(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -67,22 +53,7 @@ def train(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
         factor_decay=0.8,
         **config,
     )
-    g = torch.Generator().manual_seed(123)
-    share = 2 * B // world_size
-    grads = []
-    for _ in range(STEPS):
-        x = torch.randn(2 * B, 2, 6, 6, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 5, (2 * B,), generator=g)
-        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        if world_size > 1:
-            for p in model.parameters():
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= world_size
-        precond.step()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
+    grads = train_steps(model, opt, precond, rank, world_size, STEPS, B)
     layers = precond.state_dict(include_second_order=True)["layers"]
     return {
         "grads": grads,
@@ -94,10 +65,6 @@ def train(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
 
 def run(rank: int, world_size: int) -> list[dict[str, Any]]:
     return [train(rank, world_size, c) for c in CONFIGS]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def test_every_strategy_equals_one_process() -> None:
