@@ -201,8 +201,10 @@ class CurvatureMethod(ABC):
     def fallback(self, tensor: HeldTensor, n_factors: int, damping: float, like: Tensor) -> Tensor:
         """A damping-only stand-in for ``tensor`` (dtype and device of ``like``).
 
-        Together the stand-ins make the method apply ``∇/γ``, which the KL
-        clip bounds.  Used when a factor could never be decomposed, so that
+        Together the stand-ins make the method fall back to a step that
+        needs no curvature — ``∇/γ`` for the K-FAC methods, which the KL
+        clip bounds; plain Adam for ``ekfac_adam``, whose basis is then the
+        identity.  Used when a factor could never be decomposed, so that
         every rank still takes part in the same collectives.
         """
 
