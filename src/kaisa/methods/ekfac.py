@@ -51,7 +51,7 @@ How it runs in kaisa — everything else is the eigen method's:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -66,7 +66,7 @@ from kaisa.core.specs import (
     StatisticSpec,
 )
 from kaisa.core.workspace import Workspace, products_into
-from kaisa.methods.base import Factors, HeldTensor, Transfer, mul_factor
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer, mul_factor
 from kaisa.methods.eigen import EigenMethod, _apply_keys, _basis, _grad_shape, _own, _values
 
 __all__ = ["EKFACMethod"]
@@ -212,19 +212,7 @@ class EKFACMethod(EigenMethod):
             v = mul_factor(v, spec, state[key], outs.next(), transpose=True)
         return v.to(grad.dtype)
 
-    def writes_blocks(
-        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
-    ) -> bool:
-        return False  # apply() only: the divisor is S, not the eigen method's
-
-    def apply_blocks(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Sequence[Tensor],
-        damping: float,
-        work: Workspace,
-        out: Sequence[Tensor],
-        kl: bool,
-    ) -> Tensor | None:
-        raise NotImplementedError("EKFACMethod does not write column blocks")
+    # apply() only (the divisor is S, not the eigen method's): the base's
+    # answer, no column blocks, in place of the one EigenMethod opts into
+    writes_blocks = CurvatureMethod.writes_blocks
+    apply_blocks = CurvatureMethod.apply_blocks

@@ -66,14 +66,14 @@ Choices, and why:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from kaisa.core.specs import FactorKind, FactorSpec
 from kaisa.core.workspace import Workspace, products_into
-from kaisa.methods.base import Factors, HeldTensor, Transfer, mul_factor
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer, mul_factor
 from kaisa.methods.eigen import EigenMethod, _apply_keys, _basis, _grad_shape, _own
 
 __all__ = ["EKFACAdamMethod"]
@@ -202,19 +202,7 @@ class EKFACAdamMethod(EigenMethod):
             u = mul_factor(u, spec, state[key], outs.next(), transpose=True)
         return u.to(grad.dtype)
 
-    def writes_blocks(
-        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
-    ) -> bool:
-        return False  # apply() only: the divisor is Adam's, not the eigen method's
-
-    def apply_blocks(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Sequence[Tensor],
-        damping: float,
-        work: Workspace,
-        out: Sequence[Tensor],
-        kl: bool,
-    ) -> Tensor | None:
-        raise NotImplementedError("EKFACAdamMethod does not write column blocks")
+    # apply() only (the divisor is Adam's, not the eigen method's): the base's
+    # answer, no column blocks, in place of the one EigenMethod opts into
+    writes_blocks = CurvatureMethod.writes_blocks
+    apply_blocks = CurvatureMethod.apply_blocks

@@ -23,6 +23,7 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
+from kaisa.core.workspace import Workspace
 from kaisa.engines import (
     Engine,
     GradientMarks,
@@ -146,6 +147,38 @@ def test_method_equals_dense_reference(name: str, factors: str, colocated: bool)
     else:
         expected = reference(specs, values, grad, "inverse" if name == "inverse" else "eigen")
     assert rel_err(got, expected) <= TOL
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_column_blocks_equal_apply_wherever_a_method_offers_them(name: str) -> None:
+    """A method that says it can precondition a gradient held as column
+    blocks (the CPU workspace fast path) gives :meth:`apply`'s result there:
+    a method that divides by something else than the eigen method's
+    eigenvalues (EKFAC's S, Adam's moments) must not inherit the eigen
+    method's block path."""
+    method = METHODS[name]
+    specs, values = make_factors("dense-dense")
+    grad = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    state = run_method(method, specs, values, grad, True)
+    if isinstance(method, EigenMethod):
+        # right after a decomposition EKFAC's S is the eigen divisor and
+        # Adam's moments are zero: move what a subclass holds beyond the
+        # eigen method's tensors, so that inheriting its block path shows
+        plain = EigenMethod(outer_product=method.outer_product).held(specs, True)
+        for key in set(state) - {h.key for h in plain}:
+            state[key] = state[key] * 1.5 + 0.25
+    if not method.writes_blocks(specs, state, grad.dtype):
+        with pytest.raises(NotImplementedError):
+            method.apply_blocks(
+                specs, state, [grad], DAMPING, Workspace(20, grad.device), [], False
+            )
+        return
+    expected = method.apply(specs, dict(state), grad.clone(), DAMPING)
+    blocks = [grad[:, :3].clone(), grad[:, 3:].clone()]
+    out = [torch.empty_like(b) for b in blocks]
+    work = Workspace.for_shapes([grad.shape], grad.device)
+    method.apply_blocks(specs, state, blocks, DAMPING, work, out, False)
+    assert rel_err(torch.cat(out, dim=1), expected) <= TOL
 
 
 @pytest.mark.parametrize("factors", list(FACTOR_SETS))
