@@ -363,10 +363,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stage in ("baseline", "all"):
         results["baseline"] = (results.get("baseline", []) if keep else []) + stage_baseline(args)
     if args.stage in ("kfac", "all"):
-        base = min(results["baseline"], key=_rank_key)["settings"]
-        if args.kfac_base:
+        if args.kfac_base:  # needs no baseline stage
             lr, _, schedule = args.kfac_base.partition("@")
             base = {"lr": float(lr), **_schedule_args(schedule)[1]}
+        else:
+            base = min(results["baseline"], key=_rank_key)["settings"]
         results["kfac"] = (results.get("kfac", []) if keep else []) + stage_kfac(args, base)
     if args.stage in ("confirm", "all"):
         tuned = min(results["baseline"], key=_rank_key)["settings"]
