@@ -11,6 +11,9 @@ before; ``seeds`` holds every seed's record (same fields, plus ``seed``) and
 ``summary`` their median and spread (:mod:`kaisa_lab.cli.summary`), and for every
 arm after the first the ratio of its median time to target to the first
 arm's (the baseline's), and the spread of the same ratio seed by seed.
+Every arm's ``summary`` also gets its cost per step, its time against the
+fastest arm without K-FAC and, on a K-FAC arm, the verdict against its own
+base optimizer (:mod:`kaisa_lab.cli.verdict`), which the table prints.
 """
 
 from __future__ import annotations

@@ -139,17 +139,17 @@ def _say(verdict: str, subject: str) -> str:
         "faster": f"{subject} is faster",
         "slower": f"{subject} is slower",
         "tie": f"a tie (within {TIE_BAND:.0%}: not a difference this run can show)",
-    }.get(verdict, "not comparable (a median missed the target)")
+    }.get(verdict, "not comparable (the target was not reached)")
 
 
 def verdict_lines(arms: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The sentences printed under the table (empty for a lone arm).
+    """The sentences printed under the table (none for a lone arm).
 
     Reads what :func:`compare_arms` added; one line per K-FAC arm with its
     base, then the fastest arm overall against the fastest without K-FAC.
     """
-    if len(arms) < 2:
-        return []
+    if len(arms) < 2 or any("kfac" not in a for a in arms):
+        return []  # one arm, or records from before the optimizer was recorded
     by_name = {a["name"]: a for a in arms}
     lines = []
     for arm in arms:
