@@ -28,8 +28,9 @@ venv: $(VENV)/.installed
 ## the task's tuned lr, seed 0, each stopped at 2.5 validation bits/char (read every
 ## 20 steps, off the clock), one after the other in one process on one thread.
 ## Prints steps, time, step cost and the ratios to AdamW and to Muon, and K-FAC's
-## verdict against each base; writes runs/demo/results.{json,png}.  About 2-3
-## minutes on 2 idle cores (README.md, "What make demo shows").
+## verdict against each base; writes runs/demo/results.{json,png}.  3.5-4.5
+## minutes on 2 cores at load 11-12, about 2.3 expected idle (README.md, "What
+## make demo shows").
 demo: venv
 	$(VENV)/bin/kaisa compare --task text-lm --optimizers adamw,muon --seed 0 \
 		--evals-per-epoch 10 --stop-at-target --threads 1 --out runs/demo
