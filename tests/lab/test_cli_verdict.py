@@ -131,6 +131,7 @@ def test_table_says_steps_cost_ratios_and_verdicts() -> None:
     assert "0.67x the time to target -> K-FAC is faster." in text
     assert "K-FAC on muon: 140 steps against 160 (0.88x)" in text and "a tie (within 5%" in text
     assert "Fastest to the target: muon+kfac, 0.97x the time of the fastest optimizer " in text
+    assert "One seed: these verdicts hold for this seed only" in text
 
 
 def test_a_lone_run_has_no_ratio_columns() -> None:
@@ -144,3 +145,4 @@ def test_seed_table_carries_the_verdicts() -> None:
     arms[1]["summary"]["time_to_target_ratio_per_seed"] = None
     text = format_seed_table(arms)
     assert "K-FAC on muon: 140 steps against 160 (0.88x)" in text and "K-FAC is faster" in text
+    assert "One seed" not in text
