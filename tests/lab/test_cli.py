@@ -156,7 +156,8 @@ def test_compare_prints_a_table_saying_evaluation_is_excluded(
     text = capsys.readouterr().out
     assert "every evaluation is excluded (clock paused)" in text
     assert "sgd+kfac" in text and "[sgd] epoch 1/1" in text
-    assert "median" not in text and "seed 0" not in text  # one seed: the table as before
+    # one seed: the table of one run per row, not the seed table's medians over "seeds 0-N"
+    assert "median" not in text and "seeds 0" not in text and "; seed 0" in text
     for run in runs:  # accuracy can never reach 1.01
         assert run["time_to_target_s"] is None
         assert run["steps_to_target"] is None and run["epochs_to_target"] is None

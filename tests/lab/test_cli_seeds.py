@@ -102,6 +102,7 @@ def test_plot_band_is_the_per_epoch_median(
     for arm in arms:
         bands = seed_bands(arm["seeds"])
         assert bands["epoch"] == [1, 2] and "q1" not in bands
+        assert bands["step"] == [p["step"] for p in arm["seeds"][0]["curve"]]
         for i in range(len(bands["epoch"])):
             metrics = [s["curve"][i]["metric"] for s in arm["seeds"]]
             times = [s["curve"][i]["wall_time_s"] for s in arm["seeds"]]
@@ -153,13 +154,14 @@ def test_bands_of_uneven_curves_use_the_seeds_that_evaluated_each_epoch() -> Non
 
     def seed(metrics: list[float | None]) -> dict[str, Any]:
         curve = [
-            {"epoch": e, "wall_time_s": float(e), "metric": m} for e, m in enumerate(metrics, 1)
+            {"epoch": e, "step": 10 * e, "wall_time_s": float(e), "metric": m}
+            for e, m in enumerate(metrics, 1)
         ]
         return {"curve": curve}
 
     seeds = [seed([0.1, 0.5]), seed([0.2]), seed([0.3, None, 0.9]), seed([0.4, 0.7])]
     bands = seed_bands(seeds)
-    assert bands["epoch"] == [1, 2, 3]
+    assert bands["epoch"] == [1, 2, 3] and bands["step"] == [10, 20, 30]
     assert bands["median"] == pytest.approx([0.25, 0.6, 0.9])
     assert bands["min"] == [0.1, 0.5, 0.9] and bands["max"] == [0.4, 0.7, 0.9]
     assert bands["q1"][0] == pytest.approx(0.175) and bands["q3"][0] == pytest.approx(0.325)

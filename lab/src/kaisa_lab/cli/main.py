@@ -18,6 +18,7 @@ This module only parses arguments and dispatches; see :mod:`kaisa_lab.cli.spec`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +36,14 @@ from kaisa_lab.cli.options import add_kfac_arguments
 from kaisa_lab.cli.plan import add_plan_parser, run_plan
 from kaisa_lab.cli.plot import plot_runs
 from kaisa_lab.cli.progress import Progress
-from kaisa_lab.cli.results import arms_to_dicts, format_seed_table, format_table, write_results
+from kaisa_lab.cli.results import (
+    arms_to_dicts,
+    format_environment,
+    format_seed_table,
+    format_table,
+    load_average,
+    write_results,
+)
 from kaisa_lab.cli.schedule import SCHEDULES
 from kaisa_lab.cli.spec import OptimizerError, RunSpec, ScheduleError, build_specs
 from kaisa_lab.cli.sweep import run_seeds
@@ -273,17 +281,24 @@ def _default_out(task: str) -> Path:
 
 
 def _write_outputs(
-    arms: list[list[RunResult]], ctx: distributed.DistContext, out: Path, allocator: str
+    arms: list[list[RunResult]],
+    ctx: distributed.DistContext,
+    out: Path,
+    allocator: str,
+    load_at_start: float | None,
 ) -> None:
     """results.json, results.png and the table on stdout (main rank only).
 
     With one seed the table is today's one row per run; with more, one row of
-    medians and spreads per arm.
+    medians and spreads per arm. The machine's load at the start and the end
+    goes into both, since every time depends on it.
     """
     environment = {
         "device": str(ctx.device),
         "world_size": ctx.world_size,
         "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": {"start": load_at_start, "end": load_average()},
         "allocator": allocator,
         "torch": torch.__version__,
         "kaisa": __version__,
@@ -293,6 +308,7 @@ def _write_outputs(
     plot_runs(runs, out / RESULTS_PNG)
     several_seeds = any(len(arm) > 1 for arm in arms)
     print(format_seed_table(runs) if several_seeds else format_table(runs), flush=True)
+    print(format_environment(environment), flush=True)
     print(f"wrote {out / RESULTS_JSON} and {out / RESULTS_PNG}", flush=True)
 
 
@@ -357,10 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             command.error(f"argument --kfac-grad-worker-fraction: {err}")
     try:
         progress = Progress(enabled=ctx.is_main, bars=not args.quiet)
+        load_at_start = load_average()
         warm_up(specs, task, data, ctx)
         arms = run_seeds(specs, args.seeds, task, data, ctx, progress)
         if ctx.is_main:
-            _write_outputs(arms, ctx, args.out or _default_out(task.name), allocator)
+            _write_outputs(arms, ctx, args.out or _default_out(task.name), allocator, load_at_start)
     finally:
         distributed.shutdown(ctx)
     return 0

@@ -11,12 +11,16 @@ before; ``seeds`` holds every seed's record (same fields, plus ``seed``) and
 ``summary`` their median and spread (:mod:`kaisa_lab.cli.summary`), and for every
 arm after the first the ratio of its median time to target to the first
 arm's (the baseline's), and the spread of the same ratio seed by seed.
+Every arm's ``summary`` also gets its cost per step, its time against the
+fastest arm without K-FAC and, on a K-FAC arm, the verdict against its own
+base optimizer (:mod:`kaisa_lab.cli.verdict`), which the table prints.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -24,18 +28,48 @@ from typing import Any
 
 from kaisa_lab.cli.summary import Spread, paired_ratios, ratio_of_medians, summarize_seeds
 from kaisa_lab.cli.train import RunResult
+from kaisa_lab.cli.verdict import best_first_order, compare_arms, verdict_lines
 
 __all__ = [
     "TIMING_NOTE",
     "arms_to_dicts",
+    "format_environment",
     "format_seed_table",
     "format_table",
+    "load_average",
     "run_to_dict",
     "seed_record",
     "write_results",
 ]
 
 TIMING_NOTE = "Times count training only: every evaluation is excluded (clock paused)."
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none, e.g. Windows).
+
+    Recorded at the start and the end of a command: on a shared machine other
+    processes slow every arm, and a time is only read right beside the load.
+    """
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def format_environment(environment: Mapping[str, Any]) -> str:
+    """One line on where the times were measured: device, CPUs, threads, load."""
+    text = f"Measured on {environment['device']}"
+    if environment.get("cpu_count") is not None:
+        text += f", {environment['cpu_count']} CPUs"
+    text += f", {environment['threads']} torch thread(s)"
+    load = environment.get("load_average_1min") or {}
+    if load.get("start") is not None and load.get("end") is not None:
+        text += (
+            f", 1-minute load average {load['start']:.1f} at the start and "
+            f"{load['end']:.1f} at the end (other processes slow every run)"
+        )
+    return text + "."
 
 
 def run_to_dict(result: RunResult, environment: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,7 +111,10 @@ def arms_to_dicts(
 ) -> list[dict[str, Any]]:
     """One ``results.json`` object per arm (each arm: its runs in seed order).
 
-    The first arm is the baseline the others' time to target is compared with.
+    The first arm is the baseline the others' time to target is compared with;
+    :func:`kaisa_lab.cli.verdict.compare_arms` adds each arm's step cost, its
+    time against the fastest arm without K-FAC and, for a K-FAC arm, the
+    verdict against its own base optimizer.
     """
     out: list[dict[str, Any]] = []
     for index, runs in enumerate(arms):
@@ -96,6 +133,7 @@ def arms_to_dicts(
                 {**Spread.of(ratios).to_dict(), "n_seeds": len(ratios)} if ratios else None
             )
         out.append(arm)
+    compare_arms(out)
     return out
 
 
@@ -138,34 +176,70 @@ def _title(first: Mapping[str, Any]) -> str:
     return f"{first['task']}: target {first['metric_name']} {direction} {first['target']:g}"
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio_columns(
+    runs: Sequence[Mapping[str, Any]],
+) -> tuple[list[str], list[list[str]]]:
+    """Step cost and time ratios (to the first run, to the fastest first-order run)."""
+    first, best = runs[0], best_first_order(runs)
+    headers = ["ms/step", f"time vs {first['name']}"]
+    cells = []
+    for run in runs:
+        cost = run["summary"].get("step_cost_s")
+        row = [_fmt(None if cost is None else 1000.0 * cost["median"], ".0f")]
+        row.append("1.00" if run is first else _ratio(run["summary"]["time_to_target_ratio"]))
+        cells.append(row)
+    if best is not None and best is not first:
+        headers.append(f"time vs {best['name']}")
+        for run, row in zip(runs, cells):
+            row.append(_ratio(run["summary"]["time_vs_best_first_order"]["ratio"]))
+    return headers, cells
+
+
 def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
-    """A plain-text table: one row per run, and a footer saying what the times measure."""
+    """A plain-text table: one row per run, and a footer saying what the times measure.
+
+    With several runs (from :func:`arms_to_dicts`), also each run's cost per
+    step and its time to target against the first run and against the fastest
+    run without K-FAC, then one verdict line per K-FAC run
+    (:func:`kaisa_lab.cli.verdict.verdict_lines`).
+    """
     if not runs:
         return "(no runs)"
     first = runs[0]
-    headers = (
+    headers = [
         "run",
-        f"final {first['metric_name']}",
-        "time to target (s)",
         "steps to target",
+        "time to target (s)",
         "epochs to target",
+        f"final {first['metric_name']}",
         "train time (s)",
-    )
+    ]
     rows = [
-        (
+        [
             run["name"],
-            _fmt(run["final_metric"], ".4f"),
-            _fmt(run["time_to_target_s"], ".2f"),
             _fmt(run["steps_to_target"], "d"),
+            _fmt(run["time_to_target_s"], ".2f"),
             _fmt(run["epochs_to_target"], ".3g"),
+            _fmt(run["final_metric"], ".4f"),
             _fmt(run["wall_time_s"], ".2f"),
-        )
+        ]
         for run in runs
     ]
+    compared = len(runs) > 1 and all("summary" in run for run in runs)
+    if compared:
+        extra_headers, extra = _ratio_columns(runs)
+        headers[3:3] = extra_headers
+        rows = [[*row[:3], *more, *row[3:]] for row, more in zip(rows, extra)]
+    seed = first.get("config", {}).get("seed")
     out = [
-        _title(first),
+        _title(first) + ("" if seed is None else f"; seed {seed}"),
         *_columns(headers, rows),
         "",
+        *(verdict_lines(runs) if compared else []),
         TIMING_NOTE + " '-' = target not reached.",
     ]
     return "\n".join(out)
@@ -236,6 +310,7 @@ def format_seed_table(arms: Sequence[Mapping[str, Any]]) -> str:
             )
         out.append(f"median time to target, {arm['name']} / {first['name']}: {shown}")
     out += [
+        *verdict_lines(arms),
         TIMING_NOTE,
         "Cells: median [min-max] over seeds (IQR from 4 seeds); a run that misses the target "
         "counts as infinitely slow (inf), so a median is inf when the middle run(s) missed.",

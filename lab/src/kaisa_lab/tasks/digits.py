@@ -98,7 +98,7 @@ class DigitsCNNTask(Task):
     description = "small ResNet on 1x8x8 scikit-learn digits, scored by test accuracy"
     metric = Metric("accuracy", higher_is_better=True)
     target = 0.97
-    # Both arms tuned (docs/results.md, issue 10), so `make demo` compares
+    # Both arms tuned (docs/results.md, issue 10), so `make demo-digits` compares
     # K-FAC with the fastest SGD found: lr 0.1, half an epoch of warm-up and a
     # cosine that ends at epoch 2 (5 lrs x 6 schedules; 43 steps to 0.97 on
     # seeds 0-4).  K-FAC on that schedule: the inverse method at damping 0.1
