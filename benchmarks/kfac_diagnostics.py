@@ -241,6 +241,72 @@ def plot(rec: Recorder, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def summary(paths: list[Path], out: Path) -> str:
+    """One row per diagnostics JSON (e.g. one per damping): steps to target
+    (read from the run's results.json) and the medians over layers of the
+    fraction of products below γ, ``‖V‖/‖∇‖`` and ``cos(V, ∇)``; and a PNG."""
+    rows = []
+    for path in paths:
+        d = json.loads(path.read_text())
+        run_dir = Path(d["command"][d["command"].index("--out") + 1])
+        runs = json.loads((run_dir / "results.json").read_text())
+        last = {n: s for n, s in d["inverse_updates"][-1]["layers"].items() if s}
+
+        def per_layer(key: str, d: dict[str, Any] = d, last: dict[str, Any] = last) -> float:
+            return statistics.median(
+                statistics.median(r["layers"][n][key] for r in d["steps"] if n in r["layers"])
+                for n in last
+            )
+
+        nus = [r["nu"] for r in d["steps"] if r["nu"] is not None]
+        rows.append(
+            {
+                "source": str(path),
+                "damping": d["config"]["damping"],
+                "kl_clip": d["config"]["kl_clip"],
+                "steps_to_target": runs[0]["steps_to_target"],
+                "below_damping": statistics.median(s["below_damping"] for s in last.values()),
+                "v_over_grad": per_layer("v_over_grad"),
+                "cos": per_layer("cos"),
+                "nu_min": min(nus) if nus else None,
+            }
+        )
+    out_json = Path(f"{out}.json")
+    out_json.write_text(json.dumps(rows, indent=1) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    plain = sorted((r for r in rows if r["kl_clip"] is None), key=lambda r: r["damping"])
+    xs = [r["damping"] for r in plain]
+    axes[0].semilogx(xs, [r["steps_to_target"] for r in plain], "o-")
+    axes[0].set(xlabel="damping γ", ylabel="steps to 2.5 bits/char", ylim=(0, 400))
+    axes[0].axhline(360, color="k", ls=":", label="AdamW (3 seeds)")
+    axes[0].legend()
+    axes[1].loglog(xs, [r["v_over_grad"] for r in plain], "o-")
+    axes[1].set(xlabel="damping γ", ylabel="‖V‖/‖∇‖ (median over layers, steps)")
+    axes[2].semilogx(xs, [r["cos"] for r in plain], "o-", label="cos(V, ∇)")
+    axes[2].semilogx(xs, [r["below_damping"] for r in plain], "s-", label="λ_Gλ_A < γ")
+    axes[2].set(xlabel="damping γ", ylim=(0, 1.05))
+    axes[2].legend()
+    fig.suptitle("text-lm, AdamW + K-FAC (inverse 10/50, no clip), seed 0: damping changes")
+    fig.tight_layout()
+    fig.savefig(Path(f"{out}.png"), dpi=110)
+    lines = [
+        "| damping | KL clip | steps to target | ν min | λ_Gλ_A < γ | ‖V‖/‖∇‖ | cos(V, ∇) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        nu = "-" if r["nu_min"] is None else f"{r['nu_min']:.3g}"
+        lines.append(
+            f"| {r['damping']} | {r['kl_clip']} | {r['steps_to_target']} | {nu} | "
+            f"{r['below_damping']:.2f} | {r['v_over_grad']:.3g} | {r['cos']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -248,20 +314,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="OUT.json / OUT.png / OUT.md")
     parser.add_argument("--title", default="text-lm: K-FAC diagnostics")
+    parser.add_argument(
+        "--summary", nargs="+", type=Path, help="summarise these diagnostics JSONs instead"
+    )
     args = parser.parse_args(ours)
+    if args.summary:
+        print(summary(args.summary, args.out))
+        return 0
     rec = run(theirs)
     text = table(rec)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text + "\n")
+    Path(f"{args.out}.md").write_text(text + "\n")
     payload = {
         "command": theirs,
         "config": rec.config,
         "steps": rec.steps,
         "inverse_updates": rec.inverse,
     }
-    args.out.with_suffix(".json").write_text(json.dumps(payload))
-    plot(rec, args.out.with_suffix(".png"), args.title)
+    Path(f"{args.out}.json").write_text(json.dumps(payload))
+    plot(rec, Path(f"{args.out}.png"), args.title)
     return 0
 
 

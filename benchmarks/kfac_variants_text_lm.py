@@ -143,7 +143,7 @@ def main() -> None:
     out = Path(args.out)
     if args.time:
         times = time_steps(args.time, args.steps)
-        out.with_suffix(".json").write_text(json.dumps(times, indent=1) + "\n")
+        Path(f"{out}.json").write_text(json.dumps(times, indent=1) + "\n")
         base = statistics.median(times["adamw"])
         print("| variant | ms/step (median) | vs AdamW |\n|---|---|---|")
         for label, values in times.items():
@@ -160,9 +160,9 @@ def main() -> None:
     if args.cost_json:
         raw = json.loads(Path(args.cost_json).read_text())
         cost = {label: statistics.median(values) for label, values in raw.items()}
-    out.with_suffix(".json").write_text(json.dumps({"arms": arms, "ms_per_step": cost}) + "\n")
+    Path(f"{out}.json").write_text(json.dumps({"arms": arms, "ms_per_step": cost}) + "\n")
     shown = arms if not args.plot else [arms[int(i)] for i in args.plot.split(",")]
-    plot(shown, out.with_suffix(".png"), args.target)
+    plot(shown, Path(f"{out}.png"), args.target)
     print(table(arms, cost))
 
 
