@@ -241,6 +241,10 @@ def plot(rec: Recorder, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _option(command: list[str], flag: str, default: str) -> str:
+    return command[command.index(flag) + 1] if flag in command else default
+
+
 def summary(paths: list[Path], out: Path) -> str:
     """One row per diagnostics JSON (e.g. one per damping): steps to target
     (read from the run's results.json) and the medians over layers of the
@@ -262,6 +266,8 @@ def summary(paths: list[Path], out: Path) -> str:
         rows.append(
             {
                 "source": str(path),
+                "optimizer": _option(d["command"], "--optimizer", "adamw"),
+                "lr": _option(d["command"], "--lr", "task's"),
                 "damping": d["config"]["damping"],
                 "kl_clip": d["config"]["kl_clip"],
                 "steps_to_target": runs[0]["steps_to_target"],
@@ -269,6 +275,21 @@ def summary(paths: list[Path], out: Path) -> str:
                 "v_over_grad": per_layer("v_over_grad"),
                 "cos": per_layer("cos"),
                 "nu_min": min(nus) if nus else None,
+                "nu_per_step": [r["nu"] for r in d["steps"]],
+                "command": d["command"],
+                # per layer at the last inverse update (without the eigenvalue lists)
+                "layers": {
+                    n: {
+                        **{k: v for k, v in s.items() if not k.startswith("eig_")},
+                        "v_over_grad_median": statistics.median(
+                            r["layers"][n]["v_over_grad"] for r in d["steps"] if n in r["layers"]
+                        ),
+                        "cos_median": statistics.median(
+                            r["layers"][n]["cos"] for r in d["steps"] if n in r["layers"]
+                        ),
+                    }
+                    for n, s in last.items()
+                },
             }
         )
     out_json = Path(f"{out}.json")
@@ -279,7 +300,10 @@ def summary(paths: list[Path], out: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    plain = sorted((r for r in rows if r["kl_clip"] is None), key=lambda r: r["damping"])
+    plain = sorted(
+        (r for r in rows if r["kl_clip"] is None and r["optimizer"] == "adamw"),
+        key=lambda r: r["damping"],
+    )
     xs = [r["damping"] for r in plain]
     axes[0].semilogx(xs, [r["steps_to_target"] for r in plain], "o-")
     axes[0].set(xlabel="damping γ", ylabel="steps to 2.5 bits/char", ylim=(0, 400))
@@ -295,13 +319,15 @@ def summary(paths: list[Path], out: Path) -> str:
     fig.tight_layout()
     fig.savefig(Path(f"{out}.png"), dpi=110)
     lines = [
-        "| damping | KL clip | steps to target | ν min | λ_Gλ_A < γ | ‖V‖/‖∇‖ | cos(V, ∇) |",
-        "|---|---|---|---|---|---|---|",
+        "| base (lr) | damping | KL clip | steps to target | ν min | λ_Gλ_A < γ | ‖V‖/‖∇‖ "
+        "| cos(V, ∇) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         nu = "-" if r["nu_min"] is None else f"{r['nu_min']:.3g}"
         lines.append(
-            f"| {r['damping']} | {r['kl_clip']} | {r['steps_to_target']} | {nu} | "
+            f"| {r['optimizer']} ({r['lr']}) | {r['damping']} | {r['kl_clip']} | "
+            f"{r['steps_to_target']} | {nu} | "
             f"{r['below_damping']:.2f} | {r['v_over_grad']:.3g} | {r['cos']:.2f} |"
         )
     return "\n".join(lines)
