@@ -101,9 +101,21 @@ def time_steps(rounds: int, steps: int, only: list[str] | None = None) -> dict[s
     return times
 
 
+def relative_cost(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each variant's step cost over AdamW's: the median over rounds of the
+    ratio of its block to AdamW's block of the same round (neighbours in
+    time, so a load that changes between rounds cancels)."""
+    base = times["adamw"]
+    return {
+        label: statistics.median(v / b for v, b in zip(values, base))
+        for label, values in times.items()
+    }
+
+
 def table(arms: list[dict[str, Any]], cost: dict[str, float] | None) -> str:
     """Steps to target per arm; with ``cost`` (label → ms/step, matched by the
-    arm's ``cost`` key) the step cost and time to target against AdamW and Muon."""
+    arm's ``cost`` key; relative to AdamW's, :func:`relative_cost`) the step
+    cost and time to target against AdamW and Muon."""
     rows = [
         "| arm | lr | seeds | reached | steps to target | step cost vs AdamW | "
         "time vs AdamW | time vs Muon |",
@@ -123,8 +135,7 @@ def table(arms: list[dict[str, Any]], cost: dict[str, float] | None) -> str:
         extra = "| - | - | - |"
         key, median = arm.get("cost"), steps_of(arm)
         if cost is not None and key in cost:
-            rel = cost[key] / cost["adamw"]
-            extra = f"| {rel:.2f} |"
+            extra = f"| {cost[key]:.2f} |"
             for ref in ("adamw", "muon"):
                 ref_steps = base.get(ref)
                 if median is None or ref_steps is None:
@@ -154,11 +165,11 @@ def main() -> None:
         only = None if args.variants is None else args.variants.split(",")
         times = time_steps(args.time, args.steps, only)
         Path(f"{out}.json").write_text(json.dumps(times, indent=1) + "\n")
-        base = statistics.median(times["adamw"])
-        print("| variant | ms/step (median) | vs AdamW |\n|---|---|---|")
+        rel = relative_cost(times)
+        print("| variant | ms/step (median) | vs AdamW (median of per-round ratios) |")
+        print("|---|---|---|")
         for label, values in times.items():
-            med = statistics.median(values)
-            print(f"| {label} | {med:.1f} | {med / base:.2f} |")
+            print(f"| {label} | {statistics.median(values):.1f} | {rel[label]:.2f} |")
         return
     arms = []
     for spec in args.arms:
@@ -168,8 +179,7 @@ def main() -> None:
         arms.append(arm)
     cost = None
     if args.cost_json:
-        raw = json.loads(Path(args.cost_json).read_text())
-        cost = {label: statistics.median(values) for label, values in raw.items()}
+        cost = relative_cost(json.loads(Path(args.cost_json).read_text()))
     Path(f"{out}.json").write_text(json.dumps({"arms": arms, "ms_per_step": cost}) + "\n")
     shown = arms if not args.plot else [arms[int(i)] for i in args.plot.split(",")]
     plot(shown, Path(f"{out}.png"), args.target)
