@@ -101,6 +101,18 @@ def time_steps(rounds: int, steps: int, only: list[str] | None = None) -> dict[s
     return times
 
 
+def load_recorded(spec: str) -> dict[str, Any]:
+    """``LABEL=FILE.json#INDEX``: arm INDEX of a JSON this script or
+    :mod:`ekfac_adam_text_lm` wrote (an arm measured in another section),
+    relabelled."""
+    label, _, where = spec.partition("=")
+    path, _, index = where.partition("#")
+    data = json.loads(Path(path).read_text())
+    arm = dict((data["arms"] if isinstance(data, dict) else data)[int(index)])
+    arm["label"], arm["source"] = label, spec
+    return arm
+
+
 def relative_cost(times: dict[str, list[float]]) -> dict[str, float]:
     """Each variant's step cost over AdamW's: the median over rounds of the
     ratio of its block to AdamW's block of the same round (neighbours in
@@ -151,7 +163,9 @@ def table(arms: list[dict[str, Any]], cost: dict[str, float] | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("arms", nargs="*", help="LABEL=DIR[:RUN][@COSTKEY]")
+    parser.add_argument(
+        "arms", nargs="*", help="LABEL=DIR[:RUN][,DIR[:RUN]...][@VARIANT] or LABEL=FILE.json#I"
+    )
     parser.add_argument("--out", required=True, help="path stem of the .json and .png")
     parser.add_argument("--target", type=float, default=2.5)
     parser.add_argument("--plot", help="comma-separated indices of the arms to plot (all)")
@@ -174,7 +188,7 @@ def main() -> None:
     arms = []
     for spec in args.arms:
         spec, _, key = spec.partition("@")
-        arm = load_arm(spec)
+        arm = load_recorded(spec) if ".json#" in spec else load_arm(spec)
         arm["cost"] = key or None
         arms.append(arm)
     cost = None
