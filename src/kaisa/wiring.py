@@ -192,9 +192,12 @@ def check_method_options(method: CurvatureMethod, config: KFACConfig) -> None:
     own tensors, where ``precondition_dtype`` would hand it cast copies (the
     updates would land in a copy and the checkpoint would keep stale moments)."""
     if method.apply_updates_state and config.precondition_dtype is not None:
+        what = f"compute_method={method.name!r}"
+        if config.grafting is not None:
+            what += f" and grafting={config.grafting.value!r}"
         raise ValueError(
             f"precondition_dtype={config.precondition_dtype} is not supported with "
-            f"compute_method={method.name!r}: its apply() updates running moments in place, "
+            f"{what}: its apply() updates running moments in place, "
             "which a cast copy of them would not keep. Use precondition_dtype=None (the "
             "products then run in inv_dtype)"
         )
