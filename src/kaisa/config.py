@@ -40,6 +40,7 @@ __all__ = [
     "ComputeMethod",
     "DistributedStrategy",
     "DistributionConfig",
+    "Grafting",
     "KFACApprox",
     "KFACConfig",
     "LargeFactor",
@@ -174,6 +175,24 @@ class LargeFactor(str, enum.Enum):
 DEFAULT_MAX_FACTOR_DIM = 8192
 
 
+class Grafting(str, enum.Enum):
+    """Whose step size K-FAC's direction takes, per layer (``grafting``;
+    :mod:`kaisa.methods.grafted`).
+
+    Each layer's preconditioned gradient ``V`` is rescaled to the Frobenius
+    norm of the grafting method's direction ``D(∇)`` of the same layer's
+    gradient (Distributed Shampoo's grafting): K-FAC chooses the direction,
+    the grafting method the length.
+
+    * ``SGD``: ``D = ∇``.
+    * ``ADAM``: ``D = ∇ / (√v̂ + ε)``, ``v`` an exponential moving average of
+      ``∇²`` kept per layer (β₂ = 0.999, ε = 1e-8, bias-corrected).
+    """
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
 class LossAverage(str, enum.Enum):
     """What the training loss was averaged over.
 
@@ -290,6 +309,17 @@ def _as_path(name: str, value: Any) -> Any:
     return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
+def _as_grafting(name: str, value: Any) -> Any:
+    """``None``, a :class:`Grafting` member, or its name in any case; any
+    other string is a ``ValueError`` naming the allowed values."""
+    if value is None or isinstance(value, Grafting):
+        return value
+    converted = _as_enum(name, value, Grafting)
+    if isinstance(value, str) and not isinstance(converted, Grafting):
+        raise ValueError(f"{name} must be None, 'sgd' or 'adam'; got {value!r}")
+    return converted
+
+
 def _enum_of(enum_cls: type[enum.Enum]) -> Callable[[str, Any], Any]:
     return lambda name, value: _as_enum(name, value, enum_cls)
 
@@ -298,6 +328,7 @@ def _enum_of(enum_cls: type[enum.Enum]) -> Callable[[str, Any], Any]:
 #: one spelling; the others are taken as given (and checked by the configs)
 _CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
     "compute_method": _enum_of(ComputeMethod),
+    "grafting": _as_grafting,
     "loss_average": _enum_of(LossAverage),
     "kfac_approx": _enum_of(KFACApprox),
     "large_factor": _enum_of(LargeFactor),
@@ -476,6 +507,9 @@ class AlgorithmConfig:
     #: (:mod:`kaisa.core.blocks`); None: every factor stays dense, however large
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
     large_factor: LargeFactor = LargeFactor.DIAGONAL
+    #: rescale each layer's ``V`` to the norm of this method's direction
+    #: (:class:`Grafting`, :mod:`kaisa.methods.grafted`); None: no grafting
+    grafting: Grafting | None = None
 
     def __post_init__(self) -> None:
         for name, limits in _RANGES.items():
@@ -489,6 +523,11 @@ class AlgorithmConfig:
         _check_member("loss_average", self.loss_average, LossAverage)
         _check_member("kfac_approx", self.kfac_approx, KFACApprox)
         _check_member("large_factor", self.large_factor, LargeFactor)
+        if self.grafting is not None and not isinstance(self.grafting, Grafting):
+            raise ValueError(
+                f"grafting must be None, 'sgd' or 'adam' (a kaisa.Grafting member here"
+                f"{_AT_THE_BOUNDARY}); got {self.grafting!r}"
+            )
         if self.max_factor_dim is not None:
             _check_number("max_factor_dim", self.max_factor_dim, low=1, integer=True)
         skip = self.skip_layers

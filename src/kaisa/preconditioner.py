@@ -26,6 +26,7 @@ from kaisa.config import (
     ComputeMethod,
     DistributedStrategy,
     FloatOrSchedule,
+    Grafting,
     IntOrSchedule,
     KFACApprox,
     KFACConfig,
@@ -41,6 +42,7 @@ from kaisa.engines import Engine, GradientAccess, OwnsTheLoop
 from kaisa.layers.registry import SkippedModule
 from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
+from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
 from kaisa.wiring import build, check_runtime_arguments, configure
 
@@ -105,6 +107,9 @@ class KFACPreconditioner(KfacPytorchAttributes):
             object (a method of one's own), or a ``compute_method`` name
             (``'eigen'``, ``'inverse'``, ``'ekfac'``, ``'ekfac_adam'``); give it or
             ``compute_method``, not both.
+        grafting: ``'sgd'`` or ``'adam'``: each layer's ``V`` takes the norm of
+            that method's direction of the layer's gradient
+            (:mod:`kaisa.methods.grafted`); None (default): no grafting.
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class KFACPreconditioner(KfacPytorchAttributes):
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
         large_factor: LargeFactor | str = LargeFactor.DIAGONAL,
+        grafting: Grafting | str | None = None,
         # -- the distribution over ranks (kaisa.DistributionConfig)
         grad_worker_fraction: DistributedStrategy | float | str | Enum = (
             DistributedStrategy.COMM_OPT
@@ -187,6 +193,21 @@ class KFACPreconditioner(KfacPytorchAttributes):
     @property
     def config(self) -> KFACConfig:
         return self._schedule.config
+
+    @property
+    def diagnostics(self) -> StepDiagnostics | None:
+        """A :class:`kaisa.step.diagnostics.StepDiagnostics` the step fills
+        (the KL clip's ``ν`` per step) while set; None (default): nothing recorded."""
+        return self._parts.pipeline.application.diagnostics
+
+    @diagnostics.setter
+    def diagnostics(self, value: StepDiagnostics | None) -> None:
+        if value is not None and not isinstance(value, StepDiagnostics):
+            raise TypeError(
+                "diagnostics must be a kaisa.step.diagnostics.StepDiagnostics or None; "
+                f"got {value!r}"
+            )
+        self._parts.pipeline.application.diagnostics = value
 
     @property
     def steps(self) -> int:

@@ -32,6 +32,7 @@ from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine, GradientAccess, ModelParallelLayers, OwnsTheLoop, select_engine
 from kaisa.layers.registry import SkippedModule, register_layers
 from kaisa.methods import CurvatureMethod, method_for
+from kaisa.methods.grafted import GraftedMethod
 from kaisa.planner.forecast import auto_fraction
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
@@ -174,10 +175,14 @@ def check_runtime_arguments(
 
 
 def resolve_method(method: CurvatureMethod | None, config: KFACConfig) -> CurvatureMethod:
-    """The method object given (``method=``), else the one ``compute_method`` names."""
-    if method is not None:
-        return method
-    return method_for(config.compute_method, config.compute_eigenvalue_outer_product)
+    """The method object given (``method=``), else the one ``compute_method``
+    names; wrapped in :class:`kaisa.methods.grafted.GraftedMethod` when
+    ``grafting`` is set."""
+    if method is None:
+        method = method_for(config.compute_method, config.compute_eigenvalue_outer_product)
+    if config.grafting is not None:
+        method = GraftedMethod(method, config.grafting)
+    return method
 
 
 def check_method_options(method: CurvatureMethod, config: KFACConfig) -> None:
@@ -187,9 +192,12 @@ def check_method_options(method: CurvatureMethod, config: KFACConfig) -> None:
     own tensors, where ``precondition_dtype`` would hand it cast copies (the
     updates would land in a copy and the checkpoint would keep stale moments)."""
     if method.apply_updates_state and config.precondition_dtype is not None:
+        what = f"compute_method={method.name!r}"
+        if config.grafting is not None:
+            what += f" and grafting={config.grafting.value!r}"
         raise ValueError(
             f"precondition_dtype={config.precondition_dtype} is not supported with "
-            f"compute_method={method.name!r}: its apply() updates running moments in place, "
+            f"{what}: its apply() updates running moments in place, "
             "which a cast copy of them would not keep. Use precondition_dtype=None (the "
             "products then run in inv_dtype)"
         )

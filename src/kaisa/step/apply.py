@@ -36,6 +36,7 @@ from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
 from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["GradientApplication"]
@@ -76,6 +77,8 @@ class GradientApplication:
         self._sized = False
         self._served: frozenset[str] = frozenset()  # layers whose products use it
         self._own: frozenset[str] = frozenset()  # layers written before ν (rescalable)
+        #: filled with each step's ν only while set (:mod:`kaisa.step.diagnostics`)
+        self.diagnostics: StepDiagnostics | None = None
 
     @property
     def workspace_bytes(self) -> int:
@@ -111,6 +114,8 @@ class GradientApplication:
             dots[name] = dot
         counted = [dots[la.name] for la in taking_part if self._counted(la)]
         nu = self._nu(counted, layers, clip)
+        if self.diagnostics is not None:
+            self.diagnostics.record_kl_scale(nu)
         if nu is not None and own:
             assert self._in_place is not None  # own layers are rescalable ones
             self._in_place.rescale([la.adapter for la in own], nu)

@@ -62,6 +62,8 @@ _HELP: dict[str, str] = {
     "tensor_parallel": "layers sharded by parallelize_module: 'exact' (gathered) or 'block'",
     "max_factor_dim": "largest dense factor; a larger one becomes --kfac-large-factor "
     "('none': no limit)",
+    "grafting": "rescale each layer's K-FAC step to the norm of this method's step: "
+    "'sgd' (the gradient's) or 'adam' (∇/(√v̂+ε)); 'none': no grafting",
     "large_factor": "a factor above --kfac-max-factor-dim: 'diagonal' or 'block' "
     "(diagonal blocks of at most that size)",
 }
