@@ -495,7 +495,7 @@ def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
     adamw, kfac = build_specs(args, text, [False, True])
     assert (adamw.warmup_epochs, kfac.warmup_epochs) == (0.25, 0.0)
     assert adamw.lr == kfac.lr and adamw.schedule == kfac.schedule == "cosine"
-    with pytest.raises(ValueError, match="kfac_arm may set only lr, schedule, warmup_epochs"):
+    with pytest.raises(ValueError, match="kfac_arm may set only lr, schedule, warmup_epochs, kfac"):
         Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"momentum": 0.5})
     for bad in (0.1, {"lion": 0.1}, {"sgd": 0.0}, {"sgd": "0.1"}, {"sgd": True}, {"sgd": math.inf}):
         with pytest.raises(ValueError, match=r"kfac_arm\['lr'\] must map optimizer names"):
@@ -530,6 +530,40 @@ def test_a_tasks_kfac_arm_lr_yields_to_the_command_line(monkeypatch: pytest.Monk
     assert (kfac.lr, kfac.warmup_epochs) == (0.008, 0.0)
     assert adamw.schedule == kfac.schedule == "cosine"
     assert kfac.kfac_kwargs["kl_clip"] == 1e-5 and not adamw.kfac_kwargs
+
+
+def test_a_tasks_kfac_settings_per_optimizer_yield_to_the_command_line() -> None:
+    """text-lm's K-FAC arm under Muon takes its own intervals (kfac_arm['kfac']['muon']);
+    under AdamW the task's; a --kfac-* option beats both; a malformed entry is refused."""
+    from kaisa_lab.cli.spec import build_specs
+    from kaisa_lab.tasks.base import Defaults
+
+    text = get_task("text-lm")
+
+    def intervals(*argv: str) -> dict[str, tuple[int, int]]:
+        args = build_parser()[0].parse_args(["compare", "--task", "text-lm", *argv])
+        specs = build_specs(args, text, [False, True], ["adamw", "muon"])
+        return {
+            s.name: (s.kfac_kwargs["factor_update_steps"], s.kfac_kwargs["inv_update_steps"])
+            for s in specs
+            if s.kfac
+        }
+
+    assert intervals() == {"adamw+kfac": (10, 50), "muon+kfac": (20, 100)}
+    assert intervals("--kfac-inv-update-steps", "60") == {
+        "adamw+kfac": (10, 60),
+        "muon+kfac": (20, 60),
+    }
+    # Muon's own first-order schedule: no warm-up, as its K-FAC arm
+    args = build_parser()[0].parse_args(["compare", "--task", "text-lm"])
+    specs = build_specs(args, text, [False, True], ["adamw", "muon"])
+    warm = {s.name: s.warmup_epochs for s in specs}
+    assert warm == {"adamw": 0.25, "adamw+kfac": 0.0, "muon": 0.0, "muon+kfac": 0.0}
+    with pytest.raises(ValueError, match="warmup_by_optimizer must map optimizer names"):
+        Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, warmup_by_optimizer={"lion": 0.0})
+    for bad in ({"lion": {}}, {"muon": 20}, 3):
+        with pytest.raises(ValueError, match=r"kfac_arm\['kfac'\] must map optimizer names"):
+            Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"kfac": bad})
 
 
 def test_constant_schedule_never_writes_the_lr(

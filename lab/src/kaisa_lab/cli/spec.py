@@ -193,12 +193,22 @@ def _spec(
         weight_decay=_pick(args.weight_decay, defaults.decay(optimizer)),
         schedule=schedule,
         warmup_epochs=warmup_epochs,
-        kfac_kwargs=dict(common["kfac_kwargs"]) if use_kfac else {},
+        kfac_kwargs=_kfac_kwargs(args, task, optimizer) if use_kfac else {},
         lr_tuned=given or defaults.lr_tuned(optimizer),
         adamw_lr=defaults.base_lr("adamw") if muon else None,
         adamw_weight_decay=defaults.decay("adamw") if muon else None,
-        **{k: v for k, v in common.items() if k != "kfac_kwargs"},
+        **common,
     )
+
+
+def _kfac_kwargs(args: argparse.Namespace, task: Task, optimizer: str) -> dict[str, Any]:
+    """The K-FAC keywords of the K-FAC arm on ``optimizer``: the task's for that
+    optimizer (:meth:`Defaults.kfac_for`), then what the command line set."""
+    return {
+        "loss_average": task.loss_average,
+        **task.defaults.kfac_for(optimizer),
+        **kfac_overrides(args),
+    }
 
 
 def build_specs(
@@ -220,13 +230,9 @@ def build_specs(
     """
     defaults = task.defaults
     optimizers = optimizers_of(args, task) if optimizers is None else list(optimizers)
-    kfac_kwargs: dict[str, Any] = {
-        "loss_average": task.loss_average,
-        **defaults.kfac,
-        **kfac_overrides(args),
-    }
-    shared_lr = _pick(args.lr, defaults.base_lr(optimizers[0]))
-    KFACConfig.from_options(**{"lr": shared_lr, **kfac_kwargs})  # validate before any training
+    for optimizer in optimizers:  # validate every arm's options before any training
+        lr = _pick(args.lr, defaults.base_lr(optimizer))
+        KFACConfig.from_options(**{"lr": lr, **_kfac_kwargs(args, task, optimizer)})
     steps = defaults.steps_per_epoch
     if args.max_steps_per_epoch is not None:
         steps = args.max_steps_per_epoch if steps is None else min(steps, args.max_steps_per_epoch)
@@ -240,7 +246,6 @@ def build_specs(
         "eval_batch_size": defaults.eval_batch_size,
         "stop_at_target": args.stop_at_target,
         "evals_per_epoch": _pick(args.evals_per_epoch, defaults.evals_per_epoch),
-        "kfac_kwargs": kfac_kwargs,
     }
     return [
         _spec(args, task, optimizer, use_kfac, common)

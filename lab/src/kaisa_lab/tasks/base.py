@@ -45,7 +45,7 @@ REQUIRED_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
 #: What :attr:`Defaults.kfac_arm` may set for the K-FAC arm alone (``lr``
 #: per optimizer, as :attr:`Defaults.lr`).
-KFAC_ARM_KEYS: tuple[str, ...] = ("lr", "schedule", "warmup_epochs")
+KFAC_ARM_KEYS: tuple[str, ...] = ("lr", "schedule", "warmup_epochs", "kfac")
 
 
 def bits_per_char(loss_nats: float) -> float:
@@ -170,6 +170,9 @@ class Defaults:
     kfac: Mapping[str, Any] = field(default_factory=dict)
     schedule: str = "constant"
     warmup_epochs: float = 0.0
+    #: the first-order arm's warm-up for the optimizers named, where one was
+    #: tuned apart (Muon on text-lm needs none); the others take ``warmup_epochs``
+    warmup_by_optimizer: Mapping[str, float] = field(default_factory=dict)
     kfac_arm: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -183,6 +186,23 @@ class Defaults:
             raise ValueError(
                 f"Defaults.kfac_arm may set only {', '.join(KFAC_ARM_KEYS)}; got "
                 f"{', '.join(sorted(unknown))}"
+            )
+        if set(self.warmup_by_optimizer) - set(OPTIMIZERS) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+            for v in self.warmup_by_optimizer.values()
+        ):
+            raise ValueError(
+                f"Defaults.warmup_by_optimizer must map optimizer names ({', '.join(OPTIMIZERS)}) "
+                f"to warm-up epochs >= 0; got {self.warmup_by_optimizer!r}"
+            )
+        per_optimizer = self.kfac_arm.get("kfac", {})
+        if not isinstance(per_optimizer, Mapping) or not all(
+            name in OPTIMIZERS and isinstance(options, Mapping)
+            for name, options in per_optimizer.items()
+        ):
+            raise ValueError(
+                "Defaults.kfac_arm['kfac'] must map optimizer names "
+                f"({', '.join(OPTIMIZERS)}) to K-FAC keyword mappings; got {per_optimizer!r}"
             )
         arm_lr = self.kfac_arm.get("lr", {})
         if not isinstance(arm_lr, Mapping) or not all(
@@ -210,13 +230,20 @@ class Defaults:
         """The weight decay of ``optimizer``: the task's, else the task's AdamW one."""
         return float(self.weight_decay.get(optimizer, self.weight_decay["adamw"]))
 
+    def kfac_for(self, optimizer: str) -> dict[str, Any]:
+        """The K-FAC keywords of the K-FAC arm on ``optimizer``: the task's
+        ``kfac``, updated by ``kfac_arm['kfac'][optimizer]`` where the task tuned
+        K-FAC on that optimizer apart (e.g. longer intervals under Muon)."""
+        return {**self.kfac, **self.kfac_arm.get("kfac", {}).get(optimizer, {})}
+
     def arm(self, kfac: bool, optimizer: str) -> tuple[float, str, float]:
         """``(lr, schedule, warmup_epochs)`` of the K-FAC arm or of the
         first-order arm, with ``optimizer``."""
         own = self.kfac_arm if kfac else {}
         lr = own.get("lr", {}).get(optimizer, self.base_lr(optimizer))
         schedule = own.get("schedule", self.schedule)
-        return float(lr), schedule, float(own.get("warmup_epochs", self.warmup_epochs))
+        warmup = self.warmup_by_optimizer.get(optimizer, self.warmup_epochs)
+        return float(lr), schedule, float(own.get("warmup_epochs", warmup))
 
 
 @dataclass
