@@ -7,8 +7,9 @@ first reading at or below it; ``-`` where the run had not got there when it
 ended), the last reading, and the CPU seconds per step of the whole run
 (training and evaluations over steps: the load-independent cost of a run on
 one thread).  With ``--step-cost`` (``benchmarks/arm_step_cost.py --json``)
-the table adds each arm's interleaved step cost relative to AdamW and the
-time to the target relative to AdamW's at its best lr.
+the table adds each arm's interleaved step cost relative to AdamW, and after
+each step count, in brackets, the time to that target in AdamW steps (steps
+times that cost).
 
     python benchmarks/large_lm_report.py runs/large-*.log --targets 2.2 2.1 2.0 \\
         --step-cost docs/text-lm-large-step-cost.json \\
@@ -45,10 +46,14 @@ def steps_to(curve: list[dict[str, float]], target: float) -> int | None:
     return next((int(r["step"]) for r in curve if r["metric"] <= target), None)
 
 
+_OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "soap", "shampoo", "lamb")
+
+
 def _arm_of(name: str) -> str:
-    """``adamw-kfac-0.001`` -> ``adamw+kfac`` (the key of the step-cost JSON)."""
+    """``large-adamw-kfac-0.001`` -> ``adamw+kfac`` (the key of the step-cost JSON)."""
     parts = name.split("-")
-    return parts[0] + ("+kfac" if "kfac" in parts else "")
+    opt = next((p for p in parts if p in _OPTIMIZERS), parts[0])
+    return opt + ("+kfac" if "kfac" in parts else "")
 
 
 def report(logs: list[Path], targets: list[float], cost: dict[str, Any] | None) -> dict[str, Any]:
@@ -82,11 +87,18 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"| run | {head} | last step | bits/char there | CPU s/step (run) | step cost vs AdamW |")
     print("|---|" + "---|" * (len(targets) + 4))
     for name, arm in out["arms"].items():
-        cells = " | ".join(str(arm["steps_to"][str(t)] or "-") for t in targets)
-        rel = arm.get("step_cost_vs_adamw")
+        rel_cost = arm.get("step_cost_vs_adamw")
+
+        def cell(t: float, arm: dict[str, Any] = arm, rel_cost: float | None = rel_cost) -> str:
+            steps = arm["steps_to"][str(t)]
+            if steps is None:
+                return "-"
+            return str(steps) if rel_cost is None else f"{steps} ({steps * rel_cost:.0f})"
+
+        cells = " | ".join(cell(t) for t in targets)
         print(
             f"| {name} | {cells} | {arm['last_step']} | {arm['last_metric']:.3f} | "
-            f"{arm['cpu_s_per_step']:.2f} | {'' if rel is None else f'{rel:.2f}'} |"
+            f"{arm['cpu_s_per_step']:.2f} | {'' if rel_cost is None else f'{rel_cost:.2f}'} |"
         )
 
 
