@@ -235,8 +235,9 @@ class TextLMLargeTask(TextLMTask):
     # 3)", one seed, metric read every 20 steps, one thread): AdamW at lr 1e-3
     # with text-lm's schedule shape (a quarter epoch of warm-up, cosine over 5
     # epochs of 200 steps) reaches 2.03 bits/char at step 920 of its 1000 and
-    # ends at 2.02; 920 steps are ~9.5 minutes of one thread's CPU time
-    # (0.62 s a step), the bottom of the issue's 10-20 minute range.  lr 2e-3
+    # ends at 2.02; 920 steps are 8.7 minutes of one thread (566 ms a step
+    # on a quiet core), short of the issue's 10-20 minutes: ~7 epochs would
+    # put it mid-range (not run; the command is in results.md).  lr 2e-3
     # was behind at every reading up to step 540 (2.41 against 2.29).  Muon
     # 0.02 (torch's lr, unswept here) took 500 steps, AdamW + K-FAC 560, Muon
     # + K-FAC 480.  SOAP, Shampoo and LAMB are not tuned for this task (their
