@@ -219,8 +219,8 @@ class TextLMLargeTask(TextLMTask):
 
     Issue 23's larger LM: the same corpus, training windows and held-out 10%,
     scored on a fixed prefix of the held-out tiling (256 windows, 16,384
-    characters, 35% of it) so that a reading costs ~1.7 CPU-seconds (2.7
-    training steps) rather than 2.8x that.  Context stays at text-lm's 64:
+    characters, 35% of it) so that a reading costs ~1.3 CPU-seconds (about
+    two training steps) rather than 2.8x that.  Context stays at text-lm's 64:
     at 128 a step cost 2.6x more on one thread, and the issue's 10-20 minute
     budget would have been a few hundred steps.  Budget, target and the arms
     measured so far: docs/results.md, "text-lm-large (issue 23, item 3)".
