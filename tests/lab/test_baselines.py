@@ -77,7 +77,8 @@ def test_the_default_head_is_the_layer_that_produces_the_output(task: str) -> No
     head = dict(model.named_modules())[muon_split(model).head]
     seen: list[torch.Tensor] = []
     head.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    x = {"text-lm": torch.zeros(2, 8, dtype=torch.long), "text-cnn": torch.zeros(2, 8, dtype=torch.long),
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    x = {"text-lm": tokens, "text-cnn": tokens, "text-lm-large": tokens,
          "cifar10": torch.randn(2, 3, 32, 32), "digits-cnn": torch.randn(2, 1, 8, 8)}.get(
         task, torch.randn(2, 64))  # fmt: skip
     out = model(x)

@@ -23,10 +23,18 @@ from fakes import write_fake_cifar
 # ---------------------------------------------------------------- registry/defaults
 
 
-ALL_TASKS = ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae", "text-cnn"]
+ALL_TASKS = [
+    "digits-mlp",
+    "digits-cnn",
+    "text-lm",
+    "cifar10",
+    "digits-ae",
+    "text-cnn",
+    "text-lm-large",
+]
 
 
-def test_registry_lists_the_six_tasks_and_rejects_unknown_names() -> None:
+def test_registry_lists_the_seven_tasks_and_rejects_unknown_names() -> None:
     assert task_names() == ALL_TASKS
     for name in task_names():
         assert get_task(name).name == name
@@ -58,6 +66,7 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
 def test_text_lm_averages_its_loss_over_batch_and_sequence() -> None:
     assert get_task("text-lm").loss_average == "batch_and_sequence"
     assert get_task("text-cnn").loss_average == "batch_and_sequence"
+    assert get_task("text-lm-large").loss_average == "batch_and_sequence"
     assert get_task("digits-mlp").loss_average == "batch"
 
 
@@ -219,6 +228,54 @@ def test_text_cnn_model_is_causal_over_its_receptive_field() -> None:
     names = set(KFACPreconditioner(model.train()).layers)
     convs = {f"blocks.{i}.{role}" for i in range(4) for role in ("conv", "proj")}
     assert names == {"tok", "head", *convs}
+
+
+def test_text_lm_large_is_text_lm_wider_deeper_and_scored_on_a_fixed_slice() -> None:
+    """4 blocks of width 256, text-lm's training windows, and the first 256 of
+    text-lm's validation windows (the same tiling, cut short to keep the metric cheap)."""
+    large, small = get_task("text-lm-large"), TextLMTask()
+    data, ref = large.load(), small.load()
+    assert len(data.train) == len(ref.train)
+    idx = torch.tensor([0, 17, 100_000])
+    assert all(
+        torch.equal(a, b) for a, b in zip(data.train.get_batch(idx), ref.train.get_batch(idx))
+    )
+    assert len(data.test) == 256 < len(ref.test)
+    every = torch.arange(256)
+    assert all(
+        torch.equal(a, b) for a, b in zip(data.test.get_batch(every), ref.test.get_batch(every))
+    )
+    torch.manual_seed(0)
+    model = large.build_model()
+    assert len(model.blocks) == 4 and model.tok.embedding_dim == 256
+    assert model.blocks[0].self_attn.num_heads == 4
+    assert 3_000_000 < sum(p.numel() for p in model.parameters()) < 3_500_000
+
+
+@pytest.mark.parametrize("kfac", [False, True])
+def test_text_lm_large_loss_falls_in_a_few_steps(kfac: bool) -> None:
+    """A few steps of the task's AdamW (with and without K-FAC at the task's
+    settings) on one batch lower its loss: the model, loss and defaults train."""
+    from kaisa import KFACPreconditioner
+
+    task = get_task("text-lm-large")
+    x, y = task.load().train.get_batch(torch.arange(0, 32 * 997, 997))
+    torch.manual_seed(0)
+    model = task.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=task.defaults.lr["adamw"])
+    kwargs = {**task.defaults.kfac, "factor_update_steps": 1, "inv_update_steps": 2}
+    kwargs["loss_average"] = task.loss_average
+    precond = KFACPreconditioner(model, optimizer=opt, **kwargs) if kfac else None
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = task.loss(model(x), y)
+        loss.backward()
+        if precond is not None:
+            precond.step()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 def test_bits_per_char_conversion() -> None:

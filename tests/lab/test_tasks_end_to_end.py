@@ -14,7 +14,8 @@ from fakes import write_fake_cifar
 
 
 @pytest.mark.parametrize(
-    "task", ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae", "text-cnn"]
+    "task",
+    ["digits-mlp", "digits-cnn", "text-lm", "cifar10", "digits-ae", "text-cnn", "text-lm-large"],
 )
 def test_task_trains_with_kfac(task: str, tmp_path: Path) -> None:
     args = ["train", "--task", task, "--epochs", "1", "--max-steps-per-epoch", "3", "--quiet",

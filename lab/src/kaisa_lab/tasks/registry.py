@@ -6,7 +6,7 @@ from kaisa_lab.tasks.autoencoder import DigitsAutoencoderTask
 from kaisa_lab.tasks.base import Task
 from kaisa_lab.tasks.cifar import Cifar10Task
 from kaisa_lab.tasks.digits import DigitsCNNTask, DigitsMLPTask
-from kaisa_lab.tasks.text import TextConvTask, TextLMTask
+from kaisa_lab.tasks.text import TextConvTask, TextLMLargeTask, TextLMTask
 
 __all__ = ["TASKS", "get_task", "task_names"]
 
@@ -19,6 +19,7 @@ TASKS: dict[str, type[Task]] = {
         Cifar10Task,
         DigitsAutoencoderTask,
         TextConvTask,
+        TextLMLargeTask,
     )
 }
 

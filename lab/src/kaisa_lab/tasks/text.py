@@ -26,7 +26,7 @@ from kaisa_lab.tasks.base import (
 from kaisa_lab.tasks.convlm import CharConvNet
 from kaisa_lab.tasks.transformer import CharTransformer
 
-__all__ = ["TextConvTask", "TextLMTask", "WindowDataset", "load_corpus"]
+__all__ = ["TextConvTask", "TextLMLargeTask", "TextLMTask", "WindowDataset", "load_corpus"]
 
 VALIDATION_FRACTION = 0.1
 
@@ -141,6 +141,10 @@ class TextLMTask(Task):
     d_model = 128
     n_heads = 4
     n_layers = 2
+    #: Score only the first this many validation windows (``None``: all of the
+    #: held-out 10%).  A fixed prefix of the same tiling, so the metric is the
+    #: same kind of number, just cheaper to read on a larger model.
+    validation_windows: int | None = None
 
     def vocabulary(self) -> tuple[str, ...]:
         """The characters the model predicts, in token-id order."""
@@ -151,9 +155,13 @@ class TextLMTask(Task):
         index = {ch: i for i, ch in enumerate(alphabet)}
         tokens = torch.tensor([index[ch] for ch in text], dtype=torch.int64)
         split = int(len(tokens) * (1.0 - VALIDATION_FRACTION))
+        held_out = tokens[split:]
+        if self.validation_windows is not None:
+            # windows tile with stride = context; +1 for the last window's target
+            held_out = held_out[: self.validation_windows * self.context + 1]
         return TaskData(
             train=WindowDataset(tokens[:split], self.context),
-            test=WindowDataset(tokens[split:], self.context, stride=self.context),
+            test=WindowDataset(held_out, self.context, stride=self.context),
         )
 
     def build_model(self) -> nn.Module:
@@ -216,3 +224,57 @@ class TextConvTask(TextLMTask):
 
     def build_model(self) -> nn.Module:
         return CharConvNet(vocab_size=len(self.vocabulary()))
+
+
+class TextLMLargeTask(TextLMTask):
+    """:class:`TextLMTask` at 4 blocks of width 256 (3.2M parameters, 7.5x text-lm's).
+
+    Issue 23's larger LM: the same corpus, training windows and held-out 10%,
+    scored on a fixed prefix of the held-out tiling (256 windows, 16,384
+    characters, 35% of it) so that a reading costs ~1.3 CPU-seconds (about
+    two training steps) rather than 2.8x that.  Context stays at text-lm's 64:
+    at 128 a step cost 2.6x more on one thread, and the issue's 10-20 minute
+    budget would have been a few hundred steps.  Budget, target and the arms
+    measured so far: docs/results.md, "text-lm-large (issue 23, item 3)".
+    """
+
+    name = "text-lm-large"
+    description = (
+        "4-block, 256-wide character-level Transformer LM on Python's pydoc topics, scored by "
+        "bits/char on a fixed validation slice"
+    )
+    # Budgeted in issue 23 (docs/results.md, "text-lm-large (issue 23, item
+    # 3)", one seed, metric read every 20 steps, one thread): AdamW at lr 1e-3
+    # with text-lm's schedule shape (a quarter epoch of warm-up, cosine over 5
+    # epochs of 200 steps) reaches 2.03 bits/char at step 920 of its 1000 and
+    # ends at 2.02; 920 steps are 8.7 minutes of one thread (566 ms a step
+    # on a quiet core), short of the issue's 10-20 minutes: ~7 epochs would
+    # put it mid-range (not run; the command is in results.md).  lr 2e-3
+    # was behind at every reading up to step 540 (2.41 against 2.29).  Muon
+    # 0.02 (torch's lr, unswept here) took 500 steps, AdamW + K-FAC 560, Muon
+    # + K-FAC 480.  SOAP, Shampoo and LAMB are not tuned for this task (their
+    # libraries' lrs; kaisa compare says so); SGD's and Adam's lrs are unmeasured.
+    target = 2.03
+    defaults = Defaults(
+        epochs=5,
+        batch_size=32,
+        optimizer="adamw",
+        lr={"sgd": 0.1, "adam": 0.001, "adamw": 0.001, "muon": 0.02},
+        steps_per_epoch=200,
+        eval_batch_size=256,
+        schedule="cosine",
+        warmup_epochs=0.25,
+        kfac={
+            "compute_method": "inverse",
+            "factor_update_steps": 10,
+            "inv_update_steps": 50,
+            "damping": 0.1,
+            "kl_clip": None,
+        },
+        kfac_arm={"warmup_epochs": 0.0},
+    )
+
+    d_model = 256
+    n_heads = 4
+    n_layers = 4
+    validation_windows = 256
