@@ -51,7 +51,9 @@ def _arm(task: Any, name: str) -> tuple[Any, Any, Any]:
     )
     precond = None
     if kfac:
-        precond = KFACPreconditioner(model, optimizer=opt, loss_average=task.loss_average, **d.kfac)
+        precond = KFACPreconditioner(
+            model, optimizer=opt, loss_average=task.loss_average, **d.kfac_for(opt_name)
+        )
     return model, opt, precond
 
 
