@@ -202,12 +202,16 @@ class TextConvTask(TextLMTask):
     # and a tight KL clip (1e-5 to 1e-4; it binds on the first ~24 steps only,
     # nu rising from 0.2 to 1) takes 90 steps on seeds 0-4; any one of the
     # three alone, 105-125.  Inverses every 50 steps: 90 on every
-    # seed, where every 100 gave 90-100.
+    # seed, where every 100 gave 90-100.  Muon (session 12, docs/results.md
+    # "text-cnn against Muon"; seed 0, read every 10): lr 0.01/0.02/0.04 with
+    # the warm-up 210/150/110 steps, without 170/110/80, and 0.08 and 0.16
+    # without 70; at 0.08 without warm-up 70 on seeds 0-2.
     defaults = Defaults(
         epochs=3,
         batch_size=32,
         optimizer="adamw",
-        lr={"sgd": 0.1, "adam": 0.003, "adamw": 0.01},
+        lr={"sgd": 0.1, "adam": 0.003, "adamw": 0.01, "muon": 0.08},
+        warmup_by_optimizer={"muon": 0.0},
         steps_per_epoch=200,
         eval_batch_size=256,
         schedule="cosine",
