@@ -134,11 +134,15 @@ def gram(flat: Tensor, alpha: float = 1.0) -> Tensor:
     1.2–1.4× faster than one product for a convolution's patch chunks of
     1,800–8,000 rows of 257–577 columns; no faster with fewer rows than
     ``2d``, as an MLP's 128-row batches; docs/benchmarks.md).  Other Grams,
-    and every Gram off the CPU, are one product.  The sums are the same, to
+    every Gram off the CPU and every Gram inside a compiled graph are one
+    product.  The sums are the same, to
     rounding.
     """
     rows, d = (int(n) for n in flat.shape)
-    if flat.device.type != "cpu" or d < BLOCKED_GRAM_MIN_WIDTH or rows < 2 * d:
+    plain = flat.device.type != "cpu" or d < BLOCKED_GRAM_MIN_WIDTH or rows < 2 * d
+    # a compiled graph (kaisa.step.capture.graph) gets one product: the
+    # compiler plans it, and writes into blocks of ``out`` would break the graph
+    if plain or torch.compiler.is_compiling():
         if alpha == 1.0:
             return flat.t() @ flat
         return torch.addmm(flat.new_zeros(()), flat.t(), flat, beta=0, alpha=alpha)

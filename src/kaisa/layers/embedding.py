@@ -78,10 +78,13 @@ class EmbeddingAdapter(LayerAdapter):
     ) -> tuple[Tensor, float]:
         if spec.source is not FactorSource.INPUT:
             return super().factor_term(spec, tensor, dtype, scale)
+        # counted by a scatter into a fixed-size vector, not bincount or a
+        # mask: both have data-dependent shapes, which a compiled graph breaks on
         idx = tensor.reshape(-1)
+        counts = torch.zeros(self.in_features, dtype=dtype, device=idx.device)
+        counts.index_add_(0, idx, torch.ones(idx.shape, dtype=dtype, device=idx.device))
         if self.module.padding_idx is not None:
-            idx = idx[idx != self.module.padding_idx]
-        counts = torch.bincount(idx, minlength=self.in_features).to(dtype)
+            counts[self.module.padding_idx] = 0
         if isinstance(scale, Tensor) or scale != 1.0:
             counts.mul_(scale)
         return counts, float(tensor.numel())

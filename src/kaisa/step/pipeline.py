@@ -170,6 +170,7 @@ class StepPipeline:
         """Statistics → owners; the counts of every factor, summed over the
         ranks (folded into the running averages once the step is known to
         be valid)."""
+        self.capture.collect_compiled()
         self._report_dropped_forwards()
         self._report_broadcast_inputs()
         self._report_eval_forwards()

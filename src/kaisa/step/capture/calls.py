@@ -25,6 +25,10 @@ layer's parameters (:func:`_updates_gradients`): an input gradient taken
 with ``torch.autograd.grad`` through the same forward (a gradient penalty, a
 saliency map) is of another quantity than the gradient kaisa preconditions.
 
+Inside a compiled region (``torch.compile``) the forward hook hands the call
+to :mod:`kaisa.step.capture.graph` instead, whose statistics the graph forms
+itself: nothing here is traced but that one branch.
+
 Hooks are small picklable objects: a deep copy (or pickle) of the model
 carries inert hooks, so a copied model (an EMA or teacher) never captures
 into this preconditioner, and a model holding them can still be copied.
@@ -47,6 +51,7 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture.attention import capture_functional
 from kaisa.step.capture.broadcast import wrap_broadcast
+from kaisa.step.capture.graph import GraphCapture, accepts_compiled, joint_term
 from kaisa.step.capture.hooks import (
     TermMemo,
     _discarded_recomputation,
@@ -140,15 +145,7 @@ def commit_call(
         elif stat.source is FactorSource.JOINT:
             if x is None or method is None:
                 raise RuntimeError(f"kaisa: layer {layer.name!r}: a joint statistic needs x")
-            term = method.joint_term(
-                stat,
-                layer.factors,
-                layer.state,
-                adapter.a_rows(x),
-                adapter.grad_output_rows(g),
-                scale,
-                layer.dtype_of(stat),
-            )
+            term = joint_term(method, layer, stat, x, g, scale)
             if term is None:
                 continue
             stats.add(i, term)
@@ -201,6 +198,11 @@ class Capture:
         self.pass_id = 0
         #: called with a layer once all of its passes for this step are in
         self.on_layer_complete: Callable[[KFACLayer], None] | None = None
+        self.layers = layers
+        #: the path of calls inside a compiled region (kaisa.step.capture.graph)
+        self.graph = GraphCapture(
+            layers, loss_average=loss_average, loss_divisor=self.loss_divisor, method=method
+        )
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(_Hook(self._count_pass, model))
         ]
@@ -220,6 +222,8 @@ class Capture:
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # compiled calls count their passes on their sinks
         if self.enabled and module.training and torch.is_grad_enabled():
             self.pass_id += 1
 
@@ -228,6 +232,10 @@ class Capture:
             x = _first_tensor(inputs)
             out = layer.adapter.output_tensor(output)
             if x is None or out is None:
+                return None
+            if torch.compiler.is_compiling():
+                if out is output and accepts_compiled(layer, module, out, self.enabled):
+                    return self.graph.wrap(layer, x, out)
                 return None
             if out is output and self._broadcast(layer, module, x, out):
                 # observed where the output meets the batch (kaisa.step.capture.broadcast)
@@ -247,7 +255,6 @@ class Capture:
             and out.dim() >= 1
             and out.shape[0] == 1
             and not hasattr(out, "placements")
-            and not torch.compiler.is_compiling()
             and self.accepts(layer.adapter, module, out)
         )
 
@@ -342,6 +349,20 @@ class Capture:
             if scale is not None:
                 m = m / scale
         return m
+
+    def collect_compiled(self) -> None:
+        """Take in what compiled calls accumulated (:meth:`GraphCapture.collect`),
+        with the loss items and loss scale the graph leaves out."""
+        if not self.graph.has_data():
+            return
+        correction: Tensor | float = 1.0
+        if self.loss_average is LossAverage.ITEMS:
+            items = grad_multiplier(self.loss_average, 1, 1, 1, self.loss_items)
+            correction = items * items
+        scale = None if self.loss_scale is None else self.loss_scale()
+        if scale is not None:
+            correction = correction / (scale * scale)
+        self.graph.collect(self.layers, correction)
 
     # -- deferred path -------------------------------------------------------
     def flush(self, layer: KFACLayer) -> None:

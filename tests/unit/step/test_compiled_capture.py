@@ -1,0 +1,286 @@
+"""Capture inside ``torch.compile`` (kaisa.step.capture.graph).
+
+1. **No graph breaks**: a compiled forward with kaisa attached runs as many
+   graphs as the plain model's (one), on factor steps and on non-factor
+   steps, for every module-hook layer type; dynamo records no break.  The
+   two steps are two compiled variants, compiled once each.
+2. **The same statistics**: compiled + kaisa equals eager + kaisa (factors
+   and parameters after several factor and inverse updates), with
+   micro-batches, a layer called twice per pass, a summed or item-averaged
+   loss, a grad scaler's loss scale and EKFAC's joint statistic.
+3. **Only training gradients count**: an input gradient taken with
+   ``torch.autograd.grad`` through a compiled forward adds nothing.
+
+The backend is ``aot_eager``: AOTAutograd traces the forward and the
+backward (the capture's backward included) as inductor would, without its
+code generation; one test runs inductor itself (slow).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.utils import counters
+
+from kaisa import KFACPreconditioner
+
+KW: dict[str, Any] = dict(factor_update_steps=2, inv_update_steps=4, damping=0.1, lr=0.1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test compiles from scratch: models of one class share a frame
+    (``Sequential.forward``), whose recompilations across tests would reach
+    dynamo's limit and fall back to eager."""
+    torch._dynamo.reset()
+
+
+class Counting:
+    """A dynamo backend that counts the graphs it compiles and each run of one."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.inner = inner
+        self.compiled = 0
+        self.runs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
+        self.compiled += 1
+        fn = lookup_backend(self.inner)(gm, example)
+
+        def run(*args: Any) -> Any:
+            self.runs += 1
+            return fn(*args)
+
+        return run
+
+
+class LM(nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width, padding_idx=0)
+        self.fc = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.fc(self.emb(x))))
+
+
+class Shared(nn.Module):
+    """One Linear called twice per pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.fc(torch.tanh(self.fc(x)))))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+
+
+def conv1d() -> nn.Module:
+    return nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5, 3))
+
+
+def hf_conv1d() -> nn.Module:
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    return nn.Sequential(pytorch_utils.Conv1D(8, 6), nn.Tanh(), nn.Linear(8, 3))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Tensor]]] = {
+    "mlp": (mlp, lambda g: torch.randn(5, 6, generator=g)),
+    "cnn": (cnn, lambda g: torch.randn(5, 3, 6, 6, generator=g)),
+    "conv1d": (conv1d, lambda g: torch.randn(5, 3, 7, generator=g)),
+    "embedding": (LM, lambda g: torch.randint(0, 11, (5, 4), generator=g)),
+    "hf_conv1d": (hf_conv1d, lambda g: torch.randn(5, 6, generator=g)),
+    "shared": (Shared, lambda g: torch.randn(5, 6, generator=g)),
+    # wide and tall enough for the CPU's blocked Gram (kaisa.core.statistics.gram)
+    "wide": (lambda: nn.Linear(8, 256), lambda g: torch.randn(2, 260, 8, generator=g)),
+}
+
+
+def loss_of(out: Tensor) -> Tensor:
+    """A mean-reduced loss over the data points (and positions)."""
+    return out.logsumexp(-1).mean() - out[..., 0].mean()
+
+
+def train(
+    model: nn.Module,
+    forward: Callable[[Tensor], Tensor],
+    make_input: Callable[[torch.Generator], Tensor],
+    steps: int,
+    micro: int = 1,
+    loss: Callable[[Tensor], Tensor] = loss_of,
+    items: float | None = None,
+    **kw: Any,
+) -> KFACPreconditioner:
+    precond = KFACPreconditioner(model, **{**KW, "accumulation_steps": micro, **kw})
+    precond.loss_items = items
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(micro):
+            (loss(forward(make_input(g))) / micro).backward()
+        precond.step()
+        opt.step()
+    return precond
+
+
+def assert_close(a: KFACPreconditioner, b: KFACPreconditioner, tol: float = 1e-5) -> None:
+    for name, la in a.layers.items():
+        lb = b.layers[name]
+        assert la.captured and lb.captured, name
+        for i, (x, y) in enumerate(zip(la.running, lb.running, strict=True)):
+            assert x is not None and y is not None
+            err = float((x - y).norm() / y.norm())
+            assert err <= tol, f"{name} factor {i}: {err:.2e}"
+    pa = [p for la in a.layers.values() for p in la.adapter.parameters()]
+    pb = [p for lb in b.layers.values() for p in lb.adapter.parameters()]
+    for x, y in zip(pa, pb, strict=True):
+        assert float((x - y).detach().norm() / y.detach().norm()) <= tol
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_forward_is_one_graph_on_factor_and_other_steps(name: str) -> None:
+    build, make_input = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    plain = Counting()
+    compiled_plain = torch.compile(copy.deepcopy(model), backend=plain)
+    g = torch.Generator().manual_seed(0)
+    loss_of(compiled_plain(make_input(g))).backward()
+    assert plain.runs == 1  # the plain model is one graph
+
+    counters.clear()
+    backend = Counting()
+    compiled = torch.compile(model, backend=backend)
+    train(model, compiled, make_input, steps=4)  # factor, other, factor, other
+    assert backend.runs == 4, f"{backend.runs} graph runs for 4 forwards"
+    assert backend.compiled == 2  # the factor-step and the other variant, once each
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_statistics_equal_eager(name: str) -> None:
+    build, make_input = MODELS[name]
+    torch.manual_seed(0)
+    eager = build()
+    model = copy.deepcopy(eager)
+    want = train(eager, eager, make_input, steps=5)
+    got = train(model, torch.compile(model, backend="aot_eager"), make_input, steps=5)
+    assert_close(got, want)
+
+
+def test_micro_batches_summed_loss_and_items_equal_eager() -> None:
+    make_input = MODELS["shared"][1]
+    for micro, average in ((3, "batch"), (2, "sum"), (2, "items")):
+        torch.manual_seed(0)
+        eager = Shared()
+        model = copy.deepcopy(eager)
+        kw: dict[str, Any] = dict(micro=micro, loss_average=average)
+        if average != "batch":  # summed, or divided by N items set per step (read at step())
+            n = 1.0 if average == "sum" else 7.0
+            kw["loss"] = lambda out, n=n: out.logsumexp(-1).sum() / n
+            kw["items"] = None if average == "sum" else n
+        want = train(eager, eager, make_input, steps=4, **kw)
+        got = train(model, torch.compile(model, backend="aot_eager"), make_input, steps=4, **kw)
+        assert_close(got, want)
+
+
+def test_grad_scaler_scale_is_divided_out() -> None:
+    make_input = MODELS["mlp"][1]
+    torch.manual_seed(0)
+    eager = mlp()
+    model = copy.deepcopy(eager)
+
+    def run(net: nn.Module, forward: Callable[[Tensor], Tensor]) -> KFACPreconditioner:
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        precond = KFACPreconditioner(net, grad_scaler=scaler, **KW)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            opt.zero_grad()
+            scaler.scale(loss_of(forward(make_input(g)))).backward()
+            scaler.unscale_(opt)
+            precond.step()
+            scaler.step(opt)
+            scaler.update()
+        return precond
+
+    assert_close(run(model, torch.compile(model, backend="aot_eager")), run(eager, eager))
+
+
+def test_ekfac_joint_statistic_under_compile_equals_eager() -> None:
+    make_input = MODELS["mlp"][1]
+    torch.manual_seed(0)
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    # S is folded between inverse updates (factor steps 1, 2 after each restart)
+    kw = dict(compute_method="ekfac", factor_update_steps=1, inv_update_steps=3)
+    want = train(eager, eager, make_input, steps=5, **kw)
+    got = train(model, torch.compile(model, backend="aot_eager"), make_input, steps=5, **kw)
+    assert_close(got, want)
+    for name, la in got.layers.items():
+        for key, value in la.state.items():
+            ref = want.layers[name].state[key]
+            assert float((value - ref).norm() / ref.norm().clamp_min(1e-30)) <= 1e-5, key
+
+
+def test_an_input_gradient_through_a_compiled_forward_adds_nothing() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    precond = KFACPreconditioner(model, **KW)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(5, 6, requires_grad=True)
+    torch.autograd.grad(loss_of(compiled(x)), x)
+    assert not precond._parts.capture.graph.has_data()
+    loss_of(compiled(torch.randn(5, 6))).backward()
+    assert precond._parts.capture.graph.has_data()
+
+
+@pytest.mark.slow
+def test_inductor_compiled_training_equals_eager() -> None:
+    make_input = MODELS["cnn"][1]
+    torch.manual_seed(0)
+    eager = cnn()
+    model = copy.deepcopy(eager)
+    want = train(eager, eager, make_input, steps=5)
+    backend = Counting("inductor")
+    got = train(model, torch.compile(model, backend=backend), make_input, steps=5)
+    assert backend.compiled == 2 and backend.runs == 5
+    assert_close(got, want, 1e-4)
+
+
+def test_a_model_compiled_and_run_before_kaisa_is_reported() -> None:
+    """dynamo does not guard on module hooks: code compiled before kaisa's
+    hooks existed keeps running without them, and step() says why."""
+    torch.manual_seed(0)
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss_of(compiled(torch.randn(5, 6))).backward()
+    precond = KFACPreconditioner(model, **KW)
+    model.zero_grad()
+    loss_of(compiled(torch.randn(5, 6))).backward()
+    with pytest.warns(UserWarning, match="compiled and run before KFACPreconditioner was built"):
+        precond.step()
+    assert not any(la.captured for la in precond.layers.values())
