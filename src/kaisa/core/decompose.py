@@ -64,10 +64,14 @@ def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def eigen_outer(eigenvalues: list[Tensor]) -> Tensor:
-    """``λ_0 ∘ λ_1 ∘ …``: the outer product of eigenvalue vectors, axis by axis."""
+    """``λ_0 ∘ λ_1 ∘ …``: the outer product of eigenvalue vectors, axis by axis
+    (of each layer's, for vectors stacked ``[L, d]``: :mod:`kaisa.step.batched`)."""
     out = eigenvalues[0]
     for lam in eigenvalues[1:]:
-        out = torch.outer(out.reshape(-1), lam).reshape(*out.shape, lam.shape[0])
+        if lam.dim() == 2:
+            out = out.unsqueeze(-1) * lam.reshape(lam.shape[0], *[1] * (out.dim() - 1), -1)
+        else:
+            out = torch.outer(out.reshape(-1), lam).reshape(*out.shape, lam.shape[0])
     return out
 
 

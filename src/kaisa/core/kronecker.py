@@ -30,6 +30,8 @@ def mul_axis(v: Tensor, m: Tensor, axis: int, out: Tensor | None = None) -> Tens
     ``out`` when given (a reused buffer, :mod:`kaisa.core.workspace`; it must not
     be ``v``).  Higher-order tensors ignore ``out``.
     """
+    if m.dim() == 3:  # a stack of layers' matrices (kaisa.step.batched): [L, ...] each
+        return m.transpose(-2, -1) @ v if axis == 0 else v @ m
     if v.dim() == 2:
         if out is None:
             return m.t() @ v if axis == 0 else v @ m

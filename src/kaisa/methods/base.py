@@ -80,7 +80,7 @@ def mul_factor(
     a block-diagonal one ignores ``out``."""
     if spec.kind is FactorKind.BLOCK_DIAGONAL:
         return spec.layout.mul(v, m, spec.axis, transpose)
-    return mul_axis(v, m.t() if transpose else m, spec.axis, out)
+    return mul_axis(v, m.transpose(-2, -1) if transpose else m, spec.axis, out)
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,11 @@ class CurvatureMethod(ABC):
     #: gradient), so it must be handed the worker's own state: no cast copies
     #: (``precondition_dtype`` is refused, :func:`kaisa.wiring.check_method_options`)
     apply_updates_state = False
+
+    #: :meth:`apply` also takes layers stacked along a leading dimension (every
+    #: operand and the gradient ``[L, ...]``; :mod:`kaisa.step.batched`), which
+    #: holds for a method whose products all go through ``mul_axis``
+    stacks = False
 
     #: :meth:`apply_blocks` forms ``⟨V, ∇⟩`` on its way, so ``∇`` need not be
     #: kept once ``V`` has overwritten it

@@ -70,6 +70,7 @@ class EigenMethod(CurvatureMethod):
     """Eigendecompositions of every factor; exact damped Kronecker inverse."""
 
     name = "eigen"
+    stacks = True
 
     def __init__(self, outer_product: bool = True) -> None:
         self.outer_product = outer_product

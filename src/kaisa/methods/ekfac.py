@@ -122,6 +122,7 @@ class EKFACMethod(EigenMethod):
     running per-example second moment ``S`` instead of ``λ_G λ_Aᵀ``."""
 
     name = "ekfac"
+    stacks = False  # its divisor (S) is not checked stacked (kaisa.step.batched)
     kernel = "eigh"
     products_per_factor = 2
 

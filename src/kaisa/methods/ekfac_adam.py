@@ -102,6 +102,7 @@ class EKFACAdamMethod(EigenMethod):
     recipe with K-FAC's curvature factors)."""
 
     name = "ekfac_adam"
+    stacks = False  # apply() updates its moments in place: a stacked copy would lose them
     kernel = "eigh"
     products_per_factor = 2
     apply_updates_state = True

@@ -57,6 +57,7 @@ class InverseMethod(CurvatureMethod):
     """Damped inverses of every factor."""
 
     name = "inverse"
+    stacks = True
     kernel = "inverse"  #: damped Cholesky inverses
     products_per_factor = 1  #: ``G⁻¹ ∇ A⁻¹``: one product per factor
 

@@ -36,6 +36,7 @@ from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
 from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.batched import ShapeGroups
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.second_order import SecondOrderUpdate
 
@@ -70,6 +71,8 @@ class GradientApplication:
         self._sharded = engine if isinstance(engine, ShardedReads) else None
         self._model_parallel = engine if isinstance(engine, ModelParallelLayers) else None
         self.second_order = second_order
+        #: layers of one shape preconditioned together (kaisa.step.batched)
+        self.groups = ShapeGroups(method)
         self.rank = comm.rank
         self._warned: set[str] = set()
         self._globals: dict[int, tuple[int, ...]] = {}
@@ -108,8 +111,15 @@ class GradientApplication:
             # workspace) and are scaled after; the others hold V until ν is known
             own = [la for la in taking_part if la.name in self._own]
             held = [la for la in taking_part if la.name not in self._own]
+        groups = self._shape_groups(taking_part)
+        if groups:  # stacked layers are held until ν, as the general path holds them
+            grouped = {la.name for group in groups for la in group}
+            own = [la for la in own if la.name not in grouped]
+            held = [la for la in held if la.name not in grouped]
         dots = self._write_each(own, work, damping) if work is not None and own else {}
         results = self._precondition(held, damping) if held else {}
+        results.update(self._precondition_stacked(groups, damping))
+        held = held + [la for group in groups for la in group]
         for name, (_, dot) in results.items():
             dots[name] = dot
         counted = [dots[la.name] for la in taking_part if self._counted(la)]
@@ -149,6 +159,29 @@ class GradientApplication:
             total = torch.zeros((), dtype=torch.float64, device=device)
             inner = self.comm.sum_model_parallel(total if inner is None else total.add_(inner))
         return None if inner is None else kl_scale(inner, *clip)
+
+    def _shape_groups(self, layers: list[KFACLayer]) -> list[list[KFACLayer]]:
+        """Layers preconditioned stacked (:mod:`kaisa.step.batched`): where
+        every rank is every layer's worker and the engine hands whole
+        gradients (no per-layer broadcast or gather to keep apart)."""
+        if self.plan.grad_workers < self.plan.world_size or self._sharded is not None:
+            return []
+        return self.groups.split(layers)
+
+    def _precondition_stacked(
+        self, groups: list[list[KFACLayer]], damping: float
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        results: dict[str, tuple[Tensor, Tensor]] = {}
+        for group in groups:
+            grads = []
+            for layer in group:
+                self._fill_missing(layer, self.plan.layer(layer.name), damping)
+                grad = self.engine.read(layer.adapter)
+                assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
+                grads.append(grad)
+            for layer, result in zip(group, self.groups.apply(group, grads, damping), strict=True):
+                results[layer.name] = result
+        return results
 
     def _write_each(
         self, layers: list[KFACLayer], work: Workspace, damping: float
@@ -253,8 +286,11 @@ class GradientApplication:
                     self._warn_once(
                         layer.name,
                         f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
-                        "captured statistics (is it called functionally, or traced by "
-                        "torch.compile?); its gradient is left unchanged",
+                        "captured statistics (is it called functionally, an "
+                        "nn.MultiheadAttention inside torch.compile, or was the model "
+                        "compiled and run before KFACPreconditioner was built? dynamo does "
+                        "not see hooks added after its first compile); its gradient is "
+                        "left unchanged",
                     )
                 continue
             local.append(layer)

@@ -1,0 +1,128 @@
+"""Layers of one shape preconditioned together: one batched product per group.
+
+On an accelerator a K-FAC step is a stream of small kernel launches: per
+layer a gradient read, four products, a division, an inner product for the
+KL clip and a write.  A Transformer's blocks repeat the same shapes, so the
+layers of each shape are stacked and preconditioned by one batched product
+per factor (``[L, g, g] @ [L, g, a] @ [L, a, a]``) and one inner product
+for the whole group: the products launched per step grow with the number
+of distinct shapes, not with the number of layers.
+
+The method's own :meth:`~kaisa.methods.base.CurvatureMethod.apply` runs on
+the stacks (its products go through :func:`kaisa.core.kronecker.mul_axis`,
+which treats a stack of matrices as a batch), so a stacked group equals its
+layers one by one to rounding.  Methods opt in (``stacks``); a group is
+formed only where every rank is every layer's gradient worker (COMM-OPT: no
+per-layer broadcast to keep apart), from layers whose factors are all dense
+and whose operands are small (:data:`MAX_OPERAND_NUMEL`): stacking copies
+the operands once per inverse update, which costs memory, and large layers
+are bound by their products, not by launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorKind
+from kaisa.methods.base import CurvatureMethod
+
+__all__ = ["MAX_OPERAND_NUMEL", "ShapeGroups"]
+
+#: the largest operand (eigenbasis, inverse, divisor) a stacked layer may hold
+MAX_OPERAND_NUMEL = 1 << 18
+
+GroupKey = tuple[object, ...]
+
+
+class _Stack:
+    """One group's operands stacked, and what they were stacked from (the
+    tensors themselves, not their ids, which a new tensor may reuse)."""
+
+    def __init__(self) -> None:
+        self.sources: list[tuple[Tensor, int]] = []
+        self.state: dict[str, Tensor] = {}
+
+    def current(self, tensors: list[Tensor]) -> bool:
+        return len(tensors) == len(self.sources) and all(
+            t is s and t._version == v for t, (s, v) in zip(tensors, self.sources, strict=True)
+        )
+
+
+class ShapeGroups:
+    """Finds the groups of a step's layers and preconditions each at once.
+
+    Args:
+        method: the curvature method (only one with ``stacks`` is grouped).
+    """
+
+    def __init__(self, method: CurvatureMethod) -> None:
+        self.method = method
+        self._stacks: dict[tuple[str, ...], _Stack] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(getattr(self.method, "stacks", False))
+
+    def split(self, layers: Sequence[KFACLayer]) -> list[list[KFACLayer]]:
+        """The groups (two layers or more) among ``layers``, in their order."""
+        if not self.enabled:
+            return []
+        by_key: dict[GroupKey, list[KFACLayer]] = {}
+        for layer in layers:
+            key = self._key(layer)
+            if key is not None:
+                by_key.setdefault(key, []).append(layer)
+        return [group for group in by_key.values() if len(group) > 1]
+
+    @staticmethod
+    def _key(layer: KFACLayer) -> GroupKey | None:
+        """What layers must share to be stacked (None: this one never is)."""
+        if any(spec.kind is not FactorKind.DENSE for spec in layer.factors):
+            return None
+        state = layer.operands()
+        if not state or any(t.numel() > MAX_OPERAND_NUMEL for t in state.values()):
+            return None
+        adapter = layer.adapter
+        return (
+            tuple((spec.dim, spec.axis) for spec in layer.factors),
+            tuple((key, tuple(t.shape), t.dtype) for key, t in state.items()),
+            tuple(adapter.matrix_shape),
+            adapter.weight.dtype,
+            adapter.device,
+        )
+
+    def apply(
+        self, group: list[KFACLayer], grads: Sequence[Tensor], damping: float
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``(V, ⟨V, ∇⟩)`` of each layer of ``group``: one stacked apply, one
+        inner product (each ``V`` and term a view of the group's result)."""
+        stacked = torch.stack(list(grads))
+        v = self.method.apply(group[0].factors, self._operands(group), stacked, damping)
+        dots = torch.linalg.vecdot(
+            v.reshape(len(group), -1), stacked.reshape(len(group), -1).to(v.dtype)
+        )
+        return list(zip(v.unbind(0), dots.unbind(0), strict=True))
+
+    def _operands(self, group: list[KFACLayer]) -> Mapping[str, Tensor]:
+        """The group's operands stacked, restacked only when a layer's
+        changed (a new decomposition: new tensors, or written in place)."""
+        states = [layer.operands() for layer in group]
+        tensors = [t for state in states for t in state.values()]
+        names = tuple(layer.name for layer in group)
+        stack = self._stacks.get(names)
+        if stack is None:
+            stack = self._stacks[names] = _Stack()
+        if not stack.current(tensors):
+            stack.state = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+            stack.sources = [(t, t._version) for t in tensors]
+        return stack.state
+
+    def nbytes(self) -> int:
+        """Memory held by the stacked operands."""
+        return sum(
+            t.numel() * t.element_size() for s in self._stacks.values() for t in s.state.values()
+        )
