@@ -340,11 +340,13 @@ def _spd(d: int) -> Tensor:
 
 def _products(method: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> Callable[[], Any]:
     """``Q_Gᵀ ∇ Q_A`` and back (eigen) or ``G⁻¹ ∇ A⁻¹`` (inverse); a diagonal factor
-    (dim 0) contributes no matmul.  Gradients here are matrices (axis 0: G, axis 1: A)."""
-    assert len(shape) == 2, f"floor of products only for matrices, got {shape}"
+    (dim 0) contributes no matmul.  Gradients here are matrices (axis 0: G, axis 1: A),
+    or layers of one shape stacked ``[L, g, a]`` (kaisa.step.batched): batched products."""
+    assert len(shape) in (2, 3), f"floor of products only for matrices, got {shape}"
     grad = torch.randn(*shape)
-    g = torch.randn(dims[0], dims[0]) if dims[0] else None
-    a = torch.randn(dims[1], dims[1]) if dims[1] else None
+    lead = shape[:-2]
+    g = torch.randn(*lead, dims[0], dims[0]) if dims[0] else None
+    a = torch.randn(*lead, dims[1], dims[1]) if dims[1] else None
 
     def forward(v: Tensor, gm: Tensor | None, am: Tensor | None) -> Tensor:
         v = v if gm is None else gm @ v
@@ -352,7 +354,7 @@ def _products(method: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> Cal
 
     if method == "inverse":
         return lambda: forward(grad, g, a)
-    gt, at = (None if g is None else g.t()), (None if a is None else a.t())
+    gt, at = (None if g is None else g.mT), (None if a is None else a.mT)
     return lambda: forward(forward(grad, gt, a), g, at)
 
 
@@ -371,9 +373,10 @@ def kernel_fn(kernel: Kernel) -> Callable[[], Any]:
     if kind == "sqsum":
         x = torch.randn(*kernel[1])
         return lambda: (x * x).sum(0)
-    if kind == "bincount":
+    if kind == "bincount":  # an Embedding's counts: a scatter into a fixed-size vector
         idx = torch.randint(0, kernel[2], (kernel[1],))
-        return lambda: torch.bincount(idx, minlength=kernel[2])
+        ones = torch.ones(kernel[1])
+        return lambda: torch.zeros(kernel[2]).index_add_(0, idx, ones)
     if kind == "lerp":
         running, batch = torch.rand(*kernel[1]), torch.rand(*kernel[1])
         return lambda: running.lerp_(batch, 0.05)

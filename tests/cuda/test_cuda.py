@@ -185,3 +185,66 @@ def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
             assert rel_err(a, b) < 1e-5
     finally:
         dist.destroy_process_group()
+
+
+class Tower(nn.Module):
+    """Four identical blocks (stacked by kaisa.step.batched) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tok)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h.mean(1))
+
+
+def _tower_run(compiled: bool, steps: int = 6) -> tuple[list[torch.Tensor], KFACPreconditioner]:
+    torch.manual_seed(0)
+    model = Tower().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=4, damping=0.05)
+    forward = torch.compile(model) if compiled else model
+    for s in range(steps):
+        _, tok, y = (t.cuda() for t in data(s))
+        opt.zero_grad()
+        F.cross_entropy(forward(tok), y).backward()
+        precond.step()
+        opt.step()
+    return [p.detach().double().cpu() for p in model.parameters()], precond
+
+
+def test_compiled_training_on_cuda_equals_eager() -> None:
+    """Inductor on the GPU: the graph forms the statistics (step/capture/graph.py)."""
+    torch._dynamo.reset()
+    want, _ = _tower_run(False)
+    got, precond = _tower_run(True)
+    assert all(la.captured for la in precond.layers.values())
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+
+
+def test_a_non_factor_step_on_cuda_does_not_synchronise() -> None:
+    """No device-to-host read in a non-factor step() (stacked layers, KL clip on)."""
+    torch.manual_seed(0)
+    model = Tower().cuda()
+    precond = KFACPreconditioner(
+        model, factor_update_steps=3, inv_update_steps=6, damping=0.05, kl_clip=0.01
+    )
+    for s in range(3):
+        _, tok, y = (t.cuda() for t in data(s))
+        model.zero_grad()
+        F.cross_entropy(model(tok), y).backward()
+        if s == 0:
+            precond.step()  # a factor step: reads its counts
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            precond.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

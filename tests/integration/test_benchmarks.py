@@ -227,3 +227,32 @@ def test_step_time_ab_interleaves_two_trees_and_reports_medians(tmp_path: Path) 
         assert all(t > 0 for t in r["before_ms"] + r["after_ms"])
         assert abs(r["ratio"] - r["after_median_ms"] / r["before_median_ms"]) < 1e-12
     assert (tmp_path / "step_time_ab.png").stat().st_size > 0
+
+
+def test_compile_step_counts_one_graph_per_forward_with_kaisa(tmp_path: Path) -> None:
+    # the graph counts only (aot_eager, no inductor build): the issue-24 table's left half
+    run_script("compile_step.py", "--graphs-only", "--models", "cnn", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "compile_step.json").read_text())
+    (row,) = data["results"]
+    plain, kaisa = row["graphs"]["plain"], row["graphs"]["kaisa"]
+    assert plain["graphs_factor_step"] == kaisa["graphs_factor_step"] == 1
+    assert kaisa["graphs_other_step"] == 1 and kaisa["breaks"] == 0
+    assert kaisa["compiled"] == 2  # the factor-step and the other variant
+
+
+def test_step_launches_counts_fewer_products_when_stacked(tmp_path: Path) -> None:
+    run_script(
+        "step_launches.py",
+        *("--models", "lm-12x64", "--batch", "2", "--rounds", "1", "--block", "1"),
+        *("--factor-steps", "2", "--out", str(tmp_path)),
+        timeout=300,
+    )
+    (row,) = json.loads((tmp_path / "step_launches.json").read_text())["results"]
+    stacked, single = row["step_ops"]["kaisa stacked"], row["step_ops"]["kaisa per layer"]
+    assert row["layers"] == 74
+    # 12 identical blocks: the products follow the shapes, not the 74 layers
+    assert stacked["products"] < single["products"] / 10
+    assert stacked["operators"] < single["operators"]
+    assert stacked["host_reads_kept_on_device"] == 0  # the accelerator's rule: none
+    assert all(t > 0 for t in row["ms_per_step"].values())
+    assert (tmp_path / "step_launches.png").stat().st_size > 0

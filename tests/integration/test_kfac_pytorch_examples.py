@@ -81,6 +81,12 @@ def _torchrun(env: dict[str, str], cwd: Path, nproc: int, module: str, args: lis
     while joinable; the examples never call ``destroy_process_group``).  Not
     reproduced in 8 local runs; an open defect (session 12's note), which
     the warning keeps visible.  Python's faulthandler is on in the ranks.
+    PyTorch knows this abort: a process that exits without
+    ``destroy_process_group`` can leave gloo's worker threads holding work
+    objects whose tensors are freed during interpreter finalization
+    (pytorch/pytorch#190489, open; the atexit handler proposed for it,
+    pytorch/pytorch#179291, was abandoned).  kaisa does not destroy the
+    user's process group for them.
     """
     logs = cwd / "logs"
     before = cwd / "logs.before"

@@ -82,6 +82,13 @@ class GradientApplication:
         self._own: frozenset[str] = frozenset()  # layers written before ν (rescalable)
         #: filled with each step's ν only while set (:mod:`kaisa.step.diagnostics`)
         self.diagnostics: StepDiagnostics | None = None
+        #: read scalars (ν's terms, the finiteness verdict) as numbers: None
+        #: where that is free, on CPU; False keeps them on the device
+        self.read_scalars: bool | None = None
+
+    def reads_free(self, device: torch.device) -> bool:
+        """Whether a scalar on ``device`` is read as a number (:attr:`read_scalars`)."""
+        return device.type == "cpu" if self.read_scalars is None else self.read_scalars
 
     @property
     def workspace_bytes(self) -> int:
@@ -150,7 +157,7 @@ class GradientApplication:
         no host synchronisation on an accelerator)."""
         if clip is None:
             return None
-        if dots and not self.comm.model_parallel and dots[0].device.type == "cpu":
+        if dots and not self.comm.model_parallel and self.reads_free(dots[0].device):
             return kl_scale_value(math.fsum(float(d) for d in dots), *clip)
         inner = torch.stack(dots).sum() if dots else None
         if self.comm.model_parallel:

@@ -27,7 +27,7 @@ from kaisa.engines.base import Engine, GradientMarks, OwnsTheLoop
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
 from kaisa.step.loss_scaling import LossScaling
-from kaisa.step.nonfinite import NonFiniteSteps, gradients_finite
+from kaisa.step.nonfinite import NonFiniteSteps, finite_verdict, gradients_finite
 from kaisa.step.reduce import FactorReduction
 from kaisa.step.schedule import Schedule
 from kaisa.step.second_order import SecondOrderUpdate
@@ -81,9 +81,12 @@ class StepPipeline:
         # the reductions backward started come first: any other collective
         # (the validity verdict) issued before them would cross them
         counts = self.reduce_factors() if factor_step else None
-        if not self.gradients_valid():
-            self.skip(counts is not None)
-            return
+        deferred = not factor_step and self.defer_verdict()
+        if not deferred:
+            self.nonfinite.settle()
+            if not self.gradients_valid():
+                self.skip(counts is not None)
+                return
         if counts is not None and self.drop_statistics:
             self.reduction.discard()
             counts = None
@@ -131,6 +134,29 @@ class StepPipeline:
         verdicts = [v for v in verdicts if v is not True]
         local = all(bool(v) for v in verdicts)
         return self.comm.agree_all([local], self.layers[0].adapter.device)[0]
+
+    def defer_verdict(self) -> bool:
+        """Leave this non-factor step's finiteness verdict on the device
+        (:mod:`kaisa.step.nonfinite`) instead of reading it: where a read is
+        not free, the method changes no state while applying, and the
+        verdict needs no collective (one process, or gradients the engine
+        has already averaged).  Records the verdict; True if deferred."""
+        adapters = [la.adapter for la in self.layers]
+        device = adapters[0].device
+        if (
+            self.application.reads_free(device)
+            or self.application.method.apply_updates_state
+            or self.comm.model_parallel
+            or (self.comm.distributed and not self.engine.gradients_agree())
+            or self.engine.step_is_valid() is not True
+        ):
+            return False
+        self._presence = None
+        found = self.scaling.found_inf()
+        verdict = finite_verdict(self.engine.local_gradients(adapters), found)
+        if verdict is not None:
+            self.nonfinite.defer(self.steps, verdict)
+        return True
 
     def gradients_finite(self) -> bool:
         """Whether every registered layer's gradient is finite on every rank

@@ -1,0 +1,208 @@
+"""What kaisa's ``step()`` launches on a non-factor step, and what stacking saves (issue 24).
+
+Per model — the field notes' MLP (784-512-512-10), the CNN and the two
+Transformer LMs of ``compile_step.py`` (2 blocks of width 128; 12 identical
+blocks of width 64) — and per arm (first-order only; kaisa with layers of one
+shape stacked, :mod:`kaisa.step.batched`; kaisa one layer at a time):
+
+* **operators** run by one non-factor ``precond.step()`` (profiler op
+  counts: on an accelerator each is about one kernel launch), its matrix
+  products, and its **host reads** (``aten::_local_scalar_dense``: a value
+  brought to the host), under CPU's rule (kaisa reads ν and the finiteness
+  verdict as numbers on purpose, where that costs nothing) and under an
+  accelerator's (``read_scalars = False``: they stay on the device);
+* **step time** of the whole training step (forward, backward, ``step()``,
+  SGD), arms run in turns (``--rounds`` × ``--block`` steps), the median
+  over rounds of each round's mean.
+
+K-FAC at factor/inverse intervals 10/100.  Prints tables, writes
+``step_launches.json`` and ``step_launches.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_step import Case, cases, loss_of
+from kaisa import KFACPreconditioner
+from kaisa.step.batched import ShapeGroups
+
+PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul")
+ARMS = ("first-order", "kaisa stacked", "kaisa per layer")
+
+
+def mlp_case(batch: int) -> Case:
+    def data(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    def build() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+
+    return build, data
+
+
+class _Unstacked(ShapeGroups):
+    """Every layer on its own (the path before stacking)."""
+
+    def split(self, layers: Any) -> list[Any]:
+        return []
+
+
+class Arm:
+    def __init__(self, name: str, case: Case, args: argparse.Namespace) -> None:
+        self.name = name
+        torch.manual_seed(0)
+        self.model = case[0]()
+        self.data = case[1]
+        self.g = torch.Generator().manual_seed(1)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.precond = None
+        if name != "first-order":
+            self.precond = KFACPreconditioner(
+                self.model,
+                factor_update_steps=args.factor_steps,
+                inv_update_steps=args.inv_steps,
+                damping=0.01,
+                kl_clip=0.001,
+            )
+            if name == "kaisa per layer":
+                application = self.precond._parts.pipeline.application
+                application.groups = _Unstacked(application.method)
+        self.times: list[float] = []
+
+    def step(self, profiled: bool = False) -> Counter[str]:
+        x, y = self.data(self.g)
+        self.opt.zero_grad(set_to_none=True)
+        loss_of(self.model(x), y).backward()
+        ops: Counter[str] = Counter()
+        if self.precond is not None:
+            if profiled:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    self.precond.step()
+                ops = Counter(e.name for e in prof.events())
+            else:
+                self.precond.step()
+        self.opt.step()
+        return ops
+
+    def block(self, steps: int) -> None:
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.times.append((time.perf_counter() - start) / steps)
+
+
+def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    arms = [Arm(a, case, args) for a in ARMS]
+    counts: dict[str, dict[str, int]] = {}
+    for arm in arms:
+        for _ in range(args.factor_steps + 1):  # past the first factor step
+            arm.step()
+        ops = arm.step(profiled=True)  # a non-factor step
+        counts[arm.name] = {
+            "operators": sum(ops.values()),
+            "products": sum(ops[p] for p in PRODUCTS),
+            "host_reads": ops["aten::_local_scalar_dense"],
+        }
+        if arm.precond is not None:  # the next non-factor step under an accelerator's rule
+            application = arm.precond._parts.pipeline.application
+            application.read_scalars = False
+            reads = arm.step(profiled=True)["aten::_local_scalar_dense"]
+            counts[arm.name]["host_reads_kept_on_device"] = reads
+            application.read_scalars = None
+    for _ in range(args.rounds):
+        for arm in arms:
+            arm.block(args.block)
+    ms = {arm.name: 1e3 * statistics.median(arm.times) for arm in arms}
+    layers = 0 if arms[1].precond is None else len(arms[1].precond.layers)
+    return {"model": name, "layers": layers, "step_ops": counts, "ms_per_step": ms}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | layers | step() operators: stacked / per layer | products "
+        "| host reads (CPU rule / accelerator rule) "
+        "| first-order ms | kaisa stacked ms | kaisa per layer ms | stacked / first-order |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        s, p, ms = (
+            r["step_ops"]["kaisa stacked"],
+            r["step_ops"]["kaisa per layer"],
+            r["ms_per_step"],
+        )
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {s['operators']} / {p['operators']} | "
+            f"{s['products']} / {p['products']} | "
+            f"{s['host_reads']} / {s['host_reads_kept_on_device']} | "
+            f"{ms['first-order']:.1f} | {ms['kaisa stacked']:.1f} | {ms['kaisa per layer']:.1f} | "
+            f"{ms['kaisa stacked'] / ms['first-order']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = range(len(results))
+    for i, arm in enumerate(("kaisa stacked", "kaisa per layer")):
+        shift = [x + (i - 0.5) * 0.35 for x in xs]
+        left.bar(shift, [r["step_ops"][arm]["operators"] for r in results], 0.35, label=arm)
+    for i, arm in enumerate(ARMS):
+        shift = [x + (i - 1) * 0.27 for x in xs]
+        right.bar(shift, [r["ms_per_step"][arm] for r in results], 0.27, label=arm)
+    for ax, label in ((left, "operators in one non-factor step()"), (right, "ms per step")):
+        ax.set_xticks(list(xs), [r["model"] for r in results], rotation=15)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "lm-2x128", "lm-12x64"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--factor-steps", type=int, default=10)
+    parser.add_argument("--inv-steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("runs/step_launches"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    all_cases = {"mlp": mlp_case(args.batch), **cases(args.batch)}
+    unknown = sorted(set(args.models) - set(all_cases))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; allowed: {sorted(all_cases)}")
+    results = []
+    for name in args.models:
+        results.append(run_case(name, all_cases[name], args))
+        print(table(results[-1:]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}
+    (args.out / "step_launches.json").write_text(json.dumps(payload, indent=1))
+    print(table(results))
+    plot(results, args.out / "step_launches.png")
+
+
+if __name__ == "__main__":
+    main()
