@@ -284,3 +284,30 @@ def test_a_model_compiled_and_run_before_kaisa_is_reported() -> None:
     with pytest.warns(UserWarning, match="compiled and run before KFACPreconditioner was built"):
         precond.step()
     assert not any(la.captured for la in precond.layers.values())
+
+
+def test_sinks_follow_a_model_moved_after_the_preconditioner_was_built() -> None:
+    """Sinks on another device than the layer's (the model moved after kaisa
+    was built): that compiled call is not captured — no failure in backward
+    — and the next factor step's collection puts new sinks on the layer's device."""
+    from kaisa.step.capture.graph import _Sinks
+
+    make_input = MODELS["mlp"][1]
+    torch.manual_seed(0)
+    model = mlp()
+    precond = KFACPreconditioner(model, **KW)
+    graph = precond._parts.capture.graph
+    first = precond.layers["0"]
+    graph._sinks["0"] = _Sinks(first, torch.device("meta"))  # as if built elsewhere
+    compiled = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    loss_of(compiled(make_input(g))).backward()
+    with pytest.warns(UserWarning, match="'0' has a gradient but its hooks never captured"):
+        precond.step()  # step 0: '0' uncaptured, its sinks moved
+    assert not first.captured and precond.layers["2"].captured
+    assert graph._sinks["0"].device == torch.device("cpu")
+    for _ in range(2):  # steps 1 and 2 (a factor step): captured now
+        model.zero_grad()
+        loss_of(compiled(make_input(g))).backward()
+        precond.step()
+    assert first.captured

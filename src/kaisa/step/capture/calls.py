@@ -353,6 +353,7 @@ class Capture:
     def collect_compiled(self) -> None:
         """Take in what compiled calls accumulated (:meth:`GraphCapture.collect`),
         with the loss items and loss scale the graph leaves out."""
+        self.graph.follow(self.layers)
         if not self.graph.has_data():
             return
         correction: Tensor | float = 1.0

@@ -62,8 +62,8 @@ class _Sinks:
     those the method forms elsewhere) and a count sink ``[statistics + 1]``:
     rows or data points per statistic, then the calls."""
 
-    def __init__(self, layer: KFACLayer) -> None:
-        device = layer.adapter.device
+    def __init__(self, layer: KFACLayer, device: torch.device) -> None:
+        self.device = device
         self.terms: list[Tensor | None] = [
             _sink(stat.shape, layer.dtype_of(stat), device) if stat.source in _FORMED else None
             for stat in layer.statistics
@@ -128,8 +128,19 @@ class GraphCapture:
         self.loss_divisor = loss_divisor
         self.method = method
         self._sinks: dict[str, _Sinks] = {}
+        self.follow(layers)
+
+    def follow(self, layers: list[KFACLayer]) -> None:
+        """Sinks on each layer's current device: a model moved after the
+        preconditioner was built gets new ones here (at construction and at
+        every factor step's collection); until then its compiled calls are
+        not captured (:meth:`wrap`), rather than failing in backward."""
         for layer in layers:
-            sinks = _Sinks(layer)
+            found = self._sinks.get(layer.name)
+            device = layer.adapter.device
+            if found is not None and found.device == device:
+                continue
+            sinks = _Sinks(layer, device)
             sinks.count.register_post_accumulate_grad_hook(self._pass_counter(sinks))
             self._sinks[layer.name] = sinks
 
@@ -141,9 +152,12 @@ class GraphCapture:
         return counted
 
     def wrap(self, layer: KFACLayer, x: Tensor, out: Tensor) -> Tensor:
-        """The output to hand on: ``out`` through :class:`_Statistics`."""
-        leaves = self._sinks[layer.name].leaves()
-        return _Statistics.apply(out, x.detach(), self, layer, *leaves)
+        """The output to hand on: ``out`` through :class:`_Statistics` (as it
+        is where the sinks are on another device: see :meth:`follow`)."""
+        sinks = self._sinks[layer.name]
+        if sinks.device != out.device:
+            return out
+        return _Statistics.apply(out, x.detach(), self, layer, *sinks.leaves())
 
     # -- in the backward graph -------------------------------------------------
     def terms(self, layer: KFACLayer, x: Tensor, g: Tensor) -> tuple[list[Tensor], Tensor]:
