@@ -61,14 +61,11 @@ def gradients_finite(grads: Sequence[Tensor]) -> bool:
     return all(bool(torch.isfinite(g).all()) for g in grads)
 
 
-def finite_verdict(grads: Sequence[Tensor], found_inf: Tensor | None = None) -> Tensor | None:
+def finite_verdict(grads: Sequence[Tensor]) -> Tensor | None:
     """Whether every entry of ``grads`` is finite, as a 0-d bool on their
     device and with no host read: the largest magnitude (``∞``-norm) is
     finite exactly when every entry is (it cannot overflow as a sum of
-    squares can).  With a grad scaler's ``found_inf`` that is the verdict.
-    None: nothing to check."""
-    if found_inf is not None:
-        return found_inf == 0
+    squares can).  None: nothing to check."""
     grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return None

@@ -152,10 +152,10 @@ class StepPipeline:
         ):
             return False
         self._presence = None
-        found = self.scaling.found_inf()
-        verdict = finite_verdict(self.engine.local_gradients(adapters), found)
-        if verdict is not None:
-            self.nonfinite.defer(self.steps, verdict)
+        if self.scaling.found_inf() is None:  # a scaler's skips are its own, as before
+            verdict = finite_verdict(self.engine.local_gradients(adapters))
+            if verdict is not None:
+                self.nonfinite.defer(self.steps, verdict)
         return True
 
     def gradients_finite(self) -> bool:
