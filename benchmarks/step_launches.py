@@ -119,7 +119,10 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
             "host_reads": ops["aten::_local_scalar_dense"],
         }
         if arm.precond is not None:  # the next non-factor step under an accelerator's rule
-            application = arm.precond._parts.pipeline.application
+            pipeline = arm.precond._parts.pipeline
+            while pipeline.schedule.is_factor_step(pipeline.steps):
+                arm.step()
+            application = pipeline.application
             application.read_scalars = False
             reads = arm.step(profiled=True)["aten::_local_scalar_dense"]
             counts[arm.name]["host_reads_kept_on_device"] = reads
