@@ -44,6 +44,11 @@ def _median(values: list[Any]) -> float:
     return float(statistics.median(values)) if values else math.nan
 
 
+def _cost(cost: dict[str, Any], name: str) -> float:
+    """The arm's interleaved CPU ms per step; NaN where it was not measured (no time then)."""
+    return float(cost["median"].get(_arm_of(name), {}).get("cpu_ms", math.nan))
+
+
 def _steps(arm: dict[str, Any], target: float, schedule_steps: int) -> int | str:
     """Steps to ``target``, or ``never`` (whole schedule run) or ``stopped`` (cut short)."""
     steps = arm["steps_to"].get(str(target))
@@ -67,7 +72,7 @@ def gather(
             entry = arms.setdefault(
                 name,
                 {
-                    "step_cost_vs_adamw": cost["median"][_arm_of(name)]["cpu_ms"] / adamw,
+                    "step_cost_vs_adamw": _cost(cost, name) / adamw,
                     "steps": {str(t): {} for t in targets},
                     "curves": {},
                 },
@@ -124,7 +129,13 @@ def print_tables(arms: dict[str, Any], rel: dict[str, dict[str, dict[str, float]
         for name, by_t in table.items():
             cost = arms[name]["step_cost_vs_adamw"]
             times = " | ".join(_fmt(by_t[t], 2) for t in targets)
-            print(f"| {name} | {cost:.2f} | {times} |")
+            print(f"| {name} | {_fmt(cost, 2)} | {times} |")
+
+
+def _seeds_label(curves: dict[str, Any]) -> str:
+    """``seed 0`` or ``seeds 0, 1, 2``."""
+    seeds = sorted(curves)
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(seeds)
 
 
 def plot(arms: dict[str, Any], targets: list[float], path: Path) -> None:
@@ -144,7 +155,7 @@ def plot(arms: dict[str, Any], targets: list[float], path: Path) -> None:
                 lw=1.0,
                 alpha=0.85,
                 ls=("-", "--", ":", "-.")[j % 4],
-                label=f"{name} (seeds {', '.join(sorted(entry['curves']))})" if j == 0 else None,
+                label=f"{name} ({_seeds_label(entry['curves'])})" if j == 0 else None,
             )
     for t in targets:
         ax.axhline(t, color="grey", lw=0.6, ls=":")
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="+", type=float, required=True)
     parser.add_argument("--step-cost", type=Path, required=True)
     parser.add_argument("--relative-to", nargs="+", default=[], metavar="ARM")
+    parser.add_argument("--arms", nargs="+", metavar="ARM", help="only these arms (default: all)")
     parser.add_argument(
         "--schedule-steps", type=int, default=1000, help="steps of a whole run (default 1000)"
     )
@@ -179,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         arms_of_seed.update(json.loads(Path(path).read_text())["arms"])
     cost = json.loads(args.step_cost.read_text())
     arms = gather(per_seed, args.targets, cost, args.schedule_steps)
+    if args.arms:
+        missing = set(args.arms) - set(arms)
+        if missing:
+            parser.error(f"--arms names no arm: {sorted(missing)}; arms: {sorted(arms)}")
+        arms = {name: arms[name] for name in args.arms}
     unknown = set(args.relative_to) - set(arms)
     if unknown:
         parser.error(f"--relative-to names no arm: {sorted(unknown)}; arms: {sorted(arms)}")
