@@ -257,7 +257,8 @@ class TextLMLargeTask(TextLMTask):
     # was behind at every reading up to step 540 (2.41 against 2.29).  On seeds
     # 0-2 (medians): AdamW 900 steps, AdamW + K-FAC 520, Muon 0.02 500 and
     # Muon + K-FAC at 0.02 420.  Muon's lr is 0.01: 460 steps on each of seeds
-    # 0-2 (seed 0: 0.04 behind 0.02 at every reading from step 200).  Muon
+    # 0-2 (seed 0: 0.04 behind 0.02 at every reading from step 200, 0.005 took
+    # 500), and Muon + K-FAC at 0.01 380 (1.00x Muon's time).  Muon
     # keeps AdamW's warm-up here, unlike text-lm and text-cnn: without it (seed
     # 0) lr 0.02 took 520 steps against 500, and 0.04 was behind from step 160.
     # SOAP 3e-3 (text-lm's lr scaled as AdamW's) took 460 steps on seed 0, unswept.
