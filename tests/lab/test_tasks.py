@@ -252,6 +252,16 @@ def test_text_lm_large_is_text_lm_wider_deeper_and_scored_on_a_fixed_slice() -> 
     assert 3_000_000 < sum(p.numel() for p in model.parameters()) < 3_500_000
 
 
+def test_text_lm_large_muon_takes_its_measured_lr_with_adamws_warm_up() -> None:
+    """Muon's arm on text-lm-large is the measured one (docs/results.md, "text-lm-large:
+    three seeds"): lr 0.01 with AdamW's quarter epoch of warm-up, unlike text-lm and
+    text-cnn where Muon runs without one; the K-FAC arms keep the task's no warm-up."""
+    d = get_task("text-lm-large").defaults
+    assert d.arm(False, "muon") == (0.01, "cosine", 0.25)
+    assert d.arm(False, "adamw") == (0.001, "cosine", 0.25)
+    assert d.arm(True, "muon") == (0.01, "cosine", 0.0)
+
+
 @pytest.mark.parametrize("kfac", [False, True])
 def test_text_lm_large_loss_falls_in_a_few_steps(kfac: bool) -> None:
     """A few steps of the task's AdamW (with and without K-FAC at the task's
