@@ -160,6 +160,12 @@ class InPlaceGradients(Protocol):
         layers :meth:`rescalable` allowed)."""
         ...
 
+    def write_many(self, adapters: Sequence[LayerAdapter], matrices: Sequence[Tensor]) -> None:
+        """:meth:`Engine.write` of several layers at once, as one foreach copy
+        (only layers :meth:`rescalable` allowed): on an accelerator one
+        launch per chunk of tensors, not two per layer."""
+        ...
+
     def read_into(self, adapter: LayerAdapter, work: Workspace | None) -> Tensor | None:
         """:meth:`Engine.read`, copying where a copy is needed into ``work``'s
         gradient buffer (only for layers :meth:`rescalable` allowed)."""

@@ -111,6 +111,22 @@ class TorchEngine(Engine, InPlaceGradients):
             full[rows] = value
             self.access.write(param, full)
 
+    def write_many(self, adapters: Sequence[LayerAdapter], matrices: Sequence[Tensor]) -> None:
+        targets: list[Tensor] = []
+        values: list[Tensor] = []
+        for adapter, matrix in zip(adapters, matrices, strict=True):
+            weight, bias = adapter.matrix_to_grads(matrix)
+            for param, value in zip(adapter.parameters(), (weight, bias)):
+                if value is None:
+                    continue
+                if param.grad is None:
+                    param.grad = value.detach().clone()
+                else:
+                    targets.append(param.grad)
+                    values.append(value)
+        if targets:
+            torch._foreach_copy_(targets, values)
+
     def rescalable(self, adapters: Sequence[LayerAdapter]) -> list[bool]:
         if not isinstance(self.access, ParamGradAccess):
             return [False] * len(adapters)

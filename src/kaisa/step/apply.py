@@ -133,6 +133,15 @@ class GradientApplication:
         nu = self._nu(counted, layers, clip)
         if self.diagnostics is not None:
             self.diagnostics.record_kl_scale(nu)
+        if self._in_place is not None:
+            # held layers that own their parameters: written at once (one
+            # foreach copy) and scaled by ν with the others (one foreach product)
+            writable = [la for la in held if la.name in self._own]
+            self._in_place.write_many(
+                [la.adapter for la in writable], [results[la.name][0] for la in writable]
+            )
+            own = own + writable
+            held = [la for la in held if la.name not in self._own]
         if nu is not None and own:
             assert self._in_place is not None  # own layers are rescalable ones
             self._in_place.rescale([la.adapter for la in own], nu)
@@ -180,15 +189,32 @@ class GradientApplication:
     ) -> dict[str, tuple[Tensor, Tensor]]:
         results: dict[str, tuple[Tensor, Tensor]] = {}
         for group in groups:
-            grads = []
             for layer in group:
                 self._fill_missing(layer, self.plan.layer(layer.name), damping)
-                grad = self.engine.read(layer.adapter)
-                assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
-                grads.append(grad)
-            for layer, result in zip(group, self.groups.apply(group, grads, damping), strict=True):
+            stacked = self._read_stacked(group)
+            for layer, result in zip(
+                group, self.groups.apply(group, stacked, damping), strict=True
+            ):
                 results[layer.name] = result
         return results
+
+    def _read_stacked(self, group: list[KFACLayer]) -> Tensor:
+        """The group's gradient matrices stacked ``[L, g, a]``: where they are
+        the layers' own ``.grad`` (:meth:`InPlaceGradients.grad_blocks`), the
+        weights' and the biases' each stacked at once and joined (three
+        copies per group, not one per layer); else read layer by layer."""
+        if self._in_place is not None and all(la.name in self._own for la in group):
+            found = [self._in_place.grad_blocks(la.adapter) for la in group]
+            blocks = [b for b in found if b is not None]
+            if len(blocks) == len(group) and len({len(b) for b in blocks}) == 1:
+                parts = [torch.stack([b[j] for b in blocks]) for j in range(len(blocks[0]))]
+                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        grads = []
+        for layer in group:
+            grad = self.engine.read(layer.adapter)
+            assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
+            grads.append(grad)
+        return torch.stack(grads)
 
     def _write_each(
         self, layers: list[KFACLayer], work: Workspace, damping: float

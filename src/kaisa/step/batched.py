@@ -96,11 +96,11 @@ class ShapeGroups:
         )
 
     def apply(
-        self, group: list[KFACLayer], grads: Sequence[Tensor], damping: float
+        self, group: list[KFACLayer], stacked: Tensor, damping: float
     ) -> list[tuple[Tensor, Tensor]]:
-        """``(V, ⟨V, ∇⟩)`` of each layer of ``group``: one stacked apply, one
-        inner product (each ``V`` and term a view of the group's result)."""
-        stacked = torch.stack(list(grads))
+        """``(V, ⟨V, ∇⟩)`` of each layer of ``group`` from their gradients
+        stacked ``[L, ...]``: one stacked apply, one inner product (each ``V``
+        and term a view of the group's result)."""
         v = self.method.apply(group[0].factors, self._operands(group), stacked, damping)
         dots = torch.linalg.vecdot(
             v.reshape(len(group), -1), stacked.reshape(len(group), -1).to(v.dtype)

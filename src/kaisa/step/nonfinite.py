@@ -31,12 +31,16 @@ from torch import Tensor
 __all__ = ["NonFiniteSteps", "finite_verdict", "gradients_finite"]
 
 
-def _norms(grads: Sequence[Tensor]) -> list[Tensor]:
+def _groups(grads: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
+    return groups
+
+
+def _norms(grads: Sequence[Tensor]) -> list[Tensor]:
     norms: list[Tensor] = []
-    for group in groups.values():
+    for group in _groups(grads).values():
         norms.extend(torch._foreach_norm(group, 2.0))
     return norms
 
@@ -69,14 +73,12 @@ def finite_verdict(grads: Sequence[Tensor]) -> Tensor | None:
     grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return None
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
+    # one fused norm per device and dtype, reduced there: the conversions are
+    # per group, not per tensor (a launch each on an accelerator)
     largest = [
-        n.to(device, torch.float32)
-        for group in groups.values()
-        for n in torch._foreach_norm(group, math.inf)
+        torch.stack(torch._foreach_norm(group, math.inf)).amax().to(device, torch.float32)
+        for group in _groups(grads).values()
     ]
     return torch.isfinite(torch.stack(largest).amax())
 

@@ -104,10 +104,48 @@ def test_large_operands_are_not_stacked(monkeypatch: pytest.MonkeyPatch) -> None
     assert not precond._parts.pipeline.application.groups.split(layers)
 
 
-def _products(blocks: int) -> int:
-    """Matrix products run by one non-factor K-FAC step of ``tower(blocks)``."""
+#: operators that only make views or metadata (no kernel on an accelerator)
+VIEWS = {
+    "aten::" + name
+    for name in [
+        "as_strided",
+        "reshape",
+        "view",
+        "unsqueeze",
+        "squeeze",
+        "select",
+        "slice",
+        "_reshape_alias",
+        "expand",
+        "transpose",
+        "t",
+        "detach",
+        "alias",
+        "resolve_conj",
+        "resolve_neg",
+        "to",
+        "empty",
+        "empty_strided",
+        "permute",
+        "diagonal",
+        "unbind",
+        "split",
+        "chunk",
+        "_unsafe_view",
+        "view_as",
+        "lift_fresh",
+        "detach_",
+    ]
+}
+
+
+def _ops(blocks: int, read_scalars: bool | None = None) -> tuple[Counter[str], Counter[str]]:
+    """Every operator, and the top-level ones that launch kernels (a foreach
+    operator counts once, as it is one multi-tensor launch on a GPU), of one
+    non-factor K-FAC step of ``tower(blocks)``."""
     model = tower(blocks)
-    precond = run(model, 2, True)  # the next step (2) is not a factor step at 2/4
+    precond = run(model, 3, True)  # the next step (3) is not a factor step at 2/4
+    precond._parts.pipeline.application.read_scalars = read_scalars
     precond.factor_update_steps = 2
     precond.inv_update_steps = 4
     model.zero_grad()
@@ -115,9 +153,27 @@ def _products(blocks: int) -> int:
     F.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         precond.step()
-    ops = Counter(e.name for e in prof.events())
-    return sum(n for name, n in ops.items() if name in ("aten::mm", "aten::bmm", "aten::matmul"))
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = Counter(
+        e.name
+        for e in events
+        if e.name not in VIEWS
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+    return Counter(e.name for e in events), top
 
 
 def test_products_grow_with_shapes_not_layers() -> None:
-    assert _products(8) == _products(2)
+    def products(blocks: int) -> int:
+        ops = _ops(blocks)[0]
+        return sum(ops[name] for name in ("aten::mm", "aten::bmm", "aten::matmul"))
+
+    assert products(8) == products(2)
+
+
+def test_launches_grow_with_shapes_not_layers() -> None:
+    """Under an accelerator's rule (no host reads) a non-factor step launches
+    as many kernels for 8 identical blocks as for 2: gradients read stacked,
+    one product per factor per group, ν and the writes as foreach operators."""
+    few, many = _ops(2, read_scalars=False)[1], _ops(8, read_scalars=False)[1]
+    assert many == few, (many - few) + (few - many)
