@@ -40,6 +40,31 @@ from kaisa import KFACPreconditioner
 from kaisa.step.batched import ShapeGroups
 
 PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul")
+#: operators that make views or allocate (no kernel on an accelerator)
+NO_KERNEL = frozenset(
+    "aten::" + name
+    for name in [
+        *("as_strided", "reshape", "view", "unsqueeze", "squeeze", "select", "slice"),
+        *("_reshape_alias", "expand", "transpose", "t", "detach", "alias", "resolve_conj"),
+        *("resolve_neg", "to", "empty", "empty_strided", "permute", "diagonal", "unbind"),
+        *("split", "chunk", "_unsafe_view", "view_as", "lift_fresh", "detach_"),
+    ]
+)
+
+
+def kernel_launches(events: Any) -> int:
+    """Top-level operators that run a kernel: a foreach operator counts once
+    (one multi-tensor launch on a GPU; its per-tensor children on CPU are not
+    counted), views and allocations not at all."""
+    return sum(
+        1
+        for e in events
+        if e.name.startswith("aten::")
+        and e.name not in NO_KERNEL
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+
+
 ARMS = ("first-order", "kaisa stacked", "kaisa per layer")
 
 
@@ -94,6 +119,7 @@ class Arm:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     self.precond.step()
                 ops = Counter(e.name for e in prof.events())
+                ops["launches"] = kernel_launches(prof.events())
             else:
                 self.precond.step()
         self.opt.step()
@@ -114,7 +140,7 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
             arm.step()
         ops = arm.step(profiled=True)  # a non-factor step
         counts[arm.name] = {
-            "operators": sum(ops.values()),
+            "operators": sum(n for name, n in ops.items() if name != "launches"),
             "products": sum(ops[p] for p in PRODUCTS),
             "host_reads": ops["aten::_local_scalar_dense"],
         }
@@ -124,8 +150,9 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
                 arm.step()
             application = pipeline.application
             application.read_scalars = False
-            reads = arm.step(profiled=True)["aten::_local_scalar_dense"]
-            counts[arm.name]["host_reads_kept_on_device"] = reads
+            kept = arm.step(profiled=True)
+            counts[arm.name]["host_reads_kept_on_device"] = kept["aten::_local_scalar_dense"]
+            counts[arm.name]["launches_kept_on_device"] = kept["launches"]
             application.read_scalars = None
     for _ in range(args.rounds):
         for arm in arms:
@@ -138,9 +165,10 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | layers | step() operators: stacked / per layer | products "
+        "| kernel launches, accelerator rule: stacked / per layer "
         "| host reads (CPU rule / accelerator rule) "
         "| first-order ms | kaisa stacked ms | kaisa per layer ms | stacked / first-order |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s, p, ms = (
@@ -151,6 +179,7 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['model']} | {r['layers']} | {s['operators']} / {p['operators']} | "
             f"{s['products']} / {p['products']} | "
+            f"{s['launches_kept_on_device']} / {p['launches_kept_on_device']} | "
             f"{s['host_reads']} / {s['host_reads_kept_on_device']} | "
             f"{ms['first-order']:.1f} | {ms['kaisa stacked']:.1f} | {ms['kaisa per layer']:.1f} | "
             f"{ms['kaisa stacked'] / ms['first-order']:.2f} |"
