@@ -187,34 +187,11 @@ class GradientApplication:
     def _precondition_stacked(
         self, groups: list[list[KFACLayer]], damping: float
     ) -> dict[str, tuple[Tensor, Tensor]]:
-        results: dict[str, tuple[Tensor, Tensor]] = {}
         for group in groups:
             for layer in group:
                 self._fill_missing(layer, self.plan.layer(layer.name), damping)
-            stacked = self._read_stacked(group)
-            for layer, result in zip(
-                group, self.groups.apply(group, stacked, damping), strict=True
-            ):
-                results[layer.name] = result
-        return results
-
-    def _read_stacked(self, group: list[KFACLayer]) -> Tensor:
-        """The group's gradient matrices stacked ``[L, g, a]``: where they are
-        the layers' own ``.grad`` (:meth:`InPlaceGradients.grad_blocks`), the
-        weights' and the biases' each stacked at once and joined (three
-        copies per group, not one per layer); else read layer by layer."""
-        if self._in_place is not None and all(la.name in self._own for la in group):
-            found = [self._in_place.grad_blocks(la.adapter) for la in group]
-            blocks = [b for b in found if b is not None]
-            if len(blocks) == len(group) and len({len(b) for b in blocks}) == 1:
-                parts = [torch.stack([b[j] for b in blocks]) for j in range(len(blocks[0]))]
-                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        grads = []
-        for layer in group:
-            grad = self.engine.read(layer.adapter)
-            assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
-            grads.append(grad)
-        return torch.stack(grads)
+        own = self._own if self._in_place is not None else frozenset()
+        return self.groups.precondition(groups, self.engine, self._in_place, own, damping)
 
     def _write_each(
         self, layers: list[KFACLayer], work: Workspace, damping: float

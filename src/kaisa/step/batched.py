@@ -28,9 +28,10 @@ from torch import Tensor
 
 from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorKind
+from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.methods.base import CurvatureMethod
 
-__all__ = ["MAX_OPERAND_NUMEL", "ShapeGroups"]
+__all__ = ["MAX_OPERAND_NUMEL", "ShapeGroups", "read_stacked"]
 
 #: the largest operand (eigenbasis, inverse, divisor) a stacked layer may hold
 MAX_OPERAND_NUMEL = 1 << 18
@@ -107,6 +108,24 @@ class ShapeGroups:
         )
         return list(zip(v.unbind(0), dots.unbind(0), strict=True))
 
+    def precondition(
+        self,
+        groups: list[list[KFACLayer]],
+        engine: Engine,
+        in_place: InPlaceGradients | None,
+        own: frozenset[str],
+        damping: float,
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``(V, ⟨V, ∇⟩)`` by layer name for every group (their operands ready)."""
+        results: dict[str, tuple[Tensor, Tensor]] = {}
+        for group in groups:
+            stacked = read_stacked(
+                group, engine, in_place if all(la.name in own for la in group) else None
+            )
+            for layer, result in zip(group, self.apply(group, stacked, damping), strict=True):
+                results[layer.name] = result
+        return results
+
     def _operands(self, group: list[KFACLayer]) -> Mapping[str, Tensor]:
         """The group's operands stacked, restacked only when a layer's
         changed (a new decomposition: new tensors, or written in place)."""
@@ -126,3 +145,25 @@ class ShapeGroups:
         return sum(
             t.numel() * t.element_size() for s in self._stacks.values() for t in s.state.values()
         )
+
+
+def read_stacked(
+    group: list[KFACLayer], engine: Engine, in_place: InPlaceGradients | None
+) -> Tensor:
+    """The group's gradient matrices stacked ``[L, g, a]``: where they are the
+    layers' own ``.grad`` (``in_place``, for layers that own their
+    parameters: :meth:`InPlaceGradients.grad_blocks`), the weights' and the
+    biases' each stacked at once and joined (three copies per group, not one
+    per layer); else read layer by layer."""
+    if in_place is not None:
+        found = [in_place.grad_blocks(la.adapter) for la in group]
+        blocks = [b for b in found if b is not None]
+        if len(blocks) == len(group) and len({len(b) for b in blocks}) == 1:
+            parts = [torch.stack([b[j] for b in blocks]) for j in range(len(blocks[0]))]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    grads = []
+    for layer in group:
+        grad = engine.read(layer.adapter)
+        assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
+        grads.append(grad)
+    return torch.stack(grads)
