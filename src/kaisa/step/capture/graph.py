@@ -108,9 +108,8 @@ class GraphCapture:
     """The compiled-region path of :class:`~kaisa.step.capture.calls.Capture`.
 
     Args:
-        layers: the registered layers (sinks are made on first use: before
-            the first trace, since a forward hook asks for them eagerly
-            through :meth:`prepare`).
+        layers: the registered layers (their sinks are made here, on each
+            layer's device, and again by :meth:`follow` when it moves).
         loss_average: what the loss was averaged over.
         loss_divisor: what each micro-batch's loss was divided by.
         method: the curvature method (its joint statistics, if any).
