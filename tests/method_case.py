@@ -60,3 +60,29 @@ def train_steps(
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_runs_equal(
+    ranks: list[list[dict[str, Any]]],
+    references: list[dict[str, Any]],
+    configs: list[Any],
+    state: str,
+    tol: float = 1e-10,
+) -> None:
+    """Every rank's run of every config equals the one-process run: the
+    gradients at each step, the parameters, and the method's state tensors
+    kept under ``state`` (``{layer: tensor}`` or ``{layer: {key: tensor}}``)."""
+    for rank, results in enumerate(ranks):
+        for config, got, ref in zip(configs, results, references, strict=True):
+            what = f"rank {rank} {config}"
+            for step, (gs, rs) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+                for a, b in zip(gs, rs, strict=True):
+                    assert rel(a, b) <= tol, f"{what}: step {step} rel err {rel(a, b):.2e}"
+            for a, b in zip(got["params"], ref["params"], strict=True):
+                assert rel(a, b) <= tol, what
+            for name, held in ref[state].items():
+                pairs = held.items() if isinstance(held, dict) else [("", held)]
+                for key, value in pairs:
+                    mine = got[state][name][key] if key else got[state][name]
+                    err = rel(mine, value)
+                    assert err <= tol, f"{what}: {name}.{key or state} rel err {err:.2e}"

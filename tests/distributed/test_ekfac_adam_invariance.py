@@ -23,7 +23,7 @@ from kaisa import KFACPreconditioner
 from kaisa.methods.ekfac_adam import EKFACAdamMethod
 
 from harness import run_distributed
-from method_case import make_model, rel, train_steps
+from method_case import assert_runs_equal, make_model, train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -70,17 +70,6 @@ def run(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_every_strategy_equals_one_process() -> None:
     references = [train(0, 1, c) for c in CONFIGS]
     ranks = run_distributed(2, run)
-    for rank, results in enumerate(ranks):
-        for config, got, ref in zip(CONFIGS, results, references):
-            what = f"rank {rank} {config}"
-            for step, (gs, rs) in enumerate(zip(got["grads"], ref["grads"])):
-                for a, b in zip(gs, rs):
-                    assert rel(a, b) <= 1e-10, f"{what}: step {step} rel err {rel(a, b):.2e}"
-            for a, b in zip(got["params"], ref["params"]):
-                assert rel(a, b) <= 1e-10, what
-            for name, moments in ref["moments"].items():
-                for key, value in moments.items():
-                    err = rel(got["moments"][name][key], value)
-                    assert err <= 1e-10, f"{what}: {name}.{key} rel err {err:.2e}"
+    assert_runs_equal(ranks, references, CONFIGS, "moments")
     assert [r["fraction"] for r in ranks[0]] == [1.0, 1.0, 0.5]
     assert all(float(m["adam_t"]) == STEPS for m in references[0]["moments"].values())
