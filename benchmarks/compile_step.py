@@ -1,7 +1,8 @@
 """kaisa under ``torch.compile``: graphs, graph breaks and step time (issue 24).
 
 Per model — a small CNN, a 2-block Transformer LM with plain ``nn.Linear``
-projections, and a 12-block Transformer of identical blocks — it reports:
+projections, a 12-block Transformer of identical blocks, and the 2-block LM
+built from ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``) — it reports:
 
 * **graphs**: how many compiled graphs one forward runs and how many dynamo
   compiled in all, and the graph breaks it recorded, without kaisa and with
@@ -83,6 +84,35 @@ class LM(nn.Module):
         return self.head(self.norm(x))
 
 
+class EncoderLM(LM):
+    """The LM with ``nn.TransformerEncoderLayer`` blocks (``nn.MultiheadAttention``)."""
+
+    def __init__(self, vocab: int, width: int, heads: int, blocks: int, context: int) -> None:
+        super().__init__(vocab, width, heads, 0, context)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                width,
+                heads,
+                4 * width,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(blocks)
+        )
+        self.register_buffer(
+            "causal", torch.ones(context, context).triu(1).bool(), persistent=False
+        )
+
+    def forward(self, ids: Tensor) -> Tensor:
+        t = ids.shape[1]
+        x = self.embed(ids) + self.position[:t]
+        for block in self.blocks:
+            x = block(x, src_mask=self.causal[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
 Case = tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple[Tensor, Tensor]]]
 
 
@@ -100,6 +130,7 @@ def cases(batch: int) -> dict[str, Case]:
         "cnn": (cnn, images),
         "lm-2x128": (lambda: LM(96, 128, 4, 2, 64), text),
         "lm-12x64": (lambda: LM(96, 64, 4, 12, 64), text),
+        "mha-2x128": (lambda: EncoderLM(96, 128, 4, 2, 64), text),
     }
 
 
@@ -143,7 +174,8 @@ class Arm:
 
 
 def graph_counts(case: Case, kfac: dict[str, Any] | None) -> dict[str, int]:
-    """Graphs run per forward (factor and non-factor step), compiled, and breaks."""
+    """Graphs run per forward (factor and non-factor step), compiled, breaks,
+    and how many of kaisa's layers the compiled steps captured."""
     torch._dynamo.reset()
     counters.clear()
     compiled: list[int] = []
@@ -183,6 +215,9 @@ def graph_counts(case: Case, kfac: dict[str, Any] | None) -> dict[str, int]:
         "graphs_other_step": per_step[1],
         "compiled": len(compiled),
         "breaks": breaks,
+        # registered layers whose statistics the compiled steps captured
+        "captured": 0 if precond is None else sum(la.captured for la in precond.layers.values()),
+        "layers": 0 if precond is None else len(precond.layers),
     }
 
 
@@ -224,15 +259,16 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | graphs/forward plain | with kaisa (factor / other step) | breaks plain / kaisa "
-        "| eager ms | eager+kaisa | compiled | compiled+kaisa | compiled/eager "
+        "| layers captured | eager ms | eager+kaisa | compiled | compiled+kaisa | compiled/eager "
         "| compiled+kaisa / eager+kaisa |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p, k, ms = r["graphs"]["plain"], r["graphs"]["kaisa"], r["ms_per_step"]
         lines.append(
             f"| {r['model']} | {p['graphs_factor_step']} | {k['graphs_factor_step']} / "
-            f"{k['graphs_other_step']} | {p['breaks']} / {k['breaks']} | {ms['eager']:.1f} | "
+            f"{k['graphs_other_step']} | {p['breaks']} / {k['breaks']} | "
+            f"{k['captured']} / {k['layers']} | {ms['eager']:.1f} | "
             f"{ms['eager+kaisa']:.1f} | {ms['compiled']:.1f} | {ms['compiled+kaisa']:.1f} | "
             f"{r['compiled_over_eager']:.2f} | {r['compiled_kaisa_over_eager_kaisa']:.2f} |"
         )

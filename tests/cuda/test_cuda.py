@@ -188,16 +188,19 @@ def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
 
 
 class Tower(nn.Module):
-    """Four identical blocks (stacked by kaisa.step.batched) and a head."""
+    """An attention (kaisa's own under compile), four identical blocks
+    (stacked by kaisa.step.batched) and a head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(10, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
         self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
         self.head = nn.Linear(16, 5)
 
     def forward(self, tok: torch.Tensor) -> torch.Tensor:
         h = self.emb(tok)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
         for block in self.blocks:
             h = torch.tanh(block(h))
         return self.head(h.mean(1))

@@ -296,8 +296,7 @@ class GradientApplication:
                     self._warn_once(
                         layer.name,
                         f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
-                        "captured statistics (is it called functionally, an "
-                        "nn.MultiheadAttention inside torch.compile, or was the model "
+                        "captured statistics (is it called functionally, or was the model "
                         "compiled and run before KFACPreconditioner was built? dynamo does "
                         "not see hooks added after its first compile); its gradient is "
                         "left unchanged",

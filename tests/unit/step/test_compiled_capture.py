@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
+from compiled_case import Counting, assert_close, loss_of
 from kaisa import KFACPreconditioner
 
 KW: dict[str, Any] = dict(factor_update_steps=2, inv_update_steps=4, damping=0.1, lr=0.1)
@@ -39,25 +39,6 @@ def fresh_dynamo() -> None:
     (``Sequential.forward``), whose recompilations across tests would reach
     dynamo's limit and fall back to eager."""
     torch._dynamo.reset()
-
-
-class Counting:
-    """A dynamo backend that counts the graphs it compiles and each run of one."""
-
-    def __init__(self, inner: str = "aot_eager") -> None:
-        self.inner = inner
-        self.compiled = 0
-        self.runs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
-        self.compiled += 1
-        fn = lookup_backend(self.inner)(gm, example)
-
-        def run(*args: Any) -> Any:
-            self.runs += 1
-            return fn(*args)
-
-        return run
 
 
 class LM(nn.Module):
@@ -118,11 +99,6 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Ten
 }
 
 
-def loss_of(out: Tensor) -> Tensor:
-    """A mean-reduced loss over the data points (and positions)."""
-    return out.logsumexp(-1).mean() - out[..., 0].mean()
-
-
 def train(
     model: nn.Module,
     forward: Callable[[Tensor], Tensor],
@@ -144,20 +120,6 @@ def train(
         precond.step()
         opt.step()
     return precond
-
-
-def assert_close(a: KFACPreconditioner, b: KFACPreconditioner, tol: float = 1e-5) -> None:
-    for name, la in a.layers.items():
-        lb = b.layers[name]
-        assert la.captured and lb.captured, name
-        for i, (x, y) in enumerate(zip(la.running, lb.running, strict=True)):
-            assert x is not None and y is not None
-            err = float((x - y).norm() / y.norm())
-            assert err <= tol, f"{name} factor {i}: {err:.2e}"
-    pa = [p for la in a.layers.values() for p in la.adapter.parameters()]
-    pb = [p for lb in b.layers.values() for p in lb.adapter.parameters()]
-    for x, y in zip(pa, pb, strict=True):
-        assert float((x - y).detach().norm() / y.detach().norm()) <= tol
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

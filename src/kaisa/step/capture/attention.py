@@ -17,6 +17,11 @@ Inside ``F.multi_head_attention_forward`` the projections see sequence-first
 tensors ``[S, N, d]`` (batch-first inputs are transposed before, unbatched
 ones unsqueezed), and the output projection's input is ``[L·N, E]`` in
 ``(L, N)`` order; both become ``[N, S, d]`` here.
+
+Inside ``torch.compile`` nothing is run to be watched (dynamo keeps that
+function as one node of the graph); the forward hook returns the output of
+kaisa's own attention instead, whose projections the graph captures
+(:mod:`kaisa.step.capture.attention_graph`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from torch.utils.hooks import RemovableHandle
 
 from kaisa.core.layer_state import KFACLayer
 from kaisa.layers.attention import ProjectionAdapter
+from kaisa.step.capture.attention_graph import attention_forward, forward_arguments
+from kaisa.step.capture.graph import GraphCapture, Parts, accepts_compiled
 from kaisa.step.capture.hooks import TermMemo, _Hook
 
 __all__ = ["Capture", "capture_functional"]
@@ -39,6 +46,9 @@ __all__ = ["Capture", "capture_functional"]
 class Capture(Protocol):
     """What the attention capture asks of :class:`kaisa.step.capture.calls.Capture`
     (a protocol, so that the two modules do not import each other)."""
+
+    enabled: bool
+    graph: GraphCapture
 
     def wants(self, module: nn.Module) -> bool: ...
 
@@ -99,9 +109,7 @@ class _AttentionCapture:
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.capture.wants(module) or torch.compiler.is_compiling():
-            # inside torch.compile the attention is traced, not run: its
-            # projections go uncaptured (step() says so) rather than break it
-            return
+            return  # compiled: the forward hook captures (self._compiled)
         query = args[0] if args else kwargs.get("query")
         if not isinstance(query, Tensor):
             return
@@ -114,8 +122,34 @@ class _AttentionCapture:
         self.routes = self._routes()
         _push(self)
 
-    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+    def exit(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
         _pop(self)
+        if torch.compiler.is_compiling():
+            return self._compiled(args, kwargs, output)
+        return None
+
+    def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        """Inside a compiled region: the output of kaisa's own forward, whose
+        projections the graph captures (:mod:`kaisa.step.capture.attention_graph`);
+        the module's result becomes dead code the compiler removes."""
+        if not isinstance(output, tuple) or not isinstance(output[0], Tensor):
+            return None
+        layers = {
+            role: layer
+            for role, layer in self.layers.items()
+            if accepts_compiled(layer, self.attention, output[0], self.capture.enabled)
+        }
+        if not layers:
+            return None
+        graph = self.capture.graph
+
+        def project(parts: Parts, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            out = F.linear(x, weight, bias)
+            return graph.wrap_parts(parts, x, out) if parts else out
+
+        return attention_forward(self.attention, layers, project, forward_arguments(args, kwargs))
 
     def _routes(self) -> dict[tuple[int, tuple[int, ...]], tuple[str, list[Route]]]:
         mha, e = self.attention, self.attention.embed_dim
@@ -189,6 +223,8 @@ def capture_functional(capture: Capture, layers: list[KFACLayer]) -> list[Remova
             attention.register_forward_pre_hook(_Hook(active.enter, attention), with_kwargs=True)
         )
         handles.append(
-            attention.register_forward_hook(_Hook(active.exit, attention), always_call=True)
+            attention.register_forward_hook(
+                _Hook(active.exit, attention), with_kwargs=True, always_call=True
+            )
         )
     return handles

@@ -60,6 +60,7 @@ from kaisa.step.capture.hooks import (
     _Hook,
     _in_backward,
     _updates_gradients,
+    input_term_key,
 )
 
 __all__ = ["Capture"]
@@ -83,17 +84,7 @@ def _input_terms(
             continue
         assert stat.factor is not None  # an input statistic estimates a factor
         spec = layer.factors[stat.factor]
-        key = (
-            type(adapter),
-            spec.name,
-            spec.kind,
-            spec.dim,
-            spec.blocks,
-            adapter.has_bias,
-            adapter.reduce,
-            adapter.factor_compute_dtype,
-            layer.factor_dtype,
-        )
+        key = input_term_key(layer, spec)
         found = None if memo is None else memo.get(key)
         if found is not None:
             out.append((i, found[0].clone(), found[1]))

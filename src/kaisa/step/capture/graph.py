@@ -44,6 +44,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource, StatisticSpec
 from kaisa.core.statistics import grad_multiplier
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.capture.hooks import TermMemo, input_term_key
 
 __all__ = ["GraphCapture", "accepts_compiled", "joint_term"]
 
@@ -80,28 +81,39 @@ class _Sinks:
         self.passes = 0
 
 
+#: the layers one call feeds: each with the columns of the output that are its own
+#: (a packed projection: q, k and v of one ``F.linear``), or None for all of them
+Parts = list[tuple[KFACLayer, slice | None]]
+
+
 class _Statistics(torch.autograd.Function):
     """Identity on a call's output whose backward returns the call's terms
-    as the gradients of the layer's sinks (see the module docstring)."""
+    as the gradients of its layers' sinks (see the module docstring)."""
 
     @staticmethod
     def forward(
-        out: Tensor, x: Tensor, owner: GraphCapture, layer: KFACLayer, *sinks: Tensor
+        out: Tensor, x: Tensor, owner: GraphCapture, parts: Parts, *sinks: Tensor
     ) -> Tensor:
         return out.clone()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _, x, owner, layer, *_ = inputs
+        _, x, owner, parts, *_ = inputs
         ctx.save_for_backward(x)
         ctx.owner = owner
-        ctx.layer = layer
+        ctx.parts = parts
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        terms, count = ctx.owner.terms(ctx.layer, x, grad)
-        return (grad, None, None, None, *terms, count)
+        grads: list[Tensor] = []
+        memo: TermMemo = {}  # the parts share x's input terms
+        for layer, columns in ctx.parts:
+            g = grad if columns is None else grad[..., columns]
+            terms, count = ctx.owner.terms(layer, x, g, memo)
+            grads.extend(terms)
+            grads.append(count)
+        return (grad, None, None, None, *grads)
 
 
 class GraphCapture:
@@ -153,14 +165,27 @@ class GraphCapture:
     def wrap(self, layer: KFACLayer, x: Tensor, out: Tensor) -> Tensor:
         """The output to hand on: ``out`` through :class:`_Statistics` (as it
         is where the sinks are on another device: see :meth:`follow`)."""
-        sinks = self._sinks[layer.name]
-        if sinks.device != out.device:
+        return self.wrap_parts([(layer, None)], x, out)
+
+    def wrap_parts(self, parts: Parts, x: Tensor, out: Tensor) -> Tensor:
+        """:meth:`wrap` for one call that feeds several layers, each through
+        its own columns of ``out`` (their input terms are formed once)."""
+        parts = [(la, cols) for la, cols in parts if self._sinks[la.name].device == out.device]
+        if not parts:
             return out
-        return _Statistics.apply(out, x.detach(), self, layer, *sinks.leaves())
+        sinks = [leaf for la, _ in parts for leaf in self._sinks[la.name].leaves()]
+        return _Statistics.apply(out, x.detach(), self, parts, *sinks)
 
     # -- in the backward graph -------------------------------------------------
-    def terms(self, layer: KFACLayer, x: Tensor, g: Tensor) -> tuple[list[Tensor], Tensor]:
-        """The call's term for every sink and its counts (traced: no host reads)."""
+    def terms(
+        self,
+        layer: KFACLayer,
+        x: Tensor,
+        g: Tensor,
+        memo: TermMemo | None = None,
+    ) -> tuple[list[Tensor], Tensor]:
+        """The call's term for every sink and its counts (traced: no host
+        reads); ``memo`` shares input terms among layers fed by one call."""
         adapter = layer.adapter
         g = g.detach()
         batch = adapter.batch_size(x)
@@ -173,7 +198,14 @@ class GraphCapture:
         for stat in layer.statistics:
             if stat.source is FactorSource.INPUT:
                 assert stat.factor is not None
-                term, rows = adapter.factor_term(layer.factors[stat.factor], x, layer.factor_dtype)
+                spec = layer.factors[stat.factor]
+                key = input_term_key(layer, spec)
+                if memo is not None and key in memo:  # a copy: each sink owns its gradient
+                    term, rows = memo[key][0].clone(), memo[key][1]
+                else:
+                    term, rows = adapter.factor_term(spec, x, layer.factor_dtype)
+                    if memo is not None:
+                        memo[key] = (term, rows)
                 counts.append(rows)
             elif stat.source is FactorSource.OUTPUT_GRAD:
                 assert stat.factor is not None

@@ -17,7 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TermMemo"]
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorSpec
+
+__all__ = ["TermMemo", "input_term_key"]
 
 
 def _first_tensor(inputs: Any) -> Tensor | None:
@@ -106,5 +109,23 @@ class _Hook:
         return (_inert, ())
 
 
-#: terms of one input shared by several layers (see :func:`_input_terms`)
+#: terms of one input shared by several layers (see :func:`input_term_key`)
 TermMemo = dict[tuple[Any, ...], tuple[Tensor, float]]
+
+
+def input_term_key(layer: KFACLayer, spec: FactorSpec) -> tuple[Any, ...]:
+    """What makes two layers' input terms of one call the same tensor: the
+    q, k and v rows of a self-attention's packed projection read one input,
+    so their common input factor is formed once, not three times."""
+    adapter = layer.adapter
+    return (
+        type(adapter),
+        spec.name,
+        spec.kind,
+        spec.dim,
+        spec.blocks,
+        adapter.has_bias,
+        adapter.reduce,
+        adapter.factor_compute_dtype,
+        layer.factor_dtype,
+    )
