@@ -3,7 +3,8 @@
 Per model — the field notes' MLP (784-512-512-10), the CNN and the two
 Transformer LMs of ``compile_step.py`` (2 blocks of width 128; 12 identical
 blocks of width 64) — and per arm (first-order only; kaisa with layers of one
-shape stacked, :mod:`kaisa.step.batched`; kaisa one layer at a time):
+shape stacked, :mod:`kaisa.step.batched`; kaisa one layer at a time; kaisa
+stacked with ``precond.compile()``, the groups' kernel through inductor):
 
 * **operators** run by one non-factor ``precond.step()`` (profiler op
   counts: on an accelerator each is about one kernel launch), its matrix
@@ -65,7 +66,8 @@ def kernel_launches(events: Any) -> int:
     )
 
 
-ARMS = ("first-order", "kaisa stacked", "kaisa per layer")
+COMPILED = "kaisa stacked, compiled"
+ARMS = ("first-order", "kaisa stacked", "kaisa per layer", COMPILED)
 
 
 def mlp_case(batch: int) -> Case:
@@ -107,6 +109,8 @@ class Arm:
             if name == "kaisa per layer":
                 application = self.precond._parts.pipeline.application
                 application.groups = _Unstacked(application.method)
+            if name == COMPILED:
+                self.precond.compile()  # the groups' kernel through inductor
         self.times: list[float] = []
 
     def step(self, profiled: bool = False) -> Counter[str]:
@@ -133,7 +137,7 @@ class Arm:
 
 
 def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    arms = [Arm(a, case, args) for a in ARMS]
+    arms = [Arm(a, case, args) for a in ARMS if not (args.no_compiled and a == COMPILED)]
     counts: dict[str, dict[str, int]] = {}
     for arm in arms:
         for _ in range(args.factor_steps + 1):  # past the first factor step
@@ -167,8 +171,10 @@ def table(results: list[dict[str, Any]]) -> str:
         "| model | layers | step() operators: stacked / per layer | products "
         "| kernel launches, accelerator rule: stacked / per layer "
         "| host reads (CPU rule / accelerator rule) "
-        "| first-order ms | kaisa stacked ms | kaisa per layer ms | stacked / first-order |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| operators / launches compiled "
+        "| first-order ms | kaisa stacked ms | kaisa per layer ms | compiled ms "
+        "| stacked / first-order |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s, p, ms = (
@@ -176,12 +182,17 @@ def table(results: list[dict[str, Any]]) -> str:
             r["step_ops"]["kaisa per layer"],
             r["ms_per_step"],
         )
+        c = r["step_ops"].get(COMPILED)
+        compiled = "–" if c is None else f"{c['operators']} / {c['launches_kept_on_device']}"
+        compiled_ms = f"{ms[COMPILED]:.1f}" if COMPILED in ms else "–"
         lines.append(
             f"| {r['model']} | {r['layers']} | {s['operators']} / {p['operators']} | "
             f"{s['products']} / {p['products']} | "
             f"{s['launches_kept_on_device']} / {p['launches_kept_on_device']} | "
             f"{s['host_reads']} / {s['host_reads_kept_on_device']} | "
+            f"{compiled} | "
             f"{ms['first-order']:.1f} | {ms['kaisa stacked']:.1f} | {ms['kaisa per layer']:.1f} | "
+            f"{compiled_ms} | "
             f"{ms['kaisa stacked'] / ms['first-order']:.2f} |"
         )
     return "\n".join(lines)
@@ -198,9 +209,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for i, arm in enumerate(("kaisa stacked", "kaisa per layer")):
         shift = [x + (i - 0.5) * 0.35 for x in xs]
         left.bar(shift, [r["step_ops"][arm]["operators"] for r in results], 0.35, label=arm)
-    for i, arm in enumerate(ARMS):
-        shift = [x + (i - 1) * 0.27 for x in xs]
-        right.bar(shift, [r["ms_per_step"][arm] for r in results], 0.27, label=arm)
+    for i, arm in enumerate(a for a in ARMS if a in results[0]["ms_per_step"]):
+        shift = [x + (i - 1.5) * 0.2 for x in xs]
+        right.bar(shift, [r["ms_per_step"][arm] for r in results], 0.2, label=arm)
     for ax, label in ((left, "operators in one non-factor step()"), (right, "ms per step")):
         ax.set_xticks(list(xs), [r["model"] for r in results], rotation=15)
         ax.set_ylabel(label)
@@ -218,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--factor-steps", type=int, default=10)
     parser.add_argument("--inv-steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--no-compiled", action="store_true", help="leave out the compiled arm (no inductor build)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/step_launches"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -189,6 +189,19 @@ class KFACPreconditioner(KfacPytorchAttributes):
             raise RuntimeError("step() called after remove_hooks(); create a new preconditioner")
         self._parts.pipeline.step()
 
+    def compile(self, **options: Any) -> None:
+        """Compile the preconditioning of the stacked layers
+        (``torch.compile(**options)``, whole graph; like ``nn.Module.compile``).
+
+        Layers of one shape (a Transformer's blocks, COMM-OPT, the eigen and
+        inverse methods: :mod:`kaisa.step.batched`) are preconditioned by one
+        kernel per group; compiled, its products, division and KL terms are
+        one graph per group shape, compiled once (damping schedules included).
+        On CUDA, ``mode='reduce-overhead'`` replays them as CUDA graphs.  The
+        rest of ``step()`` runs as before: ``torch.compile(precond.step)``
+        also works, with graph breaks at every collective and decision."""
+        self._parts.pipeline.application.groups.compile(**options)
+
     # -- configuration and state views --------------------------------------------
     @property
     def config(self) -> KFACConfig:
@@ -359,10 +372,14 @@ class KFACPreconditioner(KfacPytorchAttributes):
     # -- reporting ------------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by this rank: factors, batch statistics, second-order
-        tensors, and on CPU the buffers the products reuse (``workspace``:
-        three times the largest gradient matrix, see :mod:`kaisa.core.workspace`)."""
-        workspace = self._parts.pipeline.application.workspace_bytes
-        return memory_usage(list(self.layers.values()), workspace)
+        tensors, on CPU the buffers the products reuse (``workspace``: three
+        times the largest gradient matrix, see :mod:`kaisa.core.workspace`),
+        and the stacked copies of the second-order tensors of layers
+        preconditioned together (``stacked``, :mod:`kaisa.step.batched`)."""
+        application = self._parts.pipeline.application
+        return memory_usage(
+            list(self.layers.values()), application.workspace_bytes, application.groups.nbytes()
+        )
 
     def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """Bytes and calls per collective kind: ``{'step': …, 'total': …}``."""

@@ -11,14 +11,17 @@ from kaisa.layers.registry import SkippedModule
 __all__ = ["describe", "log_registration", "memory_usage"]
 
 
-def memory_usage(layers: list[KFACLayer], workspace: int = 0) -> dict[str, int]:
+def memory_usage(layers: list[KFACLayer], workspace: int = 0, stacked: int = 0) -> dict[str, int]:
     """Bytes held by this rank: factors, batch statistics, second-order
-    tensors, and the reused product buffers (``workspace``, CPU only)."""
+    tensors, the reused product buffers (``workspace``, CPU only) and the
+    second-order tensors of layers preconditioned together, stacked
+    (``stacked``, :mod:`kaisa.step.batched`: a copy of theirs)."""
     total: dict[str, int] = {"factors": 0, "batch_statistics": 0, "second_order": 0}
     for layer in layers:
         for key, value in layer.memory().items():
             total[key] += value
     total["workspace"] = workspace
+    total["stacked"] = stacked
     total["total"] = sum(total.values())
     return total
 

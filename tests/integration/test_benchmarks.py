@@ -247,7 +247,7 @@ def test_step_launches_counts_fewer_products_when_stacked(tmp_path: Path) -> Non
     run_script(
         "step_launches.py",
         *("--models", "lm-12x64", "--batch", "2", "--rounds", "1", "--block", "1"),
-        *("--factor-steps", "2", "--out", str(tmp_path)),
+        *("--factor-steps", "2", "--no-compiled", "--out", str(tmp_path)),
         timeout=300,
     )
     (row,) = json.loads((tmp_path / "step_launches.json").read_text())["results"]

@@ -315,7 +315,8 @@ def test_memory_usage_counts_factors_and_second_order() -> None:
     # Q_A, Q_G and the eigenvalue outer product per layer
     assert mem["second_order"] == f * (7 * 7 + 8 * 8 + 8 * 7 + 9 * 9 + 3 * 3 + 3 * 9)
     assert mem["workspace"] == 0  # layers this small allocate (tests/unit/core/test_workspace.py)
-    parts = ("factors", "second_order", "batch_statistics", "workspace")
+    assert mem["stacked"] == 0  # no two layers of one shape
+    parts = ("factors", "second_order", "batch_statistics", "workspace", "stacked")
     assert mem["total"] == sum(mem[k] for k in parts)
 
 

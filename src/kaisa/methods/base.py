@@ -59,6 +59,8 @@ class IdentityMemo(Generic[_T]):
         self._seen: dict[tuple[int, bool], tuple[object, _T]] = {}
 
     def __call__(self, factors: Factors, flag: bool = False) -> _T:
+        if torch.compiler.is_compiling():  # traced once per compilation: built there
+            return self._build(factors, flag)
         found = self._seen.get((id(factors), flag))
         if found is None or found[0] is not factors:
             if len(self._seen) >= self.limit:

@@ -46,6 +46,7 @@ from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.planner.costs import CostModel
 from kaisa.step import apply as apply_phase
 from kaisa.step import reduce as reduce_phase
+from kaisa.step.batched import MAX_OPERAND_NUMEL
 
 __all__ = [
     "STAGES",
@@ -271,7 +272,7 @@ class _Tally:
             return {k: np.zeros(w) for k in keys}
 
         return cls(
-            memory=table("factors", "batch_statistics", "second_order", "workspace"),
+            memory=table("factors", "batch_statistics", "second_order", "workspace", "stacked"),
             factor_step=table("factor_reduce", "factor_counts", "statistic_allreduce"),
             inverse_step=table("second_order_broadcast", "allreduce"),
             every_step=table("grad_broadcast", "agree"),
@@ -388,6 +389,7 @@ def forecast(
     if plan.grad_workers < w:
         _add_grad_broadcast(t, plan, grad_bytes, len(layers), cost)
     else:
+        t.memory["stacked"][:] = _stacked_bytes(layers, plan, method, config)
         served = [la for la in layers if la.reuses_workspace]
         if served:
             largest = max(la.grad_shape[0] * la.grad_shape[1] for la in served)
@@ -434,6 +436,34 @@ def _add_group_collectives(
     t.secs["inverse_comm"] += cost.collective(int(allreduce), everyone, 1, True)
 
 
+def _stacked_bytes(
+    layers: Sequence[LayerCost], plan: WorkPlan, method: CurvatureMethod, config: KFACConfig
+) -> int:
+    """The stacked copies of the operands of layers preconditioned together
+    (every rank every layer's worker: :class:`kaisa.step.batched.ShapeGroups`,
+    whose grouping rule this mirrors: dense factors, the same operand and
+    gradient shapes and dtypes, operands of at most ``MAX_OPERAND_NUMEL``)."""
+    if not getattr(method, "stacks", False):
+        return 0
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for layer in layers:
+        if any(spec.kind is not FactorKind.DENSE for spec in layer.factors):
+            continue
+        held = method.held(layer.factors, plan.layer(layer.name).colocated)
+        if not held or any(h.numel > MAX_OPERAND_NUMEL for h in held):
+            continue
+        itemsize = _compute_itemsize(layer, config)
+        key = (
+            tuple((spec.dim, spec.axis) for spec in layer.factors),
+            tuple((h.key, h.shape) for h in held),
+            itemsize,
+            layer.grad_shape,
+            layer.grad_itemsize,
+        )
+        groups.setdefault(key, []).append(sum(h.numel for h in held) * itemsize)
+    return sum(sum(sizes) for sizes in groups.values() if len(sizes) > 1)
+
+
 def _compute_itemsize(layer: LayerCost, config: KFACConfig) -> int:
     """The dtype the products run in: ``precondition_dtype``, else ``inv_dtype``'s."""
     copy = config.precondition_dtype
@@ -444,6 +474,7 @@ def _finish(t: _Tally, plan: WorkPlan, config: KFACConfig, method: str, sym: boo
     """Total the memory, amortise the stages over their intervals, wrap up."""
     t.memory["total"] = t.memory["factors"] + t.memory["batch_statistics"]
     t.memory["total"] = t.memory["total"] + t.memory["second_order"] + t.memory["workspace"]
+    t.memory["total"] = t.memory["total"] + t.memory["stacked"]
     f, i = _interval(config.factor_update_steps), _interval(config.inv_update_steps)
     # every micro-batch of a factor step is captured; ``rows`` are one micro-batch's
     t.secs["capture"] *= config.accumulation_steps

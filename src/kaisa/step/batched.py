@@ -21,7 +21,8 @@ are bound by their products, not by launches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +33,9 @@ from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.methods.base import CurvatureMethod
 
 __all__ = ["MAX_OPERAND_NUMEL", "ShapeGroups", "read_stacked"]
+
+#: ``(method, factors, operands, stacked, damping) -> (V, ⟨V, ∇⟩ per layer)``
+Kernel = Callable[..., tuple[Tensor, Tensor]]
 
 #: the largest operand (eigenbasis, inverse, divisor) a stacked layer may hold
 MAX_OPERAND_NUMEL = 1 << 18
@@ -63,6 +67,18 @@ class ShapeGroups:
     def __init__(self, method: CurvatureMethod) -> None:
         self.method = method
         self._stacks: dict[tuple[str, ...], _Stack] = {}
+        self._kernel: Kernel = group_kernel
+        self._cuda_graphs = False
+
+    def compile(self, **options: Any) -> None:
+        """Run each group's kernel compiled (``torch.compile(**options)``,
+        whole graph, one compilation per group shape).  With CUDA graphs
+        (``mode='reduce-overhead'``) each step starts a new generation of
+        them (``torch.compiler.cudagraph_mark_step_begin``): the previous
+        step's outputs have been written back by then."""
+        options = {"fullgraph": True, "dynamic": False, **options}
+        self._kernel = torch.compile(group_kernel, **options)
+        self._cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
 
     @property
     def enabled(self) -> bool:
@@ -90,7 +106,9 @@ class ShapeGroups:
         adapter = layer.adapter
         return (
             tuple((spec.dim, spec.axis) for spec in layer.factors),
-            tuple((key, tuple(t.shape), t.dtype) for key, t in state.items()),
+            # by name: the order a layer's operands arrived in (which owner
+            # sent first, colocate_factors=False) is not what it holds
+            tuple(sorted((key, tuple(t.shape), str(t.dtype)) for key, t in state.items())),
             tuple(adapter.matrix_shape),
             adapter.weight.dtype,
             adapter.device,
@@ -102,10 +120,8 @@ class ShapeGroups:
         """``(V, ⟨V, ∇⟩)`` of each layer of ``group`` from their gradients
         stacked ``[L, ...]``: one stacked apply, one inner product (each ``V``
         and term a view of the group's result)."""
-        v = self.method.apply(group[0].factors, self._operands(group), stacked, damping)
-        dots = torch.linalg.vecdot(
-            v.reshape(len(group), -1), stacked.reshape(len(group), -1).to(v.dtype)
-        )
+        operands = self._operands(group)
+        v, dots = self._kernel(self.method, group[0].factors, operands, stacked, damping)
         return list(zip(v.unbind(0), dots.unbind(0), strict=True))
 
     def precondition(
@@ -118,6 +134,8 @@ class ShapeGroups:
     ) -> dict[str, tuple[Tensor, Tensor]]:
         """``(V, ⟨V, ∇⟩)`` by layer name for every group (their operands ready)."""
         results: dict[str, tuple[Tensor, Tensor]] = {}
+        if self._cuda_graphs and groups:
+            torch.compiler.cudagraph_mark_step_begin()
         for group in groups:
             stacked = read_stacked(
                 group, engine, in_place if all(la.name in own for la in group) else None
@@ -145,6 +163,21 @@ class ShapeGroups:
         return sum(
             t.numel() * t.element_size() for s in self._stacks.values() for t in s.state.values()
         )
+
+
+def group_kernel(
+    method: CurvatureMethod,
+    factors: Any,
+    operands: Mapping[str, Tensor],
+    stacked: Tensor,
+    damping: float,
+) -> tuple[Tensor, Tensor]:
+    """``V`` of a stacked group ``[L, ...]`` (the method's own apply on the
+    stacks) and each layer's ``⟨V, ∇⟩`` (one inner product for the group)."""
+    v = method.apply(factors, operands, stacked, damping)
+    layers = stacked.shape[0]
+    dots = torch.linalg.vecdot(v.reshape(layers, -1), stacked.reshape(layers, -1).to(v.dtype))
+    return v, dots
 
 
 def read_stacked(

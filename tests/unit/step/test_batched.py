@@ -104,6 +104,35 @@ def test_large_operands_are_not_stacked(monkeypatch: pytest.MonkeyPatch) -> None
     assert not precond._parts.pipeline.application.groups.split(layers)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(compute_method="eigen"),
+        dict(compute_method="inverse"),
+        dict(compute_method="eigen", precondition_dtype=torch.float32),
+        dict(compute_method="eigen", grad_worker_fraction=0.5),  # MEM/HYBRID: never stacked
+    ],
+    ids=["eigen", "inverse", "cast-copies", "hybrid"],
+)
+def test_stacked_operands_are_counted_and_forecast(kw: dict[str, Any]) -> None:
+    """memory_usage()['stacked'] is the copy the groups hold, and the planner's
+    forecast predicts it (and so the total) exactly."""
+    from kaisa.planner.forecast import forecast, layer_costs
+
+    model = nn.Sequential(tower(3), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+    if "grad_worker_fraction" in kw:  # one process: the plan of 2 ranks is forecast only
+        predicted = forecast(layer_costs(model, **kw), 2, **kw)
+        assert not predicted.memory["stacked"].any()
+        return
+    precond = run(model, 3, True, **kw)
+    mem = precond.memory_usage()
+    held = precond._parts.pipeline.application.groups.nbytes()
+    assert mem["stacked"] == held > 0
+    predicted = forecast(layer_costs(model, **kw), 1, **kw)
+    assert int(predicted.memory["stacked"][0]) == mem["stacked"]
+    assert int(predicted.memory["total"][0]) == mem["total"]
+
+
 #: operators that only make views or metadata (no kernel on an accelerator)
 VIEWS = {
     "aten::" + name
