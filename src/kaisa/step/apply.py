@@ -22,7 +22,6 @@ them, so no rank waits for a broadcast that never comes.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -38,6 +37,7 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.batched import ShapeGroups
 from kaisa.step.diagnostics import StepDiagnostics
+from kaisa.step.participation import Participation
 from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["GradientApplication"]
@@ -74,7 +74,8 @@ class GradientApplication:
         #: layers of one shape preconditioned together (kaisa.step.batched)
         self.groups = ShapeGroups(method)
         self.rank = comm.rank
-        self._warned: set[str] = set()
+        #: which layers take part in a step (kaisa.step.participation)
+        self.participation = Participation(comm, engine)
         self._globals: dict[int, tuple[int, ...]] = {}
         self._work: Workspace | None = None
         self._sized = False
@@ -107,7 +108,7 @@ class GradientApplication:
         """``presence``: each layer's gradient presence, already and-ed over
         the data-parallel group (by the finiteness check), so no second
         collective is needed to agree on it."""
-        taking_part = self._taking_part(layers, factor_step, presence)
+        taking_part = self.participation.taking_part(layers, factor_step, presence)
         clip = None if kl_clip is None else (lr, kl_clip)
         work = self._workspace(layers)
         own: list[KFACLayer] = []
@@ -283,49 +284,6 @@ class GradientApplication:
                 self._work = Workspace.for_shapes(list(shapes.values()), layers[0].adapter.device)
         return self._work
 
-    def _taking_part(
-        self, layers: list[KFACLayer], factor_step: bool, presence: Mapping[str, bool] | None
-    ) -> list[KFACLayer]:
-        """Captured layers with a gradient, kept where every rank has one."""
-        local: list[KFACLayer] = []
-        for layer in layers:
-            if not self.engine.present(layer.adapter):
-                continue
-            if not layer.captured:
-                if factor_step and not layer.eval_forward:  # eval mode: said by the pipeline
-                    self._warn_once(
-                        layer.name,
-                        f"kaisa: layer {layer.name!r} has a gradient but its hooks never "
-                        "captured statistics (is it called functionally, or was the model "
-                        "compiled and run before KFACPreconditioner was built? dynamo does "
-                        "not see hooks added after its first compile); its gradient is "
-                        "left unchanged",
-                    )
-                continue
-            local.append(layer)
-        if not self.comm.distributed or self.engine.gradients_agree():
-            return local
-        candidates = [la for la in layers if la.captured]
-        mine = {la.name for la in local}
-        if presence is None:
-            agreed = self.comm.agree_all(
-                [la.name in mine for la in candidates], layers[0].adapter.device
-            )
-        else:  # captured is the same everywhere: and-ing presence alone is enough
-            agreed = [presence[la.name] for la in candidates]
-        kept = []
-        for layer, ok in zip(candidates, agreed):
-            if ok:
-                kept.append(layer)
-            elif layer.name in mine:
-                self._warn_once(
-                    layer.name,
-                    f"kaisa: layer {layer.name!r} has a gradient on some ranks only this step; "
-                    "it is left unchanged on every rank (average gradients over all ranks, "
-                    "e.g. with DDP(find_unused_parameters=True), to precondition it)",
-                )
-        return kept
-
     def _precondition(
         self, layers: list[KFACLayer], damping: float
     ) -> dict[str, tuple[Tensor, Tensor]]:
@@ -383,8 +341,3 @@ class GradientApplication:
         if found is None:
             found = self._globals[key] = tuple(to_global[r] for r in lp.grad_workers)
         return found
-
-    def _warn_once(self, name: str, message: str) -> None:
-        if name not in self._warned:
-            self._warned.add(name)
-            warnings.warn(message, stacklevel=5)
