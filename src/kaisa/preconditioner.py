@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from typing import Any
@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.checkpoint.sharded import restore_sharded, sharded_state
-from kaisa.checkpoint.state import STATE_VERSION
-from kaisa.compat import KfacPytorchAttributes, is_kfac_pytorch_state, refuse_kfac_pytorch_state
+from kaisa.checkpoint.facade import Checkpoints
+from kaisa.compat import KfacPytorchAttributes
 from kaisa.config import (
     DEFAULT_MAX_FACTOR_DIM,
     AssignmentStrategy,
@@ -54,7 +53,7 @@ OPTION_NAMES = frozenset(KFACConfig.field_names())
 logger = logging.getLogger("kaisa")
 
 
-class KFACPreconditioner(KfacPytorchAttributes):
+class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
     """Distributed K-FAC gradient preconditioner.
 
     Construct once, then call :meth:`step` after ``loss.backward()`` and
@@ -297,77 +296,6 @@ class KFACPreconditioner(KfacPytorchAttributes):
             yield
         finally:
             capture.enabled = previous
-
-    # -- checkpoints ----------------------------------------------------------------------
-    def state_dict(
-        self,
-        include_factors: bool = True,
-        include_second_order: bool = False,
-        *,
-        timeout_s: float = 10.0,
-    ) -> dict[str, Any]:
-        """Steps, non-callable hyperparameters and (by default) the running factors.
-
-        When every rank of the data-parallel group calls it, every rank gets
-        the whole state (a collective), so that a checkpoint taken at any
-        world size and fraction loads into any other.
-        ``include_second_order`` also stores the eigenbases/inverses, which
-        makes a resume exact at any step without recomputing them.
-
-        Called on some ranks only (kfac-pytorch's examples save on rank 0
-        only; kfac-pytorch keeps every factor on every rank, kaisa each on its
-        owner), those ranks wait ``timeout_s`` for the others, then return,
-        with a warning, what they hold: their own factors and second-order
-        tensors, marked ``'partial'``.  Never a hang.  Loading it restores
-        those layers and starts the others' statistics afresh.
-        """
-        state: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "steps": self.steps,
-            "hyperparameters": self.config.hyperparameters(),
-        }
-        if not (include_factors or include_second_order):
-            return state
-        state["layers"], partial = self._parts.checkpointer.save(
-            self.steps, include_factors, include_second_order, self.damping, timeout_s
-        )
-        if partial is not None:
-            state["partial"] = partial
-        return state
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], compute_inverses: bool = True) -> None:
-        """Restore a :meth:`state_dict` taken at any world size, fraction or wrapper.
-
-        The whole checkpoint is validated before anything changes.  Each rank
-        keeps only the factors it owns under the current plan and only the
-        second-order tensors of layers it is a gradient worker of.  Without
-        stored second-order tensors they are recomputed by their owners at
-        the next step (``compute_inverses``).
-        """
-        if is_kfac_pytorch_state(state_dict):
-            raise refuse_kfac_pytorch_state()
-        saved = state_dict.get("hyperparameters", {}) if isinstance(state_dict, Mapping) else {}
-        restore = self._schedule.restorable(saved if isinstance(saved, Mapping) else {})
-        steps, layers = self._parts.checkpointer.validate(state_dict, self.config, restore)
-        pipeline = self._parts.pipeline
-        if layers is not None:
-            pipeline.stale = self._parts.checkpointer.load(
-                layers, compute_inverses, partial=state_dict.get("partial")
-            )
-        self._schedule.restore(restore)
-        pipeline.steps = steps
-        self._parts.capture.enabled = self._schedule.is_factor_step(steps)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's share of the state for ``torch.distributed.checkpoint``
-        (the factors it owns; see :mod:`kaisa.checkpoint.sharded`).  Not collective; the
-        same call's result is the template ``dcp.load`` fills."""
-        return sharded_state(self._parts, self.config, self.rank)
-
-    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at
-        any world size or fraction (collective)."""
-        restore_sharded(self._parts, self._schedule, self.config, self.rank, state)
 
     # -- reporting ------------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:

@@ -1,0 +1,116 @@
+"""The preconditioner's checkpoint methods, mixed into :class:`kaisa.KFACPreconditioner`.
+
+``state_dict``/``load_state_dict`` follow torch.optim's convention (a
+collective here: every rank gets the whole state, loadable at any world size
+or fraction; see :mod:`kaisa.checkpoint.mirror`); ``sharded_state_dict``
+hands ``torch.distributed.checkpoint`` each rank's share
+(:mod:`kaisa.checkpoint.sharded`).  Kept apart so that the facade stays a
+list of what a user calls, and each method here a few lines over the
+checkpoint package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kaisa.checkpoint.sharded import restore_sharded, sharded_state
+from kaisa.checkpoint.state import STATE_VERSION
+from kaisa.compat import is_kfac_pytorch_state, refuse_kfac_pytorch_state
+from kaisa.config import KFACConfig
+from kaisa.step.schedule import Schedule
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """``state_dict``, ``load_state_dict`` and their sharded twins."""
+
+    _schedule: Schedule
+    _parts: Any
+
+    if TYPE_CHECKING:
+
+        @property
+        def steps(self) -> int: ...
+
+        @property
+        def config(self) -> KFACConfig: ...
+
+        @property
+        def rank(self) -> int: ...
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(
+        self,
+        include_factors: bool = True,
+        include_second_order: bool = False,
+        *,
+        timeout_s: float = 10.0,
+    ) -> dict[str, Any]:
+        """Steps, non-callable hyperparameters and (by default) the running factors.
+
+        When every rank of the data-parallel group calls it, every rank gets
+        the whole state (a collective), so that a checkpoint taken at any
+        world size and fraction loads into any other.
+        ``include_second_order`` also stores the eigenbases/inverses, which
+        makes a resume exact at any step without recomputing them.
+
+        Called on some ranks only (kfac-pytorch's examples save on rank 0
+        only; kfac-pytorch keeps every factor on every rank, kaisa each on its
+        owner), those ranks wait ``timeout_s`` for the others, then return,
+        with a warning, what they hold: their own factors and second-order
+        tensors, marked ``'partial'``.  Never a hang.  Loading it restores
+        those layers and starts the others' statistics afresh.
+        """
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "steps": self.steps,
+            "hyperparameters": self.config.hyperparameters(),
+        }
+        if not (include_factors or include_second_order):
+            return state
+        state["layers"], partial = self._parts.checkpointer.save(
+            self.steps,
+            include_factors,
+            include_second_order,
+            self._schedule.current("damping", self.steps),
+            timeout_s,
+        )
+        if partial is not None:
+            state["partial"] = partial
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], compute_inverses: bool = True) -> None:
+        """Restore a :meth:`state_dict` taken at any world size, fraction or wrapper.
+
+        The whole checkpoint is validated before anything changes.  Each rank
+        keeps only the factors it owns under the current plan and only the
+        second-order tensors of layers it is a gradient worker of.  Without
+        stored second-order tensors they are recomputed by their owners at
+        the next step (``compute_inverses``).
+        """
+        if is_kfac_pytorch_state(state_dict):
+            raise refuse_kfac_pytorch_state()
+        saved = state_dict.get("hyperparameters", {}) if isinstance(state_dict, Mapping) else {}
+        restore = self._schedule.restorable(saved if isinstance(saved, Mapping) else {})
+        steps, layers = self._parts.checkpointer.validate(state_dict, self.config, restore)
+        pipeline = self._parts.pipeline
+        if layers is not None:
+            pipeline.stale = self._parts.checkpointer.load(
+                layers, compute_inverses, partial=state_dict.get("partial")
+            )
+        self._schedule.restore(restore)
+        pipeline.steps = steps
+        self._parts.capture.enabled = self._schedule.is_factor_step(steps)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state for ``torch.distributed.checkpoint``
+        (the factors it owns; see :mod:`kaisa.checkpoint.sharded`).  Not collective; the
+        same call's result is the template ``dcp.load`` fills."""
+        return sharded_state(self._parts, self.config, self.rank)
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at
+        any world size or fraction (collective)."""
+        restore_sharded(self._parts, self._schedule, self.config, self.rank, state)
