@@ -67,9 +67,11 @@ def sharded(
     hsdp: bool = False,
     from_mesh: bool = False,
     bf16: bool = False,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Every rank its own rows; ``hsdp``: 2 replicas × world/2 shards;
-    ``bf16``: a MixedPrecisionPolicy computing in bfloat16, reducing in float64."""
+    ``bf16``: a MixedPrecisionPolicy computing in bfloat16, reducing in float64;
+    ``compiled``: the sharded model under ``torch.compile`` (aot_eager)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -97,23 +99,49 @@ def sharded(
         **KW,
     )
     assert precond._parts.engine.name == "fsdp2"
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> Any:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(1)
+        return lookup_backend("aot_eager")(gm, example)
+
+    forward = torch.compile(net, backend=counting) if compiled else net
     batches = data(world)
     mine = slice(rank * B, (rank + 1) * B)
     for step in range(STEPS):
         opt.zero_grad()
         for i, (x, y) in enumerate(batches[step * ACCUMULATE : (step + 1) * ACCUMULATE]):
             net.set_requires_gradient_sync(i == ACCUMULATE - 1)
-            (F.cross_entropy(net(x[mine]), y[mine]) / ACCUMULATE).backward()
+            (F.cross_entropy(forward(x[mine]), y[mine]) / ACCUMULATE).backward()
         precond.step()
         opt.step()
     full = [p.full_tensor().detach() for p in net.parameters()]
-    return {"params": full, "comm": precond.comm.stats.as_dict()}
+    captured = all(layer.captured for layer in precond.layers.values())
+    return {
+        "params": full,
+        "comm": precond.comm.stats.as_dict(),
+        "captured": captured,
+        "graphs": len(graphs),
+    }
 
 
 @pytest.mark.parametrize("world,fraction", [(2, 1.0), (2, 0.5), (4, 1.0), (4, 0.5), (4, 0.25)])
 def test_fsdp2_equals_unsharded_single_process(world: int, fraction: float) -> None:
     want = single(world)
     for res in run_distributed(world, sharded, fraction):
+        for a, b in zip(res["params"], want):
+            assert float((a - b).norm() / b.norm()) <= 1e-10
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_compiled_fsdp2_equals_unsharded_single_process(fraction: float) -> None:
+    """torch.compile of the sharded model (FSDP2's hooks run outside the
+    graphs): the statistics the graphs form equal eager capture's."""
+    want = single(2)
+    for res in run_distributed(2, sharded, fraction, False, False, False, True):
+        assert res["captured"] and res["graphs"] > 0
         for a, b in zip(res["params"], want):
             assert float((a - b).norm() / b.norm()) <= 1e-10
 
