@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.backends.registry import lookup_backend
 
-from harness import run_distributed
 from kaisa import KFACPreconditioner
+
+from harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
