@@ -192,7 +192,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         """Compile the preconditioning of the stacked layers
         (``torch.compile(**options)``, whole graph; like ``nn.Module.compile``).
 
-        Layers of one shape (a Transformer's blocks, COMM-OPT, the eigen and
+        Layers of one shape (a Transformer's blocks, on their workers, the eigen and
         inverse methods: :mod:`kaisa.step.batched`) are preconditioned by one
         kernel per group; compiled, its products, division and KL terms are
         one graph per group shape, compiled once (damping schedules included).

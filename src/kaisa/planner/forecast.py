@@ -389,7 +389,6 @@ def forecast(
     if plan.grad_workers < w:
         _add_grad_broadcast(t, plan, grad_bytes, len(layers), cost)
     else:
-        t.memory["stacked"][:] = _stacked_bytes(layers, plan, method, config)
         served = [la for la in layers if la.reuses_workspace]
         if served:
             largest = max(la.grad_shape[0] * la.grad_shape[1] for la in served)
@@ -397,6 +396,7 @@ def forecast(
             t.memory["workspace"][:] = workspace_bytes(
                 largest, first.grad_itemsize, _compute_itemsize(first, config)
             )
+    t.memory["stacked"][:] = _stacked_bytes(layers, plan, method, config)
     _add_group_collectives(t, plan, config, cost, exchange, gradients_agree, len(layers))
     return _finish(t, plan, config, method.name, sym)
 
@@ -438,30 +438,40 @@ def _add_group_collectives(
 
 def _stacked_bytes(
     layers: Sequence[LayerCost], plan: WorkPlan, method: CurvatureMethod, config: KFACConfig
-) -> int:
-    """The stacked copies of the operands of layers preconditioned together
-    (every rank every layer's worker: :class:`kaisa.step.batched.ShapeGroups`,
-    whose grouping rule this mirrors: dense factors, the same operand and
-    gradient shapes and dtypes, operands of at most ``MAX_OPERAND_NUMEL``)."""
+) -> np.ndarray:
+    """Each rank's stacked copies of the operands of the layers it
+    preconditions together (:class:`kaisa.step.batched.ShapeGroups`, whose
+    grouping rule this mirrors: dense factors, the same operand and gradient
+    shapes and dtypes, operands of at most ``MAX_OPERAND_NUMEL``; a group is
+    two layers or more of which this rank is a gradient worker)."""
+    w = plan.world_size
+    total = np.zeros(w)
     if not getattr(method, "stacks", False):
-        return 0
-    groups: dict[tuple[object, ...], list[int]] = {}
+        return total
+    by_key: dict[tuple[object, ...], list[tuple[slice, int]]] = {}
     for layer in layers:
         if any(spec.kind is not FactorKind.DENSE for spec in layer.factors):
             continue
-        held = method.held(layer.factors, plan.layer(layer.name).colocated)
+        lp = plan.layer(layer.name)
+        held = method.held(layer.factors, lp.colocated)
         if not held or any(h.numel > MAX_OPERAND_NUMEL for h in held):
             continue
         itemsize = _compute_itemsize(layer, config)
         key = (
             tuple((spec.dim, spec.axis) for spec in layer.factors),
-            tuple((h.key, h.shape) for h in held),
+            tuple(sorted((h.key, h.shape) for h in held)),
             itemsize,
             layer.grad_shape,
             layer.grad_itemsize,
         )
-        groups.setdefault(key, []).append(sum(h.numel for h in held) * itemsize)
-    return sum(sum(sizes) for sizes in groups.values() if len(sizes) > 1)
+        by_key.setdefault(key, []).append((lp.worker_slice, sum(h.numel for h in held) * itemsize))
+    for members in by_key.values():
+        count, held_bytes = np.zeros(w), np.zeros(w)
+        for workers, nbytes in members:
+            count[workers] += 1
+            held_bytes[workers] += nbytes
+        total += np.where(count > 1, held_bytes, 0)
+    return total
 
 
 def _compute_itemsize(layer: LayerCost, config: KFACConfig) -> int:

@@ -185,6 +185,18 @@ class GradientApplication:
             return []
         return self.groups.split(layers)
 
+    def _precondition_mine_stacked(
+        self, layers: list[KFACLayer], damping: float
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """Where each layer has its own workers (f < 1, whole gradients): the
+        layers this rank is a worker of, stacked by shape; each ``V`` is then
+        broadcast to its receivers as a layer's own."""
+        if self.plan.grad_workers == self.plan.world_size or self._sharded is not None:
+            return {}
+        mine = [la for la in layers if self.plan.layer(la.name).is_grad_worker(self.rank)]
+        groups = self.groups.split(mine)
+        return self._precondition_stacked(groups, damping) if groups else {}
+
     def _precondition_stacked(
         self, groups: list[list[KFACLayer]], damping: float
     ) -> dict[str, tuple[Tensor, Tensor]]:
@@ -296,10 +308,10 @@ class GradientApplication:
             grads = self._sharded.read_many(adapters, workers)
         else:
             grads = [self.engine.read(a) for a in adapters]
-        results: dict[str, tuple[Tensor, Tensor]] = {}
+        results = self._precondition_mine_stacked(layers, damping)
         for layer, lp, grad in zip(layers, plans, grads):
             name = layer.name
-            if lp.is_grad_worker(self.rank):
+            if lp.is_grad_worker(self.rank) and name not in results:
                 assert grad is not None, f"engine gave no gradient to a worker of {name}"
                 v = self._apply_one(layer, lp, grad, damping, None)
                 results[name] = (v, kl_term(v, grad))

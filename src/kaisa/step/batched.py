@@ -12,9 +12,11 @@ The method's own :meth:`~kaisa.methods.base.CurvatureMethod.apply` runs on
 the stacks (its products go through :func:`kaisa.core.kronecker.mul_axis`,
 which treats a stack of matrices as a batch), so a stacked group equals its
 layers one by one to rounding.  Methods opt in (``stacks``); a group is
-formed only where every rank is every layer's gradient worker (COMM-OPT: no
-per-layer broadcast to keep apart), from layers whose factors are all dense
-and whose operands are small (:data:`MAX_OPERAND_NUMEL`): stacking copies
+formed from the layers a rank is a gradient worker of (all of them under
+COMM-OPT; under HYBRID-OPT and MEM-OPT each ``V`` is then broadcast to its
+receivers as a layer's own), where the engine hands whole gradients (not
+FSDP2's rows), from layers whose factors are all dense and whose operands
+are small (:data:`MAX_OPERAND_NUMEL`): stacking copies
 the operands once per inverse update, which costs memory, and large layers
 are bound by their products, not by launches.
 """
