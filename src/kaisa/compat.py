@@ -29,11 +29,10 @@ from kaisa.config import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
-    KFACConfig,
 )
+from kaisa.view import PreconditionerView
 
 if TYPE_CHECKING:
-    from kaisa.distributed.plan import WorkPlan
     from kaisa.step.schedule import Schedule
 
 __all__ = ["KfacPytorchAttributes", "is_kfac_pytorch_state", "refuse_kfac_pytorch_state"]
@@ -68,23 +67,8 @@ class _ScheduleOption:
             obj._refresh_capture()  # whether the next step captures may change
 
 
-class KfacPytorchAttributes:
+class KfacPytorchAttributes(PreconditionerView):
     """kfac-pytorch's attributes, mixed into :class:`kaisa.KFACPreconditioner`."""
-
-    _schedule: Schedule
-
-    _parts: Any
-
-    if TYPE_CHECKING:
-
-        @property
-        def steps(self) -> int: ...
-
-        @property
-        def plan(self) -> WorkPlan: ...
-
-        @property
-        def config(self) -> KFACConfig: ...
 
     # hyperparameters: the value now (read), validated (write)
     factor_update_steps = _ScheduleOption()

@@ -12,33 +12,18 @@ checkpoint package.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kaisa.checkpoint.sharded import restore_sharded, sharded_state
 from kaisa.checkpoint.state import STATE_VERSION
 from kaisa.compat import is_kfac_pytorch_state, refuse_kfac_pytorch_state
-from kaisa.config import KFACConfig
-from kaisa.step.schedule import Schedule
+from kaisa.view import PreconditionerView
 
 __all__ = ["Checkpoints"]
 
 
-class Checkpoints:
+class Checkpoints(PreconditionerView):
     """``state_dict``, ``load_state_dict`` and their sharded twins."""
-
-    _schedule: Schedule
-    _parts: Any
-
-    if TYPE_CHECKING:
-
-        @property
-        def steps(self) -> int: ...
-
-        @property
-        def config(self) -> KFACConfig: ...
-
-        @property
-        def rank(self) -> int: ...
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(
