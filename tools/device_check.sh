@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The checks that need a GPU (issue 24), as one short command for a lent
+# device machine (its python3 holds a CUDA torch and pytest):
+#     bash tools/device_check.sh          # $OUT: where the results go
+# 1. tests/cuda (the compiled path under inductor, CUDA graphs of the stacked
+#    groups, a non-factor step without host synchronisation, ...);
+# 2. benchmarks/step_launches.py --device cuda: the issue's GPU goal, a step
+#    <= 1.15x the first-order step at factor/inverse intervals 10/100.
+set -u
+export PYTHONPATH="$PWD/src:$PWD/lab/src"
+OUT="${OUT:-runs/device}"
+mkdir -p "$OUT"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/device.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:randomly tests/cuda 2>&1 \
+  | tail -40 | tee "$OUT/cuda_tests.txt"
+timeout 240 python3 benchmarks/step_launches.py --device cuda --rounds 3 --out "$OUT" 2>&1 \
+  | grep -E '^\||Error' | tee "$OUT/step_launches.txt"
