@@ -112,7 +112,8 @@ def load(sweeps: Path, optimizers: Sequence[str], setup: Setup) -> dict[str, Any
         lrs = " ".join(f"{r['settings']['lr']:g}" for r in rows)
         out[name] = {
             "command": setup.command.format(optimizer=name, lrs=lrs),
-            "chosen_lr": choose(rows),
+            # None: no lr reached the target (e.g. LAMB without its warm-up)
+            "chosen_lr": choose(rows) if any(r["reached"] for r in rows) else None,
             "rows": [
                 {
                     "lr": r["settings"]["lr"],
@@ -162,7 +163,7 @@ def plot(results: dict[str, Any], path: Path, setup: Setup) -> None:
             ceiling if r["steps_to_target"] is None else r["steps_to_target"] for r in sweep["rows"]
         ]
         (line,) = steps_ax.plot(
-            lrs, steps, marker="o", label=f"{name} (chosen {sweep['chosen_lr']:g})"
+            lrs, steps, marker="o", label=f"{name} (chosen {sweep['chosen_lr'] or '-'})"
         )
         metric_ax.plot(
             lrs,
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(results, args.png, setup)
     print(table(results, setup))
     for name, sweep in results.items():
-        print(f"{name}: chosen lr {sweep['chosen_lr']:g}\n  {sweep['command']}")
+        print(f"{name}: chosen lr {sweep['chosen_lr']}\n  {sweep['command']}")
     print(f"wrote {args.json} and {args.png}")
     return 0
 

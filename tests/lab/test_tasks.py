@@ -262,6 +262,19 @@ def test_text_lm_large_muon_takes_its_measured_lr_with_adamws_warm_up() -> None:
     assert d.arm(True, "muon") == (0.01, "cosine", 0.0)
 
 
+def test_text_cnn_baselines_take_their_measured_lrs_and_schedules() -> None:
+    """text-cnn's SOAP, Shampoo and LAMB arms are the swept ones (docs/results.md, "The
+    other baselines tuned"): SOAP and Shampoo without warm-up, as Muon; LAMB, which
+    misses the target without it, with AdamW's quarter epoch.  Named lrs, so
+    ``kaisa compare`` does not call them untuned."""
+    d = get_task("text-cnn").defaults
+    assert d.arm(False, "soap") == (0.01, "cosine", 0.0)
+    assert d.arm(False, "shampoo") == (0.02, "cosine", 0.0)
+    assert d.arm(False, "lamb") == (0.08, "cosine", 0.25)
+    assert d.arm(False, "muon") == (0.08, "cosine", 0.0)
+    assert all(d.lr_tuned(name) for name in ("soap", "shampoo", "lamb", "muon"))
+
+
 @pytest.mark.parametrize("kfac", [False, True])
 def test_text_lm_large_loss_falls_in_a_few_steps(kfac: bool) -> None:
     """A few steps of the task's AdamW (with and without K-FAC at the task's
