@@ -1,7 +1,7 @@
 """Tabulate and plot the learning-rate sweeps of today's baselines (issue 23).
 
 Each sweep is ``benchmarks/tune_digits.py --stage baseline`` on one optimizer
-(the commands are in docs/results.md and in ``COMMAND`` below), which writes
+(the commands are in docs/results.md and in ``SETUPS`` below), which writes
 ``<sweeps>/<optimizer>/tune.json``.  This script reads them, picks each
 optimizer's lr and writes one JSON, one PNG and the markdown table of
 docs/results.md.  The pick: of the lrs that reached the target in the fewest
@@ -19,23 +19,71 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: The sweep of one optimizer: text-lm's schedule (cosine over 5 epochs of 200
-#: steps, a quarter epoch of warm-up), one seed, the metric read every 20
-#: steps, each run stopped at the target (2.5 bits/char).
-COMMAND = (
-    "python benchmarks/tune_digits.py --stage baseline --task text-lm "
-    '--kaisa-args "--optimizer {optimizer} --evals-per-epoch 10 --stop-at-target" '
-    "--lrs {lrs} --schedules cosine:0.25 --seeds 1 --threads 1 "
-    "--out runs/tune-baselines/{optimizer}"
+
+@dataclass(frozen=True)
+class Setup:
+    """What one task's sweeps were: the command, the target, the reference line."""
+
+    #: ``tune_digits.py`` for one optimizer (``{optimizer}``, ``{lrs}`` filled in)
+    command: str
+    target: float
+    #: steps of the whole schedule: a run that misses the target trains them all
+    total_steps: int
+    read_every: int
+    #: the tuned AdamW's steps to the target, drawn for reference, and its label
+    adamw_steps: int
+    adamw_label: str
+    title: str
+
+
+_SWEEP = (
+    "python benchmarks/tune_digits.py --stage baseline --task {task} "
+    '--kaisa-args "--optimizer {{optimizer}} --evals-per-epoch {evals} --stop-at-target" '
+    "--lrs {{lrs}} --schedules {schedule} --seeds 1 --threads 1 "
+    "--out {out}/{{optimizer}}"
 )
 
-
-#: The tuned AdamW's steps to the target on this task and schedule (lr 0.002,
-#: issue 10's tuning, median of 3 seeds; docs/results.md), drawn for reference.
-ADAMW_STEPS = 360
+#: Every task swept so far: one seed, the task's schedule (cosine; a quarter epoch
+#: of warm-up, or none for ``-nowarmup``), each run stopped at the target.
+SETUPS = {
+    "text-lm": Setup(
+        _SWEEP.format(task="text-lm", evals=10, schedule="cosine:0.25", out="runs/tune-baselines"),
+        target=2.5,
+        total_steps=1000,
+        read_every=20,
+        adamw_steps=360,
+        adamw_label="tuned AdamW, lr 0.002 (issue 10)",
+        title="text-lm: lr sweeps of today's baselines (1 seed, cosine over 5 epochs, "
+        "warm-up 0.25)",
+    ),
+    "text-cnn": Setup(
+        _SWEEP.format(
+            task="text-cnn", evals=20, schedule="cosine:0.25", out="runs/tune-baselines-text-cnn"
+        ),
+        target=2.5,
+        total_steps=600,
+        read_every=10,
+        adamw_steps=160,
+        adamw_label="tuned AdamW, lr 0.01 (issue 10)",
+        title="text-cnn: lr sweeps of today's baselines (1 seed, cosine over 3 epochs, "
+        "warm-up 0.25)",
+    ),
+    "text-cnn-nowarmup": Setup(
+        _SWEEP.format(
+            task="text-cnn", evals=20, schedule="cosine:0", out="runs/tune-baselines-text-cnn-nw"
+        ),
+        target=2.5,
+        total_steps=600,
+        read_every=10,
+        adamw_steps=160,
+        adamw_label="tuned AdamW, lr 0.01, with its warm-up (issue 10)",
+        title="text-cnn: today's baselines without warm-up (1 seed, cosine over 3 epochs)",
+    ),
+}
 
 
 def _value(spread: dict[str, Any], key: str = "median") -> float:
@@ -53,7 +101,7 @@ def choose(rows: Sequence[dict[str, Any]]) -> float:
     return float(best[(len(best) - 1) // 2])
 
 
-def load(sweeps: Path, optimizers: Sequence[str]) -> dict[str, Any]:
+def load(sweeps: Path, optimizers: Sequence[str], setup: Setup) -> dict[str, Any]:
     """Every optimizer's rows (lr order) and its chosen lr."""
     out: dict[str, Any] = {}
     for name in optimizers:
@@ -63,8 +111,9 @@ def load(sweeps: Path, optimizers: Sequence[str]) -> dict[str, Any]:
         rows = sorted(json.loads(path.read_text())["baseline"], key=lambda r: r["settings"]["lr"])
         lrs = " ".join(f"{r['settings']['lr']:g}" for r in rows)
         out[name] = {
-            "command": COMMAND.format(optimizer=name, lrs=lrs),
-            "chosen_lr": choose(rows),
+            "command": setup.command.format(optimizer=name, lrs=lrs),
+            # None: no lr reached the target (e.g. LAMB without its warm-up)
+            "chosen_lr": choose(rows) if any(r["reached"] for r in rows) else None,
             "rows": [
                 {
                     "lr": r["settings"]["lr"],
@@ -79,10 +128,10 @@ def load(sweeps: Path, optimizers: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def table(results: dict[str, Any]) -> str:
+def table(results: dict[str, Any], setup: Setup) -> str:
     """The markdown table: one row per optimizer and lr, the chosen lr in bold."""
     lines = [
-        "| optimizer | lr | steps to 2.5 bits/char | bits/char where it stopped | "
+        f"| optimizer | lr | steps to {setup.target:g} bits/char | bits/char where it stopped | "
         "training time (s) | 1-min load before / after |",
         "|---|---|---|---|---|---|",
     ]
@@ -99,7 +148,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path, setup: Setup) -> None:
     """Steps to target (a missed target drawn at the top) and end-of-run bits/char per lr."""
     import matplotlib
 
@@ -107,14 +156,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (steps_ax, metric_ax) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    ceiling = 1050
+    ceiling = setup.total_steps * 1.05
     for name, sweep in results.items():
         lrs = [r["lr"] for r in sweep["rows"]]
         steps = [
             ceiling if r["steps_to_target"] is None else r["steps_to_target"] for r in sweep["rows"]
         ]
         (line,) = steps_ax.plot(
-            lrs, steps, marker="o", label=f"{name} (chosen {sweep['chosen_lr']:g})"
+            lrs, steps, marker="o", label=f"{name} (chosen {sweep['chosen_lr'] or '-'})"
         )
         metric_ax.plot(
             lrs,
@@ -123,24 +172,24 @@ def plot(results: dict[str, Any], path: Path) -> None:
             color=line.get_color(),
         )
     steps_ax.axhline(ceiling, color="gray", ls=":", lw=1)
-    steps_ax.axhline(
-        ADAMW_STEPS, color="black", ls="--", lw=1, label="tuned AdamW, lr 0.002 (issue 10)"
-    )
+    steps_ax.axhline(setup.adamw_steps, color="black", ls="--", lw=1, label=setup.adamw_label)
     steps_ax.text(
-        steps_ax.get_xlim()[0], ceiling, " missed the target (1000 steps)", va="bottom", fontsize=7
+        steps_ax.get_xlim()[0],
+        ceiling,
+        f" missed the target ({setup.total_steps} steps)",
+        va="bottom",
+        fontsize=7,
     )
-    metric_ax.axhline(2.5, color="gray", ls="--", lw=1, label="target 2.5")
+    metric_ax.axhline(setup.target, color="gray", ls="--", lw=1, label=f"target {setup.target:g}")
     for ax in (steps_ax, metric_ax):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.grid(alpha=0.3)
-    steps_ax.set_ylabel("steps to 2.5 bits/char (read every 20)")
+    steps_ax.set_ylabel(f"steps to {setup.target:g} bits/char (read every {setup.read_every})")
     metric_ax.set_ylabel("bits/char where the run stopped")
     steps_ax.legend(fontsize="small")
     metric_ax.legend(fontsize="small")
-    fig.suptitle(
-        "text-lm: lr sweeps of today's baselines (1 seed, cosine over 5 epochs, warm-up 0.25)"
-    )
+    fig.suptitle(setup.title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -148,17 +197,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--setup", choices=sorted(SETUPS), default="text-lm", help="which task's sweeps these are"
+    )
     parser.add_argument("--sweeps", type=Path, default=Path("runs/tune-baselines"))
     parser.add_argument("--optimizers", nargs="+", default=["muon", "soap", "shampoo", "lamb"])
     parser.add_argument("--json", type=Path, default=Path("docs/tune-baselines-text-lm.json"))
     parser.add_argument("--png", type=Path, default=Path("docs/tune-baselines-text-lm.png"))
     args = parser.parse_args(argv)
-    results = load(args.sweeps, args.optimizers)
+    setup = SETUPS[args.setup]
+    results = load(args.sweeps, args.optimizers, setup)
     args.json.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    plot(results, args.png)
-    print(table(results))
+    plot(results, args.png, setup)
+    print(table(results, setup))
     for name, sweep in results.items():
-        print(f"{name}: chosen lr {sweep['chosen_lr']:g}\n  {sweep['command']}")
+        print(f"{name}: chosen lr {sweep['chosen_lr']}\n  {sweep['command']}")
     print(f"wrote {args.json} and {args.png}")
     return 0
 

@@ -261,3 +261,53 @@ def test_step_launches_counts_fewer_products_when_stacked(tmp_path: Path) -> Non
     assert stacked["launches_kept_on_device"] < single["launches_kept_on_device"] / 3
     assert all(t > 0 for t in row["ms_per_step"].values())
     assert (tmp_path / "step_launches.png").stat().st_size > 0
+
+
+def test_arm_step_cost_builds_kfac_at_the_library_defaults_or_given_keywords(
+    tmp_path: Path,
+) -> None:
+    # the K-FAC arm is timed at what was asked for: the task's settings, the library's
+    # defaults (KFACConfig) or either updated by --kfac-kwargs; the JSON says which
+    common = ("--task", "text-lm", "--arms", "adamw+kfac", "--rounds", "1", "--block", "1")
+    common += ("--warmup", "1")
+    run_script("arm_step_cost.py", *common, "--json", str(tmp_path / "task.json"))
+    run_script(
+        "arm_step_cost.py",
+        *common,
+        *("--kfac-defaults", "--kfac-kwargs", "damping=0.7,kl_clip=none"),
+        *("--json", str(tmp_path / "lib.json")),
+    )
+    task = json.loads((tmp_path / "task.json").read_text())["kfac_config"]["adamw+kfac"]
+    lib = json.loads((tmp_path / "lib.json").read_text())["kfac_config"]["adamw+kfac"]
+    assert task["inv_update_steps"] == 50 and task["damping"] == 0.1  # text-lm's K-FAC
+    # the library's defaults (AlgorithmConfig: inverse, 10/100, KL clip 1e-3), not text-lm's
+    assert lib["inv_update_steps"] == 100 and lib["compute_method"] == "inverse"
+    assert lib["damping"] == 0.7 and lib["kl_clip"] is None
+    assert lib["loss_average"] == task["loss_average"]  # the task's loss, either way
+
+
+def test_arm_step_cost_rejects_an_unknown_kfac_keyword() -> None:
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        run_script("arm_step_cost.py", "--kfac-kwargs", "dampnig=0.3", "--arms", "adamw")
+    assert "dampnig" in err.value.stderr and "damping" in err.value.stderr
+
+
+def test_seeds_vs_step_cost_multiplies_median_steps_by_each_arms_cpu_cost(
+    tmp_path: Path,
+) -> None:
+    cost = {"load_1min": [1.0, 1.0],
+            "median": {"muon": {"cpu_ms": 100.0}, "soap": {"cpu_ms": 200.0},
+                       "adamw+kfac": {"cpu_ms": 120.0}}}  # fmt: skip
+    (tmp_path / "cost.json").write_text(json.dumps(cost))
+    run_script(
+        "seeds_vs_step_cost.py",
+        *("muon=70,70,80", "soap=60,50,70", "kfac@adamw+kfac=90,100,90"),
+        *("--step-cost", str(tmp_path / "cost.json"), "--relative-to", "muon"),
+        *("--json", str(tmp_path / "out.json"), "--png", str(tmp_path / "out.png")),
+    )
+    arms = json.loads((tmp_path / "out.json").read_text())["arms"]
+    assert arms["muon"]["median_steps"] == 70 and arms["muon"]["time_vs_muon"] == 1.0
+    assert arms["soap"]["time_vs_muon"] == pytest.approx(60 * 200 / (70 * 100))
+    assert arms["kfac"]["step_cost_cpu_ms"] == 120.0  # the cost arm named after the @
+    assert arms["kfac"]["time_vs_muon"] == pytest.approx(90 * 120 / (70 * 100))
+    assert (tmp_path / "out.png").stat().st_size > 0

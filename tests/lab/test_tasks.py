@@ -255,11 +255,29 @@ def test_text_lm_large_is_text_lm_wider_deeper_and_scored_on_a_fixed_slice() -> 
 def test_text_lm_large_muon_takes_its_measured_lr_with_adamws_warm_up() -> None:
     """Muon's arm on text-lm-large is the measured one (docs/results.md, "text-lm-large:
     three seeds"): lr 0.01 with AdamW's quarter epoch of warm-up, unlike text-lm and
-    text-cnn where Muon runs without one; the K-FAC arms keep the task's no warm-up."""
+    text-cnn where Muon runs without one; the K-FAC arms keep the task's no warm-up.
+    LAMB takes its measured 0.01 with the same warm-up."""
     d = get_task("text-lm-large").defaults
     assert d.arm(False, "muon") == (0.01, "cosine", 0.25)
     assert d.arm(False, "adamw") == (0.001, "cosine", 0.25)
     assert d.arm(True, "muon") == (0.01, "cosine", 0.0)
+    # LAMB: the best of 0.005-0.04 on seed 0 ("The other baselines tuned"); SOAP and
+    # Shampoo were not swept far enough to name one, so they stay untuned
+    assert d.arm(False, "lamb") == (0.01, "cosine", 0.25) and d.lr_tuned("lamb")
+    assert not d.lr_tuned("soap") and not d.lr_tuned("shampoo")
+
+
+def test_text_cnn_baselines_take_their_measured_lrs_and_schedules() -> None:
+    """text-cnn's SOAP, Shampoo and LAMB arms are the swept ones (docs/results.md, "The
+    other baselines tuned"): SOAP and Shampoo without warm-up, as Muon; LAMB, which
+    misses the target without it, with AdamW's quarter epoch.  Named lrs, so
+    ``kaisa compare`` does not call them untuned."""
+    d = get_task("text-cnn").defaults
+    assert d.arm(False, "soap") == (0.01, "cosine", 0.0)
+    assert d.arm(False, "shampoo") == (0.02, "cosine", 0.0)
+    assert d.arm(False, "lamb") == (0.08, "cosine", 0.25)
+    assert d.arm(False, "muon") == (0.08, "cosine", 0.0)
+    assert all(d.lr_tuned(name) for name in ("soap", "shampoo", "lamb", "muon"))
 
 
 @pytest.mark.parametrize("kfac", [False, True])
