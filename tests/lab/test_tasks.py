@@ -261,6 +261,11 @@ def test_text_lm_large_muon_takes_its_measured_lr_with_adamws_warm_up() -> None:
     assert d.arm(False, "muon") == (0.01, "cosine", 0.25)
     assert d.arm(False, "adamw") == (0.001, "cosine", 0.25)
     assert d.arm(True, "muon") == (0.01, "cosine", 0.0)
+    # K-FAC on Muon in bfloat16 at 20/100 ("text-lm-large: K-FAC's products in bfloat16")
+    muon_kfac = d.kfac_for("muon")
+    assert muon_kfac["precondition_dtype"] == muon_kfac["factor_compute_dtype"] == "bfloat16"
+    assert (muon_kfac["factor_update_steps"], muon_kfac["inv_update_steps"]) == (20, 100)
+    assert "precondition_dtype" not in d.kfac_for("adamw")
     # LAMB: the best of 0.005-0.04 on seed 0 ("The other baselines tuned"); SOAP and
     # Shampoo were not swept far enough to name one, so they stay untuned
     assert d.arm(False, "lamb") == (0.01, "cosine", 0.25) and d.lr_tuned("lamb")
