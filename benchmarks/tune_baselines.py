@@ -47,6 +47,20 @@ _SWEEP = (
     "--out {out}/{{optimizer}}"
 )
 
+
+def _text_cnn(schedule: str, out: str, adamw_label: str, title: str) -> Setup:
+    """A text-cnn sweep (3 epochs of 200 steps, read every 10, target 2.5)."""
+    return Setup(
+        _SWEEP.format(task="text-cnn", evals=20, schedule=schedule, out=out),
+        target=2.5,
+        total_steps=600,
+        read_every=10,
+        adamw_steps=160,
+        adamw_label=adamw_label,
+        title=title,
+    )
+
+
 #: Every task swept so far: one seed, the task's schedule (cosine; a quarter epoch
 #: of warm-up, or none for ``-nowarmup``), each run stopped at the target.
 SETUPS = {
@@ -60,28 +74,17 @@ SETUPS = {
         title="text-lm: lr sweeps of today's baselines (1 seed, cosine over 5 epochs, "
         "warm-up 0.25)",
     ),
-    "text-cnn": Setup(
-        _SWEEP.format(
-            task="text-cnn", evals=20, schedule="cosine:0.25", out="runs/tune-baselines-text-cnn"
-        ),
-        target=2.5,
-        total_steps=600,
-        read_every=10,
-        adamw_steps=160,
-        adamw_label="tuned AdamW, lr 0.01 (issue 10)",
-        title="text-cnn: lr sweeps of today's baselines (1 seed, cosine over 3 epochs, "
-        "warm-up 0.25)",
+    "text-cnn": _text_cnn(
+        "cosine:0.25",
+        "runs/tune-baselines-text-cnn",
+        "tuned AdamW, lr 0.01 (issue 10)",
+        "text-cnn: lr sweeps of today's baselines (1 seed, cosine over 3 epochs, warm-up 0.25)",
     ),
-    "text-cnn-nowarmup": Setup(
-        _SWEEP.format(
-            task="text-cnn", evals=20, schedule="cosine:0", out="runs/tune-baselines-text-cnn-nw"
-        ),
-        target=2.5,
-        total_steps=600,
-        read_every=10,
-        adamw_steps=160,
-        adamw_label="tuned AdamW, lr 0.01, with its warm-up (issue 10)",
-        title="text-cnn: today's baselines without warm-up (1 seed, cosine over 3 epochs)",
+    "text-cnn-nowarmup": _text_cnn(
+        "cosine:0",
+        "runs/tune-baselines-text-cnn-nw",
+        "tuned AdamW, lr 0.01, with its warm-up (issue 10)",
+        "text-cnn: today's baselines without warm-up (1 seed, cosine over 3 epochs)",
     ),
 }
 
