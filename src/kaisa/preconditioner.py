@@ -195,7 +195,8 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         Layers of one shape (a Transformer's blocks, on their workers, the eigen and
         inverse methods: :mod:`kaisa.step.batched`) are preconditioned by one
         kernel per group; compiled, its products, division and KL terms are
-        one graph per group shape, compiled once (damping schedules included).
+        one graph (two compilations in all: the first shape, then one with
+        dynamic shapes for every other; a damping schedule recompiles nothing).
         On CUDA, ``mode='reduce-overhead'`` replays them as CUDA graphs.  The
         rest of ``step()`` runs as before: ``torch.compile(precond.step)``
         also works, with graph breaks at every collective and decision."""

@@ -74,11 +74,15 @@ class ShapeGroups:
 
     def compile(self, **options: Any) -> None:
         """Run each group's kernel compiled (``torch.compile(**options)``,
-        whole graph, one compilation per group shape).  With CUDA graphs
+        whole graph).  The first group shape compiles a graph of its own, the
+        second one with dynamic shapes that serves every shape after it: a
+        graph per shape would reach dynamo's recompile limit (8) on a model
+        of many shapes (a ResNet), where ``fullgraph`` makes that an error.
+        The damping is a graph input (a schedule does not recompile).  With CUDA graphs
         (``mode='reduce-overhead'``) each step starts a new generation of
         them (``torch.compiler.cudagraph_mark_step_begin``): the previous
         step's outputs have been written back by then."""
-        options = {"fullgraph": True, "dynamic": False, **options}
+        options = {"fullgraph": True, **options}
         self._kernel = torch.compile(group_kernel, **options)
         self._cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
 

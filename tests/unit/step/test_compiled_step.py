@@ -2,8 +2,10 @@
 
 1. ``precond.compile()`` runs the stacked groups' kernel (kaisa.step.batched)
    compiled: the same gradients as without (float64, eigen and inverse,
-   across factor and inverse updates, with a damping schedule), one
-   compilation per group shape however many steps and dampings, no break.
+   across factor and inverse updates, with a damping schedule), two
+   compilations in all however many steps, dampings and group shapes (the
+   second is dynamic in shape: eleven shapes do not reach dynamo's
+   recompile limit, which ``fullgraph`` would make an error), no break.
 2. ``torch.compile(precond.step)`` — the whole step under dynamo, with its
    breaks at the collectives and decisions — trains as the eager step does.
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -67,11 +70,40 @@ def test_compiled_groups_equal_the_eager_step(method: str) -> None:
     run(eager, want.step, want)
     run(model, got.step, got)
     assert groups.split(list(got.layers.values()))  # the tower's layers were stacked
-    assert backend.compiled == 2  # one graph per group shape, damping changing every step
+    assert backend.compiled == 2  # two group shapes, damping changing every step
     assert backend.runs == 2 * 9
     assert not counters["graph_break"]
     for a, b in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_many_group_shapes_compile_twice_not_once_each() -> None:
+    """Eleven group shapes (three layers of each width): the first compiles a
+    graph, the second a dynamic-shape one that serves the rest — no error at
+    dynamo's recompile limit of 8, and the same gradients as without."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for w0, w1 in itertools.pairwise(range(6, 18)):
+        layers += [nn.Linear(w0, w1), nn.Tanh(), nn.Linear(w1, w1), nn.Tanh()]
+        layers += [nn.Linear(w1, w1), nn.Tanh()]
+    eager = nn.Sequential(*layers).double()
+    model = copy.deepcopy(eager)
+    want = KFACPreconditioner(eager, **KW)
+    got = KFACPreconditioner(model, **KW)
+    backend = Counting()
+    got.compile(backend=backend)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+        for net, precond in ((eager, want), (model, got)):
+            net.zero_grad()
+            net(x).pow(2).mean().backward()
+            precond.step()
+        for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+    groups = got._parts.pipeline.application.groups.split(list(got.layers.values()))
+    assert len(groups) == 11
+    assert backend.compiled == 2 and backend.runs == 5 * 11
 
 
 def test_torch_compile_of_step_trains_as_the_eager_step() -> None:
