@@ -303,12 +303,13 @@ class GradientApplication:
         plans = [self.plan.layer(la.name) for la in layers]
         to_global = self.comm.global_ranks
         adapters = [la.adapter for la in layers]
+        # this rank's stacked layers read their gradients stacked (kaisa.step.batched)
+        results = self._precondition_mine_stacked(layers, damping)
         if self._sharded is not None:
             workers = [self._global_workers(lp, to_global) for lp in plans]
             grads = self._sharded.read_many(adapters, workers)
         else:
-            grads = [self.engine.read(a) for a in adapters]
-        results = self._precondition_mine_stacked(layers, damping)
+            grads = [None if la.name in results else self.engine.read(la.adapter) for la in layers]
         for layer, lp, grad in zip(layers, plans, grads):
             name = layer.name
             if lp.is_grad_worker(self.rank) and name not in results:
