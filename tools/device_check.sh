@@ -4,17 +4,18 @@
 #     bash tools/device_check.sh          # $OUT: where the results go
 # 1. tests/cuda (the compiled path under inductor, CUDA graphs of the stacked
 #    groups, a non-factor step without host synchronisation, ...);
-# 2. benchmarks/step_launches.py --device cuda: the GPU goal, a step
-#    <= 1.15x the first-order step at factor/inverse intervals 10/100.
+# 2. benchmarks/step_launches.py --device cuda: the GPU goal, a
+#    non-factor step <= 1.15x the first-order step at factor/inverse
+#    intervals 10/100 (its second table).
 set -u
-export PYTHONPATH="$PWD/src:$PWD/lab/src"
+export PYTHONPATH="$PWD/src:$PWD/lab/src" PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/device}"
 mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/device.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:randomly tests/cuda 2>&1 \
-  | tail -40 | tee "$OUT/cuda_tests.txt"
-timeout 240 python3 benchmarks/step_launches.py --device cuda --rounds 3 --out "$OUT" 2>&1 \
-  | grep -E '^\||Error' | tee "$OUT/step_launches.txt"
+timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -p no:randomly -rsfP tests/cuda \
+  2>&1 | tail -80 | tee "$OUT/cuda_tests.txt"
+timeout "${BENCH_S:-240}" python3 benchmarks/step_launches.py --device cuda --rounds 5 --block 20 \
+  --out "$OUT" 2>&1 | tee "$OUT/step_launches.txt" | grep -E '^\||Error'

@@ -42,6 +42,7 @@ from kaisa.layers.registry import SkippedModule
 from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.step.diagnostics import StepDiagnostics
+from kaisa.step.graphed import CUDA_GRAPH_MODES, GraphedApplication
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
 from kaisa.wiring import build, check_runtime_arguments, configure
 
@@ -197,10 +198,22 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         kernel per group; compiled, its products, division and KL terms are
         one graph (two compilations in all: the first shape, then one with
         dynamic shapes for every other; a damping schedule recompiles nothing).
-        On CUDA, ``mode='reduce-overhead'`` replays them as CUDA graphs.  The
+
+        On CUDA, ``mode='reduce-overhead'`` (or ``'max-autotune'``) records a
+        non-factor step's whole application — reads, products, KL clip,
+        writes — as one CUDA graph, replayed each non-factor step and recorded
+        again after each inverse update (:mod:`kaisa.step.graphed`); the
+        groups' kernel inside it is compiled without graphs of its own.  The
         rest of ``step()`` runs as before: ``torch.compile(precond.step)``
         also works, with graph breaks at every collective and decision."""
-        self._parts.pipeline.application.groups.compile(**options)
+        pipeline = self._parts.pipeline
+        graphs = options.get("mode") in CUDA_GRAPH_MODES
+        if graphs and any(la.adapter.device.type == "cuda" for la in self._parts.layers.values()):
+            options["mode"] = CUDA_GRAPH_MODES[options["mode"]]
+            pipeline.graphed = GraphedApplication(pipeline.application)
+        elif pipeline.graphed is not None:
+            pipeline.graphed.invalidate()
+        pipeline.application.groups.compile(**options)
 
     # -- configuration and state views --------------------------------------------
     @property

@@ -231,30 +231,86 @@ def test_compiled_training_on_cuda_equals_eager() -> None:
         assert rel_err(a, b) < 1e-4
 
 
-def test_compiled_groups_as_cuda_graphs_equal_eager() -> None:
-    """precond.compile(mode='reduce-overhead'): the stacked groups' kernel
-    replayed as CUDA graphs, step after step, trains as the eager step."""
+def _graphed_run(graphed: bool, steps: int = 14) -> tuple[list[torch.Tensor], Any]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Tower().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    precond = KFACPreconditioner(
+        model,
+        factor_update_steps=3,
+        inv_update_steps=6,
+        damping=lambda s: 0.05 + 0.002 * s,
+        lr=lambda s: 0.1 / (1 + 0.1 * s),
+        kl_clip=0.01,
+    )
+    if graphed:
+        precond.compile(mode="reduce-overhead")
+    for s in range(steps):
+        _, tok, y = (t.cuda() for t in data(s))
+        opt.zero_grad(set_to_none=s % 2 == 0)  # new gradient tensors, then reused ones
+        F.cross_entropy(model(tok), y).backward()
+        precond.step()
+        opt.step()
+    return [p.detach().double().cpu() for p in model.parameters()], precond
 
-    def run(compiled: bool) -> list[torch.Tensor]:
+
+def test_replayed_non_factor_steps_equal_eager() -> None:
+    """precond.compile(mode='reduce-overhead'): each non-factor step's
+    application replayed as one CUDA graph (kaisa.step.graphed), recorded
+    after each inverse update, with damping and lr schedules, trains as the
+    eager step."""
+    want, _ = _graphed_run(False)
+    got, precond = _graphed_run(True)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    graphed = precond._parts.pipeline.graphed
+    # inverse updates at steps 0, 6, 12: recorded at 1, 7, 13, replayed at 2, 4, 5, 8, 10, 11
+    assert graphed is not None and graphed.recordings == 3
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def test_a_replayed_step_launches_little_and_does_not_synchronise() -> None:
+    """A replayed non-factor step: a few launches (copies, fills, the
+    verdict's copy, one graph) where the eager step launches dozens, and
+    no host synchronisation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for graphed in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Tower().cuda()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         precond = KFACPreconditioner(
-            model, factor_update_steps=2, inv_update_steps=4, damping=0.05, kl_clip=0.01
+            model, factor_update_steps=3, inv_update_steps=6, damping=0.05, kl_clip=0.01
         )
-        if compiled:
+        if graphed:
             precond.compile(mode="reduce-overhead")
-        for s in range(8):
+        for s in range(3):  # a factor step, a recording, then a replay
             _, tok, y = (t.cuda() for t in data(s))
-            opt.zero_grad()
+            model.zero_grad()
             F.cross_entropy(model(tok), y).backward()
-            precond.step()
-            opt.step()
-        return [p.detach().double().cpu() for p in model.parameters()]
-
-    for a, b in zip(run(True), run(False)):
-        assert rel_err(a, b) < 1e-4
+            if s < 2:
+                precond.step()
+                continue
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    precond.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            names = [e.name for e in prof.events()]
+            counts[graphed] = (
+                sum(names.count(n) for n in LAUNCHES),
+                names.count("cudaGraphLaunch"),
+            )
+    print("launches eager / replayed:", counts)
+    (eager, _), (replayed, graphs) = counts[False], counts[True]
+    assert graphs == 1
+    assert replayed <= 8 < eager
 
 
 def test_a_non_factor_step_on_cuda_does_not_synchronise() -> None:

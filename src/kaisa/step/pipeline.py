@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator
@@ -26,6 +28,7 @@ from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import Engine, GradientMarks, OwnsTheLoop
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
+from kaisa.step.graphed import GraphedApplication
 from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.nonfinite import NonFiniteSteps, finite_verdict, gradients_finite
 from kaisa.step.reduce import FactorReduction
@@ -57,6 +60,8 @@ class StepPipeline:
     drop_statistics: bool = False
     #: runs on every rank at each inverse update (the checkpoint mirror, kaisa.checkpoint.mirror)
     on_inverse_step: Callable[[int], None] | None = None
+    #: non-factor steps' application replayed as a CUDA graph (kaisa.step.graphed)
+    graphed: GraphedApplication | None = None
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
@@ -65,6 +70,8 @@ class StepPipeline:
         self.nonfinite = NonFiniteSteps()
         #: each layer's gradient presence, agreed on with the finiteness check
         self._presence: dict[str, bool] | None = None
+        #: a non-factor step's finiteness verdict is formed on the device (defer_verdict)
+        self._verdict_owed = False
         self._broadcast_reported: set[str] = set()
         self._eval_reported: set[str] = set()
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
@@ -95,7 +102,7 @@ class StepPipeline:
         if counts is not None:
             self.reduction.fold(counts, self.schedule.factor_decay(step))
         self.update_second_order(step, damping)
-        self.apply(step, damping, factor_step)
+        self.apply(step, damping, factor_step, deferred)
         self.comm.stats.end_step()
         self.steps += 1
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
@@ -152,11 +159,14 @@ class StepPipeline:
         ):
             return False
         self._presence = None
-        if self.scaling.found_inf() is None:  # a scaler's skips are its own, as before
-            verdict = finite_verdict(self.engine.local_gradients(adapters))
-            if verdict is not None:
-                self.nonfinite.defer(self.steps, verdict)
+        # formed in apply(), before the gradients change (inside a replayed
+        # step's graph there); a scaler's skips are its own, as before
+        self._verdict_owed = self.scaling.found_inf() is None
         return True
+
+    def _verdict(self) -> Tensor | None:
+        """The deferred finiteness verdict of this step's gradients (on the device)."""
+        return finite_verdict(self.engine.local_gradients([la.adapter for la in self.layers]))
 
     def gradients_finite(self) -> bool:
         """Whether every registered layer's gradient is finite on every rank
@@ -211,19 +221,28 @@ class StepPipeline:
         every = self.stale or inverse_step
         due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
         self.second_order.run(due, damping)
+        if due and self.graphed is not None:
+            self.graphed.invalidate()  # it reads the operands just replaced
         self.stale = False
         if inverse_step and self.on_inverse_step is not None:
             self.on_inverse_step(step)
 
-    def apply(self, step: int, damping: float, factor_step: bool) -> None:
-        self.application.run(
-            self.layers,
-            damping,
-            self.schedule.lr(step),
-            self.schedule.kl_clip(step),
-            factor_step,
-            self._presence,
-        )
+    def apply(self, step: int, damping: float, factor_step: bool, deferred: bool) -> None:
+        """``deferred``: a non-factor step whose verdict stays on the device,
+        which may be replayed (:mod:`kaisa.step.graphed`)."""
+        lr, kl_clip = self.schedule.lr(step), self.schedule.kl_clip(step)
+        verdict_of = self._verdict if deferred and self._verdict_owed else None
+        verdict: Tensor | None = None
+        graphed = self.graphed
+        replayed = deferred and graphed is not None
+        if replayed:
+            assert graphed is not None
+            replayed, verdict = graphed.run(self.layers, damping, lr, kl_clip, verdict_of)
+        if not replayed:
+            verdict = verdict_of() if verdict_of is not None else None
+            self.application.run(self.layers, damping, lr, kl_clip, factor_step, self._presence)
+        if verdict is not None:
+            self.nonfinite.defer(self.steps, verdict)
 
     def _report_broadcast_inputs(self) -> None:
         """A layer that saw fewer data points per pass than the rest of the

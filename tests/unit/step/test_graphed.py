@@ -1,0 +1,212 @@
+"""A non-factor step recorded once and replayed (kaisa.step.graphed), on CPU.
+
+CPU has no CUDA graphs, so :class:`Emulated` stands in for one and keeps
+the graph's contract: a replay reads and writes the gradient tensors the
+recording saw (not the current ``.grad``), reads the operands recorded
+(it fails the test if they were replaced without a new recording), and
+sees no Python value given after the recording except through the scalar
+tensors.  With it the replayed training equals the eager step in float64
+under damping and lr schedules, with gradients new each step or reused,
+when a layer's gradient comes and goes, after a checkpoint load; and it
+falls back to the eager step where it must.  tests/cuda runs real graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from kaisa import KFACPreconditioner
+from kaisa.core.layer_state import KFACLayer
+from kaisa.step.diagnostics import StepDiagnostics
+from kaisa.step.graphed import GraphedApplication
+
+
+class Emulated:
+    """A stand-in for a CUDA graph: the work is run again at each replay on
+    the gradient tensors present when it was recorded, and the operands it
+    reads must be those it was recorded with."""
+
+    def __init__(self, model: nn.Module, layers: list[KFACLayer], log: list[str]) -> None:
+        self.params = [p for p in model.parameters()]
+        self.layers = layers
+        self.log = log
+
+    def record(self, work: Callable[[], Tensor | None]) -> Tensor | None:
+        self.grads = [p.grad for p in self.params]
+        self.operands = self._operands()
+        self.work = work
+        self.log.append("record")
+        return work()
+
+    def _operands(self) -> list[tuple[Tensor, int]]:
+        return [(t, t._version) for la in self.layers for t in la.operands().values()]
+
+    def replay(self) -> Tensor | None:
+        now = self._operands()
+        assert len(now) == len(self.operands) and all(
+            a is b and va == vb for (a, va), (b, vb) in zip(now, self.operands)
+        ), "replayed with operands replaced since the recording"
+        current = [p.grad for p in self.params]
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        self.log.append("replay")
+        try:
+            return self.work()
+        finally:
+            for p, g in zip(self.params, current):
+                p.grad = g
+
+
+def tower() -> nn.Module:
+    """A group of stacked layers (3 × 16→16) and layers of their own shapes."""
+    layers: list[nn.Module] = [nn.Linear(8, 16), nn.Tanh()]
+    for _ in range(3):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    layers += [nn.Linear(16, 4)]
+    return nn.Sequential(*layers).double()
+
+
+KW: dict[str, Any] = dict(
+    factor_update_steps=3,
+    inv_update_steps=6,
+    damping=lambda s: 0.1 + 0.01 * s,
+    lr=lambda s: 0.05 / (1 + 0.1 * s),
+    kl_clip=1e-3,
+)
+
+
+def train(
+    graphed: bool,
+    steps: int = 20,
+    set_to_none: bool = True,
+    tamper: Callable[[nn.Module, int], None] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    before: Callable[[KFACPreconditioner, int], None] | None = None,
+) -> tuple[list[Tensor], list[str], KFACPreconditioner]:
+    """``steps`` steps of SGD + kaisa under the accelerator's rule (nothing
+    read to the host: the non-factor steps are deferred); ``tamper(model,
+    s)`` changes step s's gradients."""
+    torch.manual_seed(0)
+    model = tower()
+    precond = KFACPreconditioner(model, **(KW if kwargs is None else kwargs))
+    pipeline = precond._parts.pipeline
+    pipeline.application.read_scalars = False
+    log: list[str] = []
+    if graphed:
+        layers = list(precond.layers.values())
+        pipeline.graphed = GraphedApplication(
+            pipeline.application, lambda: Emulated(model, layers, log)
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for s in range(steps):
+        if before is not None:
+            before(precond, s)
+        x = torch.randn(10, 8, generator=g, dtype=torch.float64)
+        opt.zero_grad(set_to_none=set_to_none)
+        model(x).logsumexp(-1).mean().backward()
+        if tamper is not None:
+            tamper(model, s)
+        precond.step()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], log, precond
+
+
+def assert_same(a: list[Tensor], b: list[Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert float((x - y).norm() / y.norm()) <= 1e-12
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_replays_equal_the_eager_step(method: str, set_to_none: bool) -> None:
+    kwargs = {**KW, "compute_method": method}
+    want, _, _ = train(False, set_to_none=set_to_none, kwargs=kwargs)
+    got, log, precond = train(True, set_to_none=set_to_none, kwargs=kwargs)
+    assert_same(got, want)
+    # steps 0..19 at intervals 3/6: the non-factor steps after each of the
+    # four inverse updates (0, 6, 12, 18) record once and replay after
+    assert log.count("record") == 4
+    assert log.count("replay") == 13 - 4
+    graphed = precond._parts.pipeline.graphed
+    assert graphed is not None and graphed.recordings == 4
+
+
+def test_a_layer_without_gradient_records_anew() -> None:
+    """The set of layers taking part is the graph's key."""
+
+    def drop(model: nn.Module, s: int) -> None:
+        if s in (4, 5, 10):
+            model[2].weight.grad = None
+            model[2].bias.grad = None
+
+    want, _, _ = train(False, tamper=drop)
+    got, log, _ = train(True, tamper=drop)
+    assert_same(got, want)
+    # records at 1 (after 0), 4 (new set), 5 is the same set, 7 (after 6,
+    # full set again), 10 (new set), 11 (full set), 13, 19
+    assert log.count("record") == 7
+
+
+def test_non_finite_gradients_are_counted_as_in_the_eager_step() -> None:
+    """The deferred finiteness verdict is formed inside the replay (before
+    the gradients are overwritten) and counted as the eager step counts it."""
+
+    def poison(model: nn.Module, s: int) -> None:
+        if s == 13:  # a replayed step: its NaN goes through (deferred), and after it
+            model[4].weight.grad[0, 0] = float("nan")
+
+    _, _, eager = train(False, steps=16, tamper=poison)
+    _, log, precond = train(True, steps=16, tamper=poison)
+    assert log[-1] == "replay"
+    # counted when settled at step 15 (a factor step): 13, 14 (NaN weights), 15
+    assert precond.nonfinite_steps == eager.nonfinite_steps == 3
+
+
+def test_a_checkpoint_load_records_anew() -> None:
+    """Loading replaces the operands (the pipeline recomputes them): the
+    emulated graph fails if it is replayed on the old ones."""
+    saved: dict[str, Any] = {}
+
+    def before(precond: KFACPreconditioner, s: int) -> None:
+        if s == 8:
+            saved["state"] = copy.deepcopy(precond.state_dict())
+        if s == 10:
+            precond.load_state_dict(saved["state"])
+
+    want, _, _ = train(False, before=before)
+    got, log, _ = train(True, before=before)
+    assert_same(got, want)
+    # the load at s=10 brings back step 8's counter: recordings after the
+    # inverse updates at steps 0 and 6, at the load (step 8 again), after 12
+    # (a replay on the operands from before the load fails in Emulated)
+    assert log.count("record") == 4
+
+
+def test_diagnostics_run_the_eager_step() -> None:
+    """Diagnostics record each step's ν in Python: nothing is replayed."""
+
+    def before(precond: KFACPreconditioner, s: int) -> None:
+        if s == 0:
+            precond.diagnostics = StepDiagnostics()
+
+    want, _, _ = train(False, before=before)
+    got, log, precond = train(True, before=before)
+    assert_same(got, want)
+    assert log == []
+    assert precond.diagnostics is not None and len(precond.diagnostics.kl_scales) == 20
+
+
+def test_compile_asks_for_graphs_only_on_cuda() -> None:
+    """``precond.compile(mode='reduce-overhead')`` on a CPU model compiles the
+    groups as before and records no graph."""
+    model = tower()
+    precond = KFACPreconditioner(model, **KW)
+    precond.compile(mode="reduce-overhead")
+    assert precond._parts.pipeline.graphed is None
