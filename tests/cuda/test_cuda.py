@@ -7,8 +7,10 @@ the GPU is compared with float64 on the CPU at float32 accuracy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -157,7 +159,8 @@ def test_fp16_grad_scaler_on_cuda_skips_the_overflow_step() -> None:
         assert torch.equal(a, b)
 
 
-def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
+@contextlib.contextmanager
+def one_rank_nccl() -> Iterator[None]:
     if not dist.is_nccl_available():
         pytest.skip("this torch build has no NCCL")
     with socket.socket() as s:
@@ -166,6 +169,13 @@ def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
+    with one_rank_nccl():
         ref, _ = train("cuda", torch.float32)
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(Net().cuda())
@@ -183,8 +193,6 @@ def test_nccl_ddp_one_rank_equals_the_plain_model() -> None:
             opt.step()
         for a, b in zip(got, ref):
             assert rel_err(a, b) < 1e-5
-    finally:
-        dist.destroy_process_group()
 
 
 class Tower(nn.Module):
@@ -231,10 +239,14 @@ def test_compiled_training_on_cuda_equals_eager() -> None:
         assert rel_err(a, b) < 1e-4
 
 
-def _graphed_run(graphed: bool, steps: int = 14) -> tuple[list[torch.Tensor], Any]:
+def _graphed_run(
+    graphed: bool, steps: int = 14, ddp: bool = False
+) -> tuple[list[torch.Tensor], Any]:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Tower().cuda()
+    model: nn.Module = Tower().cuda()
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     precond = KFACPreconditioner(
         model,
@@ -267,6 +279,17 @@ def test_replayed_non_factor_steps_equal_eager() -> None:
     graphed = precond._parts.pipeline.graphed
     # inverse updates at steps 0, 6, 12: recorded at 1, 7, 13, replayed at 2, 4, 5, 8, 10, 11
     assert graphed is not None and graphed.recordings == 3
+
+
+def test_replayed_steps_under_nccl_ddp_equal_the_plain_model() -> None:
+    """DDP on one NCCL rank (every rank every layer's worker, no collective
+    in a non-factor step): replayed as the single process's eager step."""
+    want, _ = _graphed_run(False)
+    with one_rank_nccl():
+        got, precond = _graphed_run(True, ddp=True)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    assert precond._parts.pipeline.graphed.recordings == 3
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")

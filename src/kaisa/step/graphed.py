@@ -42,9 +42,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from kaisa.core.layer_state import KFACLayer
+from kaisa.engines.base import unique_parameters
 from kaisa.engines.pytorch import ParamGradAccess, TorchEngine
 from kaisa.step.apply import GradientApplication
 
@@ -130,6 +131,10 @@ class GraphedApplication:
         self._values: list[float | None] = [None, None, None]
         #: recordings made (each inverse update, each new set of layers)
         self.recordings = 0
+        self._fixed_ok: bool | None = None
+        self._weights: list[nn.Parameter] = []
+        #: the parameters whose gradients the graph reads, each once
+        self._params: list[nn.Parameter] = []
 
     def invalidate(self) -> None:
         """Drop the graph (the operands it reads were replaced)."""
@@ -138,20 +143,21 @@ class GraphedApplication:
         self._grads = []
 
     def eligible(self) -> bool:
-        """Whether this step's application may be recorded (see the module)."""
-        app = self.application
-        engine = app.engine
-        plan = app.plan
-        return (
-            isinstance(engine, TorchEngine)
-            and isinstance(engine.access, ParamGradAccess)
-            and app.diagnostics is None
-            and not app.comm.model_parallel
-            and (
-                not app.comm.distributed
-                or (engine.gradients_agree() and plan.grad_workers == plan.world_size)
+        """Whether this step's application may be recorded (see the module);
+        all but the diagnostics is fixed at construction, so asked once."""
+        if self._fixed_ok is None:
+            app = self.application
+            engine, plan = app.engine, app.plan
+            self._fixed_ok = (
+                isinstance(engine, TorchEngine)
+                and isinstance(engine.access, ParamGradAccess)
+                and not app.comm.model_parallel
+                and (
+                    not app.comm.distributed
+                    or (engine.gradients_agree() and plan.grad_workers == plan.world_size)
+                )
             )
-        )
+        return self._fixed_ok and self.application.diagnostics is None
 
     def run(
         self,
@@ -165,25 +171,29 @@ class GraphedApplication:
         needed), after ``verdict_of()`` — the gradients' finiteness verdict,
         formed inside the graph too and returned (a copy: the graph's own
         is overwritten by the next replay).  Returns (False, None) where it
-        cannot replay (the caller runs the step eagerly)."""
+        cannot replay (the caller runs the step eagerly).
+
+        The key is which layers have a gradient (read straight from their
+        weights: this runs on every non-factor step, where a few
+        microseconds per layer would be the step's cost); a layer newly
+        captured comes with a decomposition, which drops the graph anyway."""
         if not self.eligible():
             self.invalidate()
             return False, None
-        engine = self.application.engine
-        assert isinstance(engine, TorchEngine)
-        taking = [la for la in layers if la.captured and engine.present(la.adapter)]
-        key: Key = (tuple(la.name for la in taking), kl_clip is None, verdict_of is None)
-        grads = engine.local_gradients([la.adapter for la in taking])
-        if not grads:
-            return False, None
-        self._fill(grads[0].device, damping, lr, kl_clip)
+        if self._recorder is None or len(self._weights) != len(layers):
+            self._weights = [la.adapter.weight for la in layers]
+        key: Key = (
+            tuple([w.grad is not None for w in self._weights]),
+            kl_clip is None,
+            verdict_of is None,
+        )
         if key != self._key or self._recorder is None:
-            if not self._ready(taking):
-                return False, None
-            return True, self._record(layers, key, grads, kl_clip is None, verdict_of)
-        if len(grads) != len(self._grads):
+            return self._record(layers, key, damping, lr, kl_clip, verdict_of)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if len(grads) != len(self._params):  # a bias without a gradient beside its weight's
             self.invalidate()
             return False, None
+        self._fill(grads[0].device, damping, lr, kl_clip)
         held = self._grads
         moved = [i for i, (g, h) in enumerate(zip(grads, held)) if g is not h]
         if moved:
@@ -206,29 +216,40 @@ class GraphedApplication:
         self,
         layers: list[KFACLayer],
         key: Key,
-        grads: list[Tensor],
-        no_clip: bool,
+        damping: float,
+        lr: float,
+        kl_clip: float | None,
         verdict_of: Callable[[], Tensor | None] | None,
-    ) -> Tensor | None:
-        """Record this step's work (running it); returns its verdict."""
+    ) -> tuple[bool, Tensor | None]:
+        """Record this step's work (running it); returns (done, its verdict)."""
+        self.invalidate()
+        engine = self.application.engine
+        assert isinstance(engine, TorchEngine)
+        taking = [la for la in layers if la.captured and engine.present(la.adapter)]
+        params = unique_parameters([la.adapter for la in taking])
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads or len(grads) != len(params) or not self._ready(taking):
+            return False, None
+        self._fill(grads[0].device, damping, lr, kl_clip)
         assert self._scalars is not None
-        damping, lr, kl_clip = self._scalars.unbind(0)
+        damping_t, lr_t, kl_clip_t = self._scalars.unbind(0)
         app = self.application
+        no_clip = kl_clip is None
 
         def work() -> Tensor | None:
             verdict = verdict_of() if verdict_of is not None else None
-            clip = None if no_clip else kl_clip
-            app.run(layers, damping, lr, clip, False)  # type: ignore[arg-type]
+            clip = None if no_clip else kl_clip_t
+            app.run(layers, damping_t, lr_t, clip, False)  # type: ignore[arg-type]
             return verdict
 
-        self.invalidate()
         recorder = self._new_recorder()
         verdict = recorder.record(work)
         self._recorder = recorder
         self._key = key
+        self._params = params
         self._grads = grads
         self.recordings += 1
-        return verdict
+        return True, verdict
 
     def _fill(self, device: torch.device, damping: float, lr: float, kl_clip: float | None) -> None:
         """The scalars the graph reads, refilled where their value changed
