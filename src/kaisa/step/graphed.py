@@ -14,7 +14,10 @@ What may differ between replays, and how each is kept right:
 * **the gradients**: a new tensor per backward under
   ``zero_grad(set_to_none=True)``.  The graph reads and writes the tensors
   it was recorded on (held here); new ones are copied in before a replay
-  and back after it (one multi-tensor copy each way).
+  (one multi-tensor copy), and the held tensors, holding the result, then
+  become the parameters' ``.grad`` (the same shape, dtype and values a copy
+  back would give, without its launch).  Under ``zero_grad(set_to_none=False)``
+  backward then accumulates into them and a replay copies nothing.
 * **damping, lr, kl_clip**: 0-d device tensors the graph reads, refilled
   when a value changes (a schedule costs one fill, not a new recording).
 * **the operands** (eigenbases, inverses, stacked groups): new at every
@@ -131,6 +134,8 @@ class GraphedApplication:
         self._values: list[float | None] = [None, None, None]
         #: recordings made (each inverse update, each new set of layers)
         self.recordings = 0
+        #: gradients copied into the graph's tensors (new tensors from backward)
+        self.copied = 0
         self._fixed_ok: bool | None = None
         self._weights: list[nn.Parameter] = []
         #: the parameters whose gradients the graph reads, each once
@@ -198,9 +203,11 @@ class GraphedApplication:
         moved = [i for i, (g, h) in enumerate(zip(grads, held)) if g is not h]
         if moved:
             torch._foreach_copy_([held[i] for i in moved], [grads[i] for i in moved])
+            self.copied += len(moved)
         verdict = self._recorder.replay()
-        if moved:
-            torch._foreach_copy_([grads[i] for i in moved], [held[i] for i in moved])
+        params = self._params
+        for i in moved:  # the graph's tensors, now holding V, become the gradients
+            params[i].grad = held[i]
         return True, None if verdict is None else verdict.clone()
 
     def _ready(self, taking: list[KFACLayer]) -> bool:

@@ -15,14 +15,12 @@ Who does what is fixed once, at construction, by the work plan
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from kaisa.core.layer_state import KFACLayer
-from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import Engine, GradientMarks, OwnsTheLoop
@@ -32,6 +30,7 @@ from kaisa.step.graphed import GraphedApplication
 from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.nonfinite import NonFiniteSteps, finite_verdict, gradients_finite
 from kaisa.step.reduce import FactorReduction
+from kaisa.step.reports import StepReports
 from kaisa.step.schedule import Schedule
 from kaisa.step.second_order import SecondOrderUpdate
 
@@ -72,8 +71,7 @@ class StepPipeline:
         self._presence: dict[str, bool] | None = None
         #: a non-factor step's finiteness verdict is formed on the device (defer_verdict)
         self._verdict_owed = False
-        self._broadcast_reported: set[str] = set()
-        self._eval_reported: set[str] = set()
+        self.reports = StepReports()
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
         if self.in_hook and self.comm.distributed:
             self.capture.on_layer_complete = self.reduction.layer_complete
@@ -147,9 +145,9 @@ class StepPipeline:
         (:mod:`kaisa.step.nonfinite`) instead of reading it: where a read is
         not free, the method changes no state while applying, and the
         verdict needs no collective (one process, or gradients the engine
-        has already averaged).  Records the verdict; True if deferred."""
-        adapters = [la.adapter for la in self.layers]
-        device = adapters[0].device
+        has already averaged).  True if deferred (the verdict is then formed
+        by :meth:`apply`)."""
+        device = self.layers[0].adapter.device
         if (
             self.application.reads_free(device)
             or self.application.method.apply_updates_state
@@ -207,9 +205,9 @@ class StepPipeline:
         ranks (folded into the running averages once the step is known to
         be valid)."""
         self.capture.collect_compiled()
-        self._report_dropped_forwards()
-        self._report_broadcast_inputs()
-        self._report_eval_forwards()
+        self.reports.dropped_forwards(self.layers)
+        self.reports.broadcast_inputs(self.layers)
+        self.reports.eval_forwards(self.layers, self.engine)
         if not self.in_hook:
             for layer in self.layers:
                 self.capture.flush(layer)
@@ -243,73 +241,3 @@ class StepPipeline:
             self.application.run(self.layers, damping, lr, kl_clip, factor_step, self._presence)
         if verdict is not None:
             self.nonfinite.defer(self.steps, verdict)
-
-    def _report_broadcast_inputs(self) -> None:
-        """A layer that saw fewer data points per pass than the rest of the
-        model was fed one row broadcast over the batch (position ids of shape
-        ``[1, T]``) in a way :mod:`kaisa.step.capture.broadcast` cannot see through (not an
-        elementwise ``+``/``-``/``*`` with the batch): its G is that of the
-        batch-summed gradient, not the per-example one.  Said once per layer."""
-        per_pass = {}
-        for la in self.layers:
-            index = next(
-                (i for i, s in enumerate(la.factors) if s.source is FactorSource.OUTPUT_GRAD), None
-            )
-            if index is not None and la.batch.passes:
-                per_pass[la.name] = la.batch.counts[index] / la.batch.passes
-        if not per_pass:
-            return
-        most = max(per_pass.values())
-        for name, seen in per_pass.items():
-            if seen == 1 < most and name not in self._broadcast_reported:
-                self._broadcast_reported.add(name)
-                warnings.warn(
-                    f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
-                    f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
-                    "position ids of shape [1, T]) by an operation kaisa does not see through "
-                    "(it does an elementwise +, - or * with the batch), so its G factor is that "
-                    "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
-                    "leave it out with skip_layers",
-                    stacklevel=4,
-                )
-
-    def _report_eval_forwards(self) -> None:
-        """A layer with a gradient whose forwards this step all ran in eval
-        mode: kaisa captures training-mode forwards only, so its factors
-        miss this step.  Said once per layer; an eval forward that is not
-        backpropagated (a validation pass) is ignored without a word."""
-        names = [
-            la.name
-            for la in self.layers
-            if la.eval_forward
-            and not la.batch.has_data
-            and not la.pending.calls
-            and la.name not in self._eval_reported
-            and self.engine.present(la.adapter)
-        ]
-        if not names:
-            return
-        self._eval_reported.update(names)
-        listed = ", ".join(repr(n) for n in names[:3])
-        if len(names) > 3:
-            listed += f" and {len(names) - 3} more"
-        warnings.warn(
-            f"kaisa: layer(s) {listed} have a gradient but their forward ran in eval mode "
-            "(model.eval()): kaisa captures training-mode forwards only, so their factors "
-            "were not updated this step (a layer never captured keeps its raw gradient). "
-            "Call model.train() before training forwards (after an evaluation, say); to "
-            "train without dropout, set its probability to 0 instead of calling eval()",
-            stacklevel=4,
-        )
-
-    def _report_dropped_forwards(self) -> None:
-        dropped = {la.name: la.batch.pending_forwards for la in self.layers}
-        dropped = {n: c for n, c in dropped.items() if c > 0}
-        if dropped:
-            names = ", ".join(f"{n!r} ({c})" for n, c in dropped.items())
-            warnings.warn(
-                f"kaisa: training-mode forward calls with no backward before step() were "
-                f"ignored: {names}. Run forwards that are not followed by backward inside "
-                "`with precond.paused():` (or under torch.no_grad() / model.eval())",
-                stacklevel=4,
-            )

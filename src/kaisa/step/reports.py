@@ -1,0 +1,95 @@
+"""What the step says once about a layer's captured statistics.
+
+Three things a user can get wrong without an error, each warned about once
+per layer at a factor step (before the statistics are reduced): forwards
+with no backward, an input broadcast over the batch that kaisa cannot see
+through, and training forwards run in eval mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorSource
+from kaisa.engines.base import Engine
+
+__all__ = ["StepReports"]
+
+
+class StepReports:
+    """Warns once per layer (the layers already told are remembered)."""
+
+    def __init__(self) -> None:
+        self._broadcast: set[str] = set()
+        self._eval: set[str] = set()
+
+    def broadcast_inputs(self, layers: list[KFACLayer]) -> None:
+        """A layer that saw fewer data points per pass than the rest of the
+        model was fed one row broadcast over the batch (position ids of shape
+        ``[1, T]``) in a way :mod:`kaisa.step.capture.broadcast` cannot see through (not an
+        elementwise ``+``/``-``/``*`` with the batch): its G is that of the
+        batch-summed gradient, not the per-example one.  Said once per layer."""
+        per_pass = {}
+        for la in layers:
+            index = next(
+                (i for i, s in enumerate(la.factors) if s.source is FactorSource.OUTPUT_GRAD), None
+            )
+            if index is not None and la.batch.passes:
+                per_pass[la.name] = la.batch.counts[index] / la.batch.passes
+        if not per_pass:
+            return
+        most = max(per_pass.values())
+        for name, seen in per_pass.items():
+            if seen == 1 < most and name not in self._broadcast:
+                self._broadcast.add(name)
+                warnings.warn(
+                    f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
+                    f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
+                    "position ids of shape [1, T]) by an operation kaisa does not see through "
+                    "(it does an elementwise +, - or * with the batch), so its G factor is that "
+                    "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
+                    "leave it out with skip_layers",
+                    stacklevel=4,
+                )
+
+    def eval_forwards(self, layers: list[KFACLayer], engine: Engine) -> None:
+        """A layer with a gradient whose forwards this step all ran in eval
+        mode: kaisa captures training-mode forwards only, so its factors
+        miss this step.  Said once per layer; an eval forward that is not
+        backpropagated (a validation pass) is ignored without a word."""
+        names = [
+            la.name
+            for la in layers
+            if la.eval_forward
+            and not la.batch.has_data
+            and not la.pending.calls
+            and la.name not in self._eval
+            and engine.present(la.adapter)
+        ]
+        if not names:
+            return
+        self._eval.update(names)
+        listed = ", ".join(repr(n) for n in names[:3])
+        if len(names) > 3:
+            listed += f" and {len(names) - 3} more"
+        warnings.warn(
+            f"kaisa: layer(s) {listed} have a gradient but their forward ran in eval mode "
+            "(model.eval()): kaisa captures training-mode forwards only, so their factors "
+            "were not updated this step (a layer never captured keeps its raw gradient). "
+            "Call model.train() before training forwards (after an evaluation, say); to "
+            "train without dropout, set its probability to 0 instead of calling eval()",
+            stacklevel=4,
+        )
+
+    def dropped_forwards(self, layers: list[KFACLayer]) -> None:
+        dropped = {la.name: la.batch.pending_forwards for la in layers}
+        dropped = {n: c for n, c in dropped.items() if c > 0}
+        if dropped:
+            names = ", ".join(f"{n!r} ({c})" for n, c in dropped.items())
+            warnings.warn(
+                f"kaisa: training-mode forward calls with no backward before step() were "
+                f"ignored: {names}. Run forwards that are not followed by backward inside "
+                "`with precond.paused():` (or under torch.no_grad() / model.eval())",
+                stacklevel=4,
+            )
