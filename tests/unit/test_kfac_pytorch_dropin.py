@@ -210,6 +210,22 @@ def test_kaisa_scheduler_refuses_a_value_out_of_range_when_it_sets_it() -> None:
         LambdaParamScheduler(p, damping_lambda=0.5)  # type: ignore[arg-type]
 
 
+def test_an_unvalidated_value_is_refused_by_the_next_step_after_valid_ones() -> None:
+    """The schedule validates a constant once (it is read six times a step):
+    a new value set unvalidated through ``precond._damping`` is still
+    refused by the next step, naming the option."""
+    model = mlp()
+    p = KFACPreconditioner(model, damping=0.1, factor_update_steps=1, inv_update_steps=1)
+    x = torch.randn(8, 6)
+    for _ in range(2):
+        model(x).sum().backward()
+        p.step()
+    p._damping = -1.0
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match=r"damping must be in \(0"):
+        p.step()
+
+
 def test_kfac_pytorchs_scheduler_drives_kaisa(tmp_path: Path) -> None:
     kfac = import_kfac(tmp_path)
     model = mlp()

@@ -26,6 +26,9 @@ from kaisa.config import KFACConfig, check_value, resolve
 
 __all__ = ["Schedule", "warn_unaligned_intervals"]
 
+_UNSEEN = object()
+_IMMUTABLE = (int, float, type(None))
+
 #: the options a checkpoint restores
 RESTORED = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
 
@@ -41,6 +44,8 @@ class Schedule:
         self.lr_from_optimizer = lr_from_optimizer
         #: the schedule options' current values: numbers or callables of the step
         self.values: dict[str, Any] = {k: getattr(config, k) for k in RESTORED}
+        #: the constants among them already validated (by identity)
+        self._valid: dict[str, Any] = {}
 
     @property
     def config(self) -> KFACConfig:
@@ -49,7 +54,16 @@ class Schedule:
         return dataclasses.replace(self._config, **changed) if changed else self._config
 
     def value(self, name: str, step: int) -> Any:
-        return resolve(name, self.values[name], step)
+        """The option at ``step``, validated; a constant is validated the
+        first time it is read (read six times a step, it is then returned
+        as is: a new value, set or restored, is a new object)."""
+        held = self.values[name]
+        if self._valid.get(name, _UNSEEN) is held:
+            return held
+        result = resolve(name, held, step)
+        if type(held) in _IMMUTABLE:  # not a callable, nor a tensor changed in place
+            self._valid[name] = held
+        return result
 
     def current(self, name: str, step: int) -> Any:
         """The option's value at ``step`` as set, unvalidated (a view for users:
