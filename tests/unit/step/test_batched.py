@@ -84,7 +84,9 @@ def test_which_layers_are_stacked() -> None:
         nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6, bias=False), nn.Linear(6, 6)
     ).double()
     precond = KFACPreconditioner(model, damping=0.1)
-    F.mse_loss(model(torch.randn(8, 6, dtype=torch.float64)), torch.zeros(8, 6, dtype=torch.float64)).backward()
+    F.mse_loss(
+        model(torch.randn(8, 6, dtype=torch.float64)), torch.zeros(8, 6, dtype=torch.float64)
+    ).backward()
     precond.step()
     groups = precond._parts.pipeline.application.groups
     layers = list(precond.layers.values())
