@@ -29,6 +29,11 @@ What may differ between replays, and how each is kept right:
 A recording step runs its work eagerly first (on a side stream, as CUDA
 graphs want: that also builds every cache, the workspace and the stacked
 operands, outside the recording), then records it without running it.
+Should the recording fail (an operation a graph cannot hold), the step is
+complete all the same — the eager run did its work — and every later step
+runs eagerly, with one warning.  Memory: the graph keeps its intermediates
+(about one ``V`` per layer) and, under ``set_to_none=True``, one set of
+gradient-sized tensors beside the ones backward creates.
 
 Only the plain path is recorded: gradients in ``param.grad``
 (:class:`~kaisa.engines.pytorch.TorchEngine`), no collective in the step
@@ -41,6 +46,7 @@ the gradients are overwritten.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Protocol
 
@@ -52,7 +58,13 @@ from kaisa.engines.base import unique_parameters
 from kaisa.engines.pytorch import ParamGradAccess, TorchEngine
 from kaisa.step.apply import GradientApplication
 
-__all__ = ["CUDA_GRAPH_MODES", "CudaGraphRecorder", "GraphedApplication", "Recorder"]
+__all__ = [
+    "CUDA_GRAPH_MODES",
+    "CudaGraphRecorder",
+    "GraphedApplication",
+    "Recorder",
+    "RecordingError",
+]
 
 #: ``torch.compile`` modes that ask for CUDA graphs, and the mode the groups'
 #: kernel is compiled with inside the recorded step (no graphs of its own)
@@ -77,6 +89,14 @@ class Recorder(Protocol):
         ...
 
 
+class RecordingError(Exception):
+    """The work ran (``result`` is its result) but could not be recorded."""
+
+    def __init__(self, result: Tensor | None) -> None:
+        super().__init__("the step's work ran but could not be recorded")
+        self.result = result
+
+
 class CudaGraphRecorder:
     """:class:`Recorder` as a ``torch.cuda.CUDAGraph``: the work runs once
     eagerly on a side stream (this step's result, and every cache built
@@ -96,8 +116,11 @@ class CudaGraphRecorder:
         if result is not None:
             result.record_stream(main)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._output = work()
+        try:
+            with torch.cuda.graph(graph):
+                self._output = work()
+        except Exception as error:  # this step's work is done: the warm-up ran it
+            raise RecordingError(result) from error
         self._graph = graph
         return result
 
@@ -136,6 +159,8 @@ class GraphedApplication:
         self.recordings = 0
         #: gradients copied into the graph's tensors (new tensors from backward)
         self.copied = 0
+        #: a recording failed: every step runs eagerly
+        self.failed = False
         self._fixed_ok: bool | None = None
         self._weights: list[nn.Parameter] = []
         #: the parameters whose gradients the graph reads, each once
@@ -162,7 +187,7 @@ class GraphedApplication:
                     or (engine.gradients_agree() and plan.grad_workers == plan.world_size)
                 )
             )
-        return self._fixed_ok and self.application.diagnostics is None
+        return self._fixed_ok and not self.failed and self.application.diagnostics is None
 
     def run(
         self,
@@ -237,6 +262,8 @@ class GraphedApplication:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or len(grads) != len(params) or not self._ready(taking):
             return False, None
+        if len({g.device for g in grads}) > 1:  # one graph runs on one device
+            return False, None
         self._fill(grads[0].device, damping, lr, kl_clip)
         assert self._scalars is not None
         damping_t, lr_t, kl_clip_t = self._scalars.unbind(0)
@@ -250,7 +277,17 @@ class GraphedApplication:
             return verdict
 
         recorder = self._new_recorder()
-        verdict = recorder.record(work)
+        try:
+            verdict = recorder.record(work)
+        except RecordingError as failed:
+            self.failed = True
+            warnings.warn(
+                "kaisa: the non-factor step could not be recorded as a CUDA graph "
+                f"({failed.__cause__!r}); it runs eagerly from now on (the step just taken "
+                "is complete). Please report it with the model",
+                stacklevel=7,
+            )
+            return True, failed.result
         self._recorder = recorder
         self._key = key
         self._params = params

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from kaisa import KFACPreconditioner
 from kaisa.core.layer_state import KFACLayer
 from kaisa.step.diagnostics import StepDiagnostics
-from kaisa.step.graphed import GraphedApplication
+from kaisa.step.graphed import GraphedApplication, RecordingError
 
 
 class Emulated:
@@ -88,6 +88,7 @@ def train(
     tamper: Callable[[nn.Module, int], None] | None = None,
     kwargs: dict[str, Any] | None = None,
     before: Callable[[KFACPreconditioner, int], None] | None = None,
+    recorder: type[Emulated] | None = None,
 ) -> tuple[list[Tensor], list[str], KFACPreconditioner]:
     """``steps`` steps of SGD + kaisa under the accelerator's rule (nothing
     read to the host: the non-factor steps are deferred); ``tamper(model,
@@ -100,8 +101,9 @@ def train(
     log: list[str] = []
     if graphed:
         layers = list(precond.layers.values())
+        kind = Emulated if recorder is None else recorder
         pipeline.graphed = GraphedApplication(
-            pipeline.application, lambda: Emulated(model, layers, log)
+            pipeline.application, lambda: kind(model, layers, log)
         )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
@@ -190,6 +192,26 @@ def test_a_checkpoint_load_records_anew() -> None:
     # inverse updates at steps 0 and 6, at the load (step 8 again), after 12
     # (a replay on the operands from before the load fails in Emulated)
     assert log.count("record") == 4
+
+
+class Unrecordable(Emulated):
+    """Runs the work, then cannot record it (an operation a CUDA graph refuses)."""
+
+    def record(self, work: Callable[[], Tensor | None]) -> Tensor | None:
+        self.log.append("record")
+        raise RecordingError(work())
+
+
+def test_a_step_that_cannot_be_recorded_runs_eagerly_from_then_on() -> None:
+    """The step whose recording failed is complete (its work ran first);
+    every later step runs eagerly, said once."""
+    want, _, _ = train(False)
+    with pytest.warns(UserWarning, match="could not be recorded as a CUDA graph"):
+        got, log, precond = train(True, recorder=Unrecordable)
+    assert_same(got, want)
+    assert log == ["record"]
+    graphed = precond._parts.pipeline.graphed
+    assert graphed is not None and graphed.failed and graphed.recordings == 0
 
 
 def test_diagnostics_run_the_eager_step() -> None:
