@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -168,6 +169,11 @@ class Arm:
         self.times.append(total / steps)
 
 
+def median(values: list[float]) -> float:
+    """NaN where no step was timed (a short run of factor steps only)."""
+    return statistics.median(values) if values else math.nan
+
+
 def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     arms = [Arm(a, case, args) for a in ARMS if not (args.no_compiled and a == COMPILED)]
     counts: dict[str, dict[str, int]] = {}
@@ -194,8 +200,8 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
         for arm in arms:
             arm.block(args.block)
     ms = {arm.name: 1e3 * statistics.median(arm.times) for arm in arms}
-    plain_ms = {arm.name: 1e3 * statistics.median(arm.plain_times) for arm in arms}
-    host_ms = {arm.name: 1e3 * statistics.median(arm.host_times) for arm in arms}
+    plain_ms = {arm.name: 1e3 * median(arm.plain_times) for arm in arms}
+    host_ms = {arm.name: 1e3 * median(arm.host_times) for arm in arms}
     layers = 0 if arms[1].precond is None else len(arms[1].precond.layers)
     return {
         "model": name,

@@ -263,6 +263,32 @@ def test_step_launches_counts_fewer_products_when_stacked(tmp_path: Path) -> Non
     assert (tmp_path / "step_launches.png").stat().st_size > 0
 
 
+def test_step_launches_times_non_factor_steps_alone(tmp_path: Path) -> None:
+    """The issue's GPU measure: each non-factor step timed on its own (the
+    median), and ``step()``'s own host time; NaN-free once one is timed."""
+    run_script(
+        "step_launches.py",
+        *("--models", "mlp", "--batch", "2", "--rounds", "2", "--block", "3"),
+        *("--factor-steps", "3", "--no-compiled", "--out", str(tmp_path)),
+        timeout=300,
+    )
+    (row,) = json.loads((tmp_path / "step_launches.json").read_text())["results"]
+    plain, host = row["ms_per_non_factor_step"], row["step_host_ms_non_factor"]
+    assert set(plain) == set(host) == {"first-order", "kaisa stacked", "kaisa per layer"}
+    assert all(t > 0 for t in plain.values())
+    assert host["first-order"] == 0 and host["kaisa stacked"] > 0
+
+
+def test_replay_host_times_the_host_part_of_a_replayed_step(tmp_path: Path) -> None:
+    """replay_host.py: the replayed step's host part (the graph a no-op) is a
+    small fraction of the eager step, whose products run on CPU."""
+    run_script("replay_host.py", "--models", "mlp", "--steps", "5", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "replay_host.json").read_text())["results"]
+    assert row["layers"] == 3
+    assert 0 < row["replayed_us"] < row["eager_us"] / 5
+    assert (tmp_path / "replay_host.png").stat().st_size > 0
+
+
 def test_arm_step_cost_builds_kfac_at_the_library_defaults_or_given_keywords(
     tmp_path: Path,
 ) -> None:
