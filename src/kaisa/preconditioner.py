@@ -211,8 +211,8 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         if graphs and any(la.adapter.device.type == "cuda" for la in self._parts.layers.values()):
             options["mode"] = CUDA_GRAPH_MODES[options["mode"]]
             pipeline.graphed = GraphedApplication(pipeline.application)
-        elif pipeline.graphed is not None:
-            pipeline.graphed.invalidate()
+        else:  # compiled again without graphs: no replay from now on
+            pipeline.graphed = None
         pipeline.application.groups.compile(**options)
 
     # -- configuration and state views --------------------------------------------

@@ -235,3 +235,13 @@ def test_compile_asks_for_graphs_only_on_cuda() -> None:
     precond = KFACPreconditioner(model, **KW)
     precond.compile(mode="reduce-overhead")
     assert precond._parts.pipeline.graphed is None
+
+
+def test_compiling_again_without_graphs_stops_the_replays() -> None:
+    """A second ``compile()`` without a graph mode drops the replayed path."""
+    torch.manual_seed(0)
+    precond = KFACPreconditioner(tower(), **KW)
+    pipeline = precond._parts.pipeline
+    pipeline.graphed = GraphedApplication(pipeline.application)
+    precond.compile()
+    assert pipeline.graphed is None
