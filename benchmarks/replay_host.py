@@ -35,10 +35,10 @@ from step_launches import mlp_case
 class NoGraph:
     """A recorder whose replay does nothing (the host's part alone)."""
 
-    def record(self, work: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
-        return work()
+    def record(self, work: Callable[[], None]) -> None:
+        work()
 
-    def replay(self) -> torch.Tensor | None:
+    def replay(self) -> None:
         return None
 
 

@@ -182,12 +182,18 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         self._warn_memory_opt_without_colocation()
 
     # -- the step ------------------------------------------------------------------
-    @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients of every registered layer in place."""
         if not self._parts.capture.active:
             raise RuntimeError("step() called after remove_hooks(); create a new preconditioner")
-        self._parts.pipeline.step()
+        # torch.no_grad() without its decorator's per-call objects (a
+        # microsecond of a replayed step's few; dynamo traces this as well)
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self._parts.pipeline.step()
+        finally:
+            torch._C._set_grad_enabled(enabled)
 
     def compile(self, **options: Any) -> None:
         """Compile the preconditioning of the stacked layers

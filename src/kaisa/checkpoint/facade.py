@@ -86,8 +86,7 @@ class Checkpoints(PreconditionerView):
                 layers, compute_inverses, partial=state_dict.get("partial")
             )
         self._schedule.restore(restore)
-        pipeline.steps = steps
-        self._parts.capture.enabled = self._schedule.is_factor_step(steps)
+        pipeline.resume_at(steps)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's share of the state for ``torch.distributed.checkpoint``

@@ -70,8 +70,7 @@ def restore_sharded(
         layer.captured = not none
     parts.pipeline.stale = True
     schedule.restore(restore)
-    parts.pipeline.steps = steps
-    parts.capture.enabled = schedule.is_factor_step(steps)
+    parts.pipeline.resume_at(steps)
 
 
 def owned_factors(layers: Mapping[str, KFACLayer], plan: WorkPlan, rank: int) -> dict[str, Any]:

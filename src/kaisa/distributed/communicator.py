@@ -82,8 +82,11 @@ class CommStats:
             table[kind]["bytes"] += nbytes
 
     def end_step(self) -> None:
-        self.step = {k: dict(v) for k, v in self.current.items()}
-        self.current = defaultdict(_zero)
+        if self.current:  # a step without traffic (every step of one process) makes nothing
+            self.step = {k: dict(v) for k, v in self.current.items()}
+            self.current = defaultdict(_zero)
+        elif self.step:
+            self.step = {}
 
     def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
         return {

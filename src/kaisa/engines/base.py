@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -101,9 +101,10 @@ class Engine(ABC):
         """Overwrite the layer's gradient with ``matrix`` (same layout as :meth:`read`)."""
 
     @abstractmethod
-    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> Iterable[Any]:
         """Something per layer that changes whenever a backward pass writes its
-        gradient (see :class:`GradientMarks`)."""
+        gradient (see :class:`GradientMarks`); may be lazy (a generator): the
+        check after a backward stops at the first layer whose mark moved."""
 
     def present(self, adapter: LayerAdapter) -> bool:
         """Whether the layer has a gradient this step, known without assembling it."""
@@ -296,14 +297,23 @@ class GradientMarks:
             return old is None and new is None
         return old[0]() is new[0]() and old[1] == new[1]
 
-    def unchanged(self, marks: list[Any]) -> bool:
-        """True when some gradient exists and none moved since the last step."""
-        if self._marks is None or all(m is None for m in marks):
-            return False
-        return all(self._same(a, b) for a, b in zip(self._marks, marks))
+    def unchanged(self, marks: Iterable[Any]) -> bool:
+        """True when some gradient exists and none moved since the last step.
 
-    def record(self, marks: list[Any]) -> None:
-        self._marks = marks
+        ``marks`` is read lazily and only as far as needed: after a backward
+        the first layer's mark has moved (one read, where a whole list would
+        cost a microsecond per layer of cache-cold reads on every step)."""
+        if self._marks is None:
+            return False
+        present = False
+        for old, new in zip(self._marks, marks):
+            if not self._same(old, new):
+                return False
+            present = present or new is not None
+        return present
+
+    def record(self, marks: Iterable[Any]) -> None:
+        self._marks = list(marks)
 
 
 Assemble = Callable[[list[nn.Parameter], tuple[int, ...]], "list[Tensor] | None"]

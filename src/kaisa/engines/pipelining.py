@@ -46,7 +46,7 @@ module breaks inside torch 2.13's own shape inference, kaisa or not; given
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -282,5 +282,5 @@ class PipeliningEngine(Engine, ShardedReads, OwnsTheLoop):
     def step_is_valid(self) -> bool | Tensor:
         return self.inner.step_is_valid()
 
-    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> Iterable[Any]:
         return self.inner.gradient_marks(adapters)

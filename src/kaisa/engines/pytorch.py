@@ -4,7 +4,7 @@ or gradients averaged by hand; models wrapped by DDP, DataParallel or
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -147,7 +147,9 @@ class TorchEngine(Engine, InPlaceGradients):
             return None
         return adapter.grad_blocks([p.grad for p in adapter.parameters()])
 
-    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> list[Any]:
-        if type(self.access) is ParamGradAccess:  # read straight: twice a step, per layer
-            return [GradientMarks.of(a.weight.grad) for a in adapters]
-        return [GradientMarks.of(self.access.read(a.weight)) for a in adapters]
+    def gradient_marks(self, adapters: Sequence[LayerAdapter]) -> Iterable[Any]:
+        of = GradientMarks.of
+        if type(self.access) is ParamGradAccess:  # read straight: twice a step
+            return (of(a.weight.grad) for a in adapters)
+        read = self.access.read
+        return (of(read(a.weight)) for a in adapters)

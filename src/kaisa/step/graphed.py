@@ -41,14 +41,15 @@ Only the plain path is recorded: gradients in ``param.grad``
 parallelism, every layer decomposed, no diagnostics; elsewhere the step
 runs as before.  The gradients' finiteness verdict, which the pipeline
 defers on the device on such a step, is formed inside the graph too, before
-the gradients are overwritten.
+the gradients are overwritten, and counted there
+(:class:`~kaisa.step.nonfinite.VerdictTally`): a replay launches no copy of it.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +58,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.engines.base import unique_parameters
 from kaisa.engines.pytorch import ParamGradAccess, TorchEngine
 from kaisa.step.apply import GradientApplication
+from kaisa.step.nonfinite import VerdictTally
 
 __all__ = [
     "CUDA_GRAPH_MODES",
@@ -71,30 +73,28 @@ __all__ = [
 CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
-#: the recorded work: runs the application, returns the verdict it formed
-Work = Callable[[], "Tensor | None"]
+#: the recorded work: the application, and the verdict counted (device work only)
+Work = Callable[[], None]
 
 
 class Recorder(Protocol):
     """Records a piece of work once and replays it (a CUDA graph; the tests
     on CPU emulate one: tests/unit/step/test_graphed.py)."""
 
-    def record(self, work: Work) -> Tensor | None:
-        """Run ``work`` for this step and record it; returns this run's result."""
+    def record(self, work: Work) -> None:
+        """Run ``work`` for this step and record it."""
         ...
 
-    def replay(self) -> Tensor | None:
-        """Run the recorded work again; returns its result (a CUDA graph's
-        own tensor, overwritten by the next replay)."""
+    def replay(self) -> None:
+        """Run the recorded work again."""
         ...
 
 
 class RecordingError(Exception):
-    """The work ran (``result`` is its result) but could not be recorded."""
+    """The work ran (this step is complete) but could not be recorded."""
 
-    def __init__(self, result: Tensor | None) -> None:
+    def __init__(self) -> None:
         super().__init__("the step's work ran but could not be recorded")
-        self.result = result
 
 
 class CudaGraphRecorder:
@@ -104,33 +104,30 @@ class CudaGraphRecorder:
 
     def __init__(self) -> None:
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._output: Tensor | None = None
 
-    def record(self, work: Work) -> Tensor | None:
+    def record(self, work: Work) -> None:
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            result = work()
+            work()
         main.wait_stream(side)
-        if result is not None:
-            result.record_stream(main)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self._output = work()
+                work()
         except Exception as error:  # this step's work is done: the warm-up ran it
-            raise RecordingError(result) from error
+            raise RecordingError() from error
         self._graph = graph
-        return result
 
-    def replay(self) -> Tensor | None:
+    def replay(self) -> None:
         assert self._graph is not None, "replay() before record()"
         self._graph.replay()
-        return self._output
 
 
 Key = tuple[object, ...]
+#: the key of no recording (matches no step's)
+NO_KEY: Key = ((), None, None)
 
 
 class GraphedApplication:
@@ -149,12 +146,14 @@ class GraphedApplication:
         self.application = application
         self._new_recorder = recorder
         self._recorder: Recorder | None = None
-        self._key: Key | None = None
+        self._key: Key = NO_KEY
         #: the gradient tensors the graph reads and writes
         self._grads: list[Tensor] = []
         #: damping, lr, kl_clip as the graph reads them
         self._scalars: Tensor | None = None
         self._values: list[float | None] = [None, None, None]
+        #: the deferred finiteness verdicts, counted inside the graph
+        self.tally: VerdictTally | None = None
         #: recordings made (each inverse update, each new set of layers)
         self.recordings = 0
         #: gradients copied into the graph's tensors (new tensors from backward)
@@ -162,14 +161,16 @@ class GraphedApplication:
         #: a recording failed: every step runs eagerly
         self.failed = False
         self._fixed_ok: bool | None = None
-        self._weights: list[nn.Parameter] = []
+        self._device: torch.device | None = None
         #: the parameters whose gradients the graph reads, each once
         self._params: list[nn.Parameter] = []
+        #: the weights of the layers not recorded, and whether each had a gradient
+        self._others: list[tuple[nn.Parameter, bool]] = []
 
     def invalidate(self) -> None:
         """Drop the graph (the operands it reads were replaced)."""
         self._recorder = None
-        self._key = None
+        self._key = NO_KEY
         self._grads = []
 
     def eligible(self) -> bool:
@@ -196,44 +197,65 @@ class GraphedApplication:
         lr: float,
         kl_clip: float | None,
         verdict_of: Callable[[], Tensor | None] | None = None,
-    ) -> tuple[bool, Tensor | None]:
+        step: int = 0,
+    ) -> tuple[bool, VerdictTally | None]:
         """This step's application by replay (recording it first where
         needed), after ``verdict_of()`` — the gradients' finiteness verdict,
-        formed inside the graph too and returned (a copy: the graph's own
-        is overwritten by the next replay).  Returns (False, None) where it
-        cannot replay (the caller runs the step eagerly).
+        formed inside the graph too and counted there into :attr:`tally`
+        as step ``step`` (returned then: no copy of a per-step tensor, which
+        would be one more launch).  Returns (False, None) where it cannot
+        replay (the caller runs the step eagerly).
 
-        The key is which layers have a gradient (read straight from their
-        weights: this runs on every non-factor step, where a few
-        microseconds per layer would be the step's cost); a layer newly
-        captured comes with a decomposition, which drops the graph anyway."""
+        The key is which layers have a gradient, and whether there is a KL
+        clip and a verdict.  A replay checks it in the pass that reads the
+        gradients it copies (this runs on every non-factor step, where a
+        microsecond per layer is the step's cost); a layer newly captured
+        comes with a decomposition, which drops the graph anyway."""
         if not self.eligible():
             self.invalidate()
             return False, None
-        if self._recorder is None or len(self._weights) != len(layers):
-            self._weights = [la.adapter.weight for la in layers]
+        if self._recorder is not None and (kl_clip is None, verdict_of is None) == self._key[1:]:
+            grads = [p.grad for p in self._params]
+            held = self._grads
+            moved = [i for i, (g, h) in enumerate(zip(grads, held)) if g is not h]
+            if self._same_layers(grads, moved):
+                self._fill(damping, lr, kl_clip)
+                if moved:
+                    fresh = cast("list[Tensor]", [grads[i] for i in moved])
+                    torch._foreach_copy_([held[i] for i in moved], fresh)
+                    self.copied += len(moved)
+                self._recorder.replay()
+                params = self._params
+                for i in moved:  # the graph's tensors, now holding V, become the gradients
+                    params[i].grad = held[i]
+                return True, self._counted(verdict_of is not None, step)
         key: Key = (
-            tuple([w.grad is not None for w in self._weights]),
+            tuple([la.adapter.weight.grad is not None for la in layers]),
             kl_clip is None,
             verdict_of is None,
         )
-        if key != self._key or self._recorder is None:
-            return self._record(layers, key, damping, lr, kl_clip, verdict_of)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if len(grads) != len(self._params):  # a bias without a gradient beside its weight's
+        if key == self._key:  # the same layers, but a bias without its gradient, or moved
             self.invalidate()
             return False, None
-        self._fill(grads[0].device, damping, lr, kl_clip)
-        held = self._grads
-        moved = [i for i, (g, h) in enumerate(zip(grads, held)) if g is not h]
-        if moved:
-            torch._foreach_copy_([held[i] for i in moved], [grads[i] for i in moved])
-            self.copied += len(moved)
-        verdict = self._recorder.replay()
-        params = self._params
-        for i in moved:  # the graph's tensors, now holding V, become the gradients
-            params[i].grad = held[i]
-        return True, None if verdict is None else verdict.clone()
+        done = self._record(layers, key, damping, lr, kl_clip, verdict_of)
+        return done, self._counted(done and verdict_of is not None, step)
+
+    def _same_layers(self, grads: list[Tensor | None], moved: list[int]) -> bool:
+        """The recorded parameters have gradients (on the recorded device),
+        and the other layers' presence is as recorded."""
+        if moved and (
+            any(grads[i] is None for i in moved) or grads[moved[0]].device != self._device  # type: ignore[union-attr]
+        ):
+            return False
+        return all((w.grad is not None) is was for w, was in self._others)
+
+    def _counted(self, counted: bool, step: int) -> VerdictTally | None:
+        """The tally, where this step's verdict was added to it as ``step``."""
+        if not counted:
+            return None
+        assert self.tally is not None
+        self.tally.steps.append(step)
+        return self.tally
 
     def _ready(self, taking: list[KFACLayer]) -> bool:
         """Every layer decomposed (a damping-only stand-in would be made,
@@ -252,8 +274,8 @@ class GraphedApplication:
         lr: float,
         kl_clip: float | None,
         verdict_of: Callable[[], Tensor | None] | None,
-    ) -> tuple[bool, Tensor | None]:
-        """Record this step's work (running it); returns (done, its verdict)."""
+    ) -> bool:
+        """Record this step's work (running it); returns whether it ran."""
         self.invalidate()
         engine = self.application.engine
         assert isinstance(engine, TorchEngine)
@@ -261,24 +283,26 @@ class GraphedApplication:
         params = unique_parameters([la.adapter for la in taking])
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or len(grads) != len(params) or not self._ready(taking):
-            return False, None
+            return False
         if len({g.device for g in grads}) > 1:  # one graph runs on one device
-            return False, None
-        self._fill(grads[0].device, damping, lr, kl_clip)
-        assert self._scalars is not None
+            return False
+        self._on(grads[0].device)
+        self._fill(damping, lr, kl_clip)
+        assert self._scalars is not None and self.tally is not None
         damping_t, lr_t, kl_clip_t = self._scalars.unbind(0)
-        app = self.application
+        app, tally = self.application, self.tally
         no_clip = kl_clip is None
 
-        def work() -> Tensor | None:
+        def work() -> None:
             verdict = verdict_of() if verdict_of is not None else None
+            if verdict is not None:
+                tally.add(verdict)
             clip = None if no_clip else kl_clip_t
             app.run(layers, damping_t, lr_t, clip, False)  # type: ignore[arg-type]
-            return verdict
 
         recorder = self._new_recorder()
         try:
-            verdict = recorder.record(work)
+            recorder.record(work)
         except RecordingError as failed:
             self.failed = True
             warnings.warn(
@@ -287,21 +311,32 @@ class GraphedApplication:
                 "is complete). Please report it with the model",
                 stacklevel=7,
             )
-            return True, failed.result
+            return True
         self._recorder = recorder
         self._key = key
         self._params = params
         self._grads = grads
+        self._others = [
+            (la.adapter.weight, la.adapter.weight.grad is not None)
+            for la in layers
+            if la not in taking
+        ]
         self.recordings += 1
-        return True, verdict
+        return True
 
-    def _fill(self, device: torch.device, damping: float, lr: float, kl_clip: float | None) -> None:
-        """The scalars the graph reads, refilled where their value changed
-        (one small launch each)."""
-        if self._scalars is None or self._scalars.device != device:
+    def _on(self, device: torch.device) -> None:
+        """The scalars and the tally on ``device`` (made anew if it changed:
+        the old tally stays with the steps it counted)."""
+        if self._scalars is None or self._device != device:
+            self._device = device
             self._scalars = torch.zeros(3, dtype=torch.float64, device=device)
             self._values = [None, None, None]
-            self.invalidate()
+            self.tally = VerdictTally(device)
+
+    def _fill(self, damping: float, lr: float, kl_clip: float | None) -> None:
+        """The scalars the graph reads, refilled where their value changed
+        (one small launch each)."""
+        assert self._scalars is not None
         for i, value in enumerate((damping, lr, kl_clip)):
             if value is not None and value != self._values[i]:
                 self._scalars[i].fill_(value)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["NonFiniteSteps", "finite_verdict", "gradients_finite"]
+__all__ = ["NonFiniteSteps", "VerdictTally", "finite_verdict", "gradients_finite"]
 
 
 def _groups(grads: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
@@ -83,6 +83,47 @@ def finite_verdict(grads: Sequence[Tensor]) -> Tensor | None:
     return torch.isfinite(torch.stack(largest).amax())
 
 
+class VerdictTally:
+    """Deferred verdicts kept on the device without a tensor per step.
+
+    A replayed step (:mod:`kaisa.step.graphed`) forms its verdict inside a
+    CUDA graph, in a tensor the next replay overwrites: keeping it would
+    cost a copy — a launch — every step.  Instead the graph adds it here
+    (:meth:`add`, in-place operations recorded with the step): how many
+    steps were counted, how many were not finite, and the ordinals of the
+    first and the latest that were not.  The host keeps which step each
+    ordinal was (:attr:`steps`), so :meth:`NonFiniteSteps.settle` reports
+    the count, and the steps as far as the reports name them, as it does
+    from per-step verdicts."""
+
+    def __init__(self, device: torch.device) -> None:
+        #: counted, not finite, the first and the latest not finite (ordinals from 1)
+        self.values = torch.zeros(4, dtype=torch.int64, device=device)
+        #: the step of each counted ordinal (ordinal k is ``steps[k - 1]``)
+        self.steps: list[int] = []
+
+    def add(self, finite: Tensor) -> None:
+        """Count one step's verdict (device work only: it may be recorded)."""
+        counted, bad, first, latest = self.values.unbind(0)
+        counted.add_(1)
+        bad.add_(finite.logical_not())
+        first.copy_(torch.where(finite | (first > 0), first, counted))
+        latest.copy_(torch.where(finite, latest, counted))
+
+    def taken(self, values: Sequence[int]) -> list[int]:
+        """The non-finite steps among those counted, given :attr:`values` as
+        read — the first and the latest by their steps, any between them
+        by the latest's (the reports name the latest at each count) — and
+        start counting afresh."""
+        _, bad, first, latest = values
+        known = self.steps or [-1]  # ordinals past the list are not expected: report, not fail
+        at = [known[min(max(k, 1), len(known)) - 1] for k in (first, latest)]
+        steps = [at[0]] + [at[1]] * (bad - 1) if bad else []
+        self.steps.clear()
+        self.values.zero_()
+        return steps
+
+
 class NonFiniteSteps:
     """Counts the steps skipped for non-finite gradients and says so: at the
     1st, 2nd, 4th, 8th … skip, so a run that keeps producing them is told
@@ -92,10 +133,17 @@ class NonFiniteSteps:
         self.count = 0
         #: (step, verdict on device) of steps run without reading it (:meth:`defer`)
         self.pending: list[tuple[int, Tensor]] = []
+        #: verdicts of replayed steps, counted on the device (:meth:`defer_tally`)
+        self.tallies: list[VerdictTally] = []
 
     def defer(self, step: int, finite: Tensor) -> None:
         """A non-factor step's verdict, left on the device until :meth:`settle`."""
         self.pending.append((step, finite))
+
+    def defer_tally(self, tally: VerdictTally) -> None:
+        """Verdicts counted on the device (:class:`VerdictTally`), until :meth:`settle`."""
+        if tally not in self.tallies:
+            self.tallies.append(tally)
 
     def settle(self) -> None:
         """Read the deferred verdicts (one host read) and report the
@@ -103,14 +151,24 @@ class NonFiniteSteps:
         skip them), so their gradients went through and they advanced the
         step counter; no statistic was folded on them (they were not
         factor steps), so no factor or decomposition saw them."""
-        if not self.pending:
+        tallies = [t for t in self.tallies if t.steps]
+        self.tallies.clear()
+        if not self.pending and not tallies:
             return
-        flags = torch.stack([ok.to(self.pending[0][1].device) for _, ok in self.pending])
-        steps = [step for step, _ in self.pending]
+        device = (self.pending[0][1] if self.pending else tallies[0].values).device
+        parts = [t.values.to(device) for t in tallies]
+        if self.pending:
+            verdicts = torch.stack([ok.to(device) for _, ok in self.pending])
+            parts.insert(0, verdicts.to(torch.int64))
+        read = torch.cat(parts).tolist()
+        at = len(self.pending)
+        bad = [step for (step, _), ok in zip(self.pending, read[:at], strict=True) if not ok]
         self.pending.clear()
-        for step, ok in zip(steps, flags.tolist(), strict=True):
-            if not ok:
-                self.record(step, deferred=True)
+        for tally in tallies:
+            bad += tally.taken(read[at : at + 4])
+            at += 4
+        for step in sorted(bad):
+            self.record(step, deferred=True)
 
     def record(self, step: int, deferred: bool = False) -> None:
         self.count += 1

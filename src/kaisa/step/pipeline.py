@@ -64,6 +64,11 @@ class StepPipeline:
 
     def __post_init__(self) -> None:
         self.marks = GradientMarks()
+        #: the layers' adapters (read every step: a list made once)
+        self.adapters = [la.adapter for la in self.layers]
+        #: every captured layer is decomposed (as of the last look; a factor
+        #: step, an inverse step or a load looks again)
+        self._settled = False
         #: the engine, where it has a step boundary of its own to check (asked once)
         self._loop = self.engine if isinstance(self.engine, OwnsTheLoop) else None
         self.nonfinite = NonFiniteSteps()
@@ -72,6 +77,12 @@ class StepPipeline:
         #: a non-factor step's finiteness verdict is formed on the device (defer_verdict)
         self._verdict_owed = False
         self.reports = StepReports()
+        #: what of defer_verdict's conditions is fixed at construction
+        self._may_defer = not (
+            self.application.method.apply_updates_state
+            or self.comm.model_parallel
+            or (self.comm.distributed and not self.engine.gradients_agree())
+        )
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
         if self.in_hook and self.comm.distributed:
             self.capture.on_layer_complete = self.reduction.layer_complete
@@ -99,18 +110,26 @@ class StepPipeline:
         damping = self.schedule.damping(step)
         if counts is not None:
             self.reduction.fold(counts, self.schedule.factor_decay(step))
+            self._settled = False  # layers may be captured for the first time
         self.update_second_order(step, damping)
         self.apply(step, damping, factor_step, deferred)
         self.comm.stats.end_step()
         self.steps += 1
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
-        self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
+        self.marks.record(self.engine.gradient_marks(self.adapters))
+
+    def resume_at(self, steps: int) -> None:
+        """Continue from a checkpoint taken after ``steps`` steps (its layers
+        loaded: captured and decomposed as they were)."""
+        self.steps = steps
+        self._settled = False
+        self.capture.enabled = self.schedule.is_factor_step(steps)
 
     # -- phases --------------------------------------------------------------------
     def check_new_backward(self) -> None:
         """Refuse to precondition the same gradients twice."""
-        marks = self.engine.gradient_marks([la.adapter for la in self.layers])
-        if self.marks.unchanged(marks):
+        adapters = self.adapters
+        if self.marks.unchanged(self.engine.gradient_marks(adapters)):
             raise RuntimeError(
                 "kaisa: step() was called again with no backward pass since the last step(): "
                 "the gradients are already preconditioned. Call loss.backward() between "
@@ -118,7 +137,7 @@ class StepPipeline:
             )
         if self.steps == 0 and all(
             la.batch.calls == 0 and not la.pending.calls and m is None
-            for la, m in zip(self.layers, marks)
+            for la, m in zip(self.layers, self.engine.gradient_marks(adapters))
         ):
             raise RuntimeError(
                 "step() was called before any forward/backward pass was captured: call "
@@ -147,12 +166,9 @@ class StepPipeline:
         verdict needs no collective (one process, or gradients the engine
         has already averaged).  True if deferred (the verdict is then formed
         by :meth:`apply`)."""
-        device = self.layers[0].adapter.device
         if (
-            self.application.reads_free(device)
-            or self.application.method.apply_updates_state
-            or self.comm.model_parallel
-            or (self.comm.distributed and not self.engine.gradients_agree())
+            not self._may_defer
+            or self.application.reads_free(self.adapters[0].device)
             or self.engine.step_is_valid() is not True
         ):
             return False
@@ -164,7 +180,7 @@ class StepPipeline:
 
     def _verdict(self) -> Tensor | None:
         """The deferred finiteness verdict of this step's gradients (on the device)."""
-        return finite_verdict(self.engine.local_gradients([la.adapter for la in self.layers]))
+        return finite_verdict(self.engine.local_gradients(self.adapters))
 
     def gradients_finite(self) -> bool:
         """Whether every registered layer's gradient is finite on every rank
@@ -173,7 +189,7 @@ class StepPipeline:
         elsewhere it travels with the layers' gradient presence in the one
         collective the gradient application would run anyway, and over the
         model-parallel groups, whose ranks must skip together."""
-        adapters = [la.adapter for la in self.layers]
+        adapters = self.adapters
         device = adapters[0].device
         finite = gradients_finite(self.engine.local_gradients(adapters))
         if self.comm.distributed and not self.engine.gradients_agree():
@@ -198,7 +214,7 @@ class StepPipeline:
             layer.batch.reset()
             layer.pending.calls.clear()
         self.comm.stats.end_step()
-        self.marks.record(self.engine.gradient_marks([la.adapter for la in self.layers]))
+        self.marks.record(self.engine.gradient_marks(self.adapters))
 
     def reduce_factors(self) -> list[float]:
         """Statistics → owners; the counts of every factor, summed over the
@@ -217,10 +233,12 @@ class StepPipeline:
         """Decompose and broadcast on inverse steps; at once for a layer seen the first time."""
         inverse_step = self.schedule.is_inverse_step(step)
         every = self.stale or inverse_step
-        due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
-        self.second_order.run(due, damping)
-        if due and self.graphed is not None:
-            self.graphed.invalidate()  # it reads the operands just replaced
+        if every or not self._settled:
+            due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
+            self.second_order.run(due, damping)
+            if due and self.graphed is not None:
+                self.graphed.invalidate()  # it reads the operands just replaced
+            self._settled = all(la.decomposed for la in self.layers if la.captured)
         self.stale = False
         if inverse_step and self.on_inverse_step is not None:
             self.on_inverse_step(step)
@@ -230,14 +248,14 @@ class StepPipeline:
         which may be replayed (:mod:`kaisa.step.graphed`)."""
         lr, kl_clip = self.schedule.lr(step), self.schedule.kl_clip(step)
         verdict_of = self._verdict if deferred and self._verdict_owed else None
-        verdict: Tensor | None = None
         graphed = self.graphed
-        replayed = deferred and graphed is not None
-        if replayed:
-            assert graphed is not None
-            replayed, verdict = graphed.run(self.layers, damping, lr, kl_clip, verdict_of)
-        if not replayed:
-            verdict = verdict_of() if verdict_of is not None else None
-            self.application.run(self.layers, damping, lr, kl_clip, factor_step, self._presence)
+        if deferred and graphed is not None:
+            replayed, tally = graphed.run(self.layers, damping, lr, kl_clip, verdict_of, self.steps)
+            if replayed:
+                if tally is not None:
+                    self.nonfinite.defer_tally(tally)
+                return
+        verdict = verdict_of() if verdict_of is not None else None
+        self.application.run(self.layers, damping, lr, kl_clip, factor_step, self._presence)
         if verdict is not None:
             self.nonfinite.defer(self.steps, verdict)

@@ -14,6 +14,7 @@ falls back to the eager step where it must.  tests/cuda runs real graphs.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,17 +38,17 @@ class Emulated:
         self.layers = layers
         self.log = log
 
-    def record(self, work: Callable[[], Tensor | None]) -> Tensor | None:
+    def record(self, work: Callable[[], None]) -> None:
         self.grads = [p.grad for p in self.params]
         self.operands = self._operands()
         self.work = work
         self.log.append("record")
-        return work()
+        work()
 
     def _operands(self) -> list[tuple[Tensor, int]]:
         return [(t, t._version) for la in self.layers for t in la.operands().values()]
 
-    def replay(self) -> Tensor | None:
+    def replay(self) -> None:
         now = self._operands()
         assert len(now) == len(self.operands) and all(
             a is b and va == vb for (a, va), (b, vb) in zip(now, self.operands)
@@ -57,7 +58,7 @@ class Emulated:
             p.grad = g
         self.log.append("replay")
         try:
-            return self.work()
+            self.work()
         finally:
             for p, g in zip(self.params, current):
                 p.grad = g
@@ -174,6 +175,65 @@ def test_non_finite_gradients_are_counted_as_in_the_eager_step() -> None:
     assert precond.nonfinite_steps == eager.nonfinite_steps == 3
 
 
+def test_turning_the_kl_clip_off_and_on_records_anew() -> None:
+    """Whether there is a KL clip is part of the key (no clip: no clip's
+    terms in the graph); a changed bound is only a refilled scalar."""
+
+    def before(precond: KFACPreconditioner, s: int) -> None:
+        precond.kl_clip = {8: None, 10: 0.002}.get(s, precond.kl_clip)
+
+    want, _, _ = train(False, before=before)
+    got, log, _ = train(True, before=before)
+    assert_same(got, want)
+    # records at 1 and 7 (after the inverse updates at 0 and 6), at 8 (no
+    # clip), at 10 (a clip again; the new bound alone would not), 13, 19
+    assert log.count("record") == 6
+
+
+def _reports_of_transient_nans(graphed: bool) -> tuple[int, list[str], list[str]]:
+    """Train with NaN gradients at a few non-factor steps whose optimizer
+    step is skipped (so the NaN does not reach the weights); the count, the
+    warnings and the recordings log."""
+    torch.manual_seed(0)
+    model = tower()
+    precond = KFACPreconditioner(model, **KW)
+    pipeline = precond._parts.pipeline
+    pipeline.application.read_scalars = False
+    log: list[str] = []
+    if graphed:
+        layers = list(precond.layers.values())
+        pipeline.graphed = GraphedApplication(
+            pipeline.application, lambda: Emulated(model, layers, log)
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(18):
+            opt.zero_grad()
+            model(torch.randn(10, 8, generator=g, dtype=torch.float64)).logsumexp(
+                -1
+            ).mean().backward()
+            poisoned = s in (4, 7, 8, 13)  # non-factor steps (factor_update_steps=3)
+            if poisoned:
+                model[2].weight.grad[1, 1] = float("inf")
+            precond.step()
+            if not poisoned:
+                opt.step()
+    return precond.nonfinite_steps, [str(w.message) for w in caught], log
+
+
+def test_non_finite_replayed_steps_are_reported_as_in_the_eager_step() -> None:
+    """Counted on the device inside the graph (no per-step copy), settled at
+    the factor steps: the same count, and warnings naming the same steps."""
+    count, said, _ = _reports_of_transient_nans(False)
+    replayed_count, replayed_said, log = _reports_of_transient_nans(True)
+    assert log.count("replay") >= 8
+    assert replayed_count == count == 4
+    assert replayed_said == said and len(said) == 3  # at the 1st, 2nd and 4th
+    assert "latest at step 7" in said[1] and "latest at step 13" in said[2]
+
+
 def test_a_checkpoint_load_records_anew() -> None:
     """Loading replaces the operands (the pipeline recomputes them): the
     emulated graph fails if it is replayed on the old ones."""
@@ -197,9 +257,10 @@ def test_a_checkpoint_load_records_anew() -> None:
 class Unrecordable(Emulated):
     """Runs the work, then cannot record it (an operation a CUDA graph refuses)."""
 
-    def record(self, work: Callable[[], Tensor | None]) -> Tensor | None:
+    def record(self, work: Callable[[], None]) -> None:
         self.log.append("record")
-        raise RecordingError(work())
+        work()
+        raise RecordingError()
 
 
 def test_a_step_that_cannot_be_recorded_runs_eagerly_from_then_on() -> None:
