@@ -337,12 +337,18 @@ def test_a_replayed_step_launches_little_and_does_not_synchronise() -> None:
     assert replayed <= 8 < eager
 
 
-def test_a_non_factor_step_on_cuda_does_not_synchronise() -> None:
-    """No device-to-host read in a non-factor step() (stacked layers, KL clip on)."""
+@pytest.mark.parametrize("lr", ["given", "optimizer tensor"])
+def test_a_non_factor_step_on_cuda_does_not_synchronise(lr: str) -> None:
+    """No device-to-host read in a non-factor step() (stacked layers, KL clip
+    on), with the learning rate given or an optimizer's tensor on the device."""
     torch.manual_seed(0)
     model = Tower().cuda()
+    options: dict[str, Any] = {"lr": 0.1}
+    if lr == "optimizer tensor":
+        rate = torch.tensor(0.1, device="cuda")
+        options = {"optimizer": torch.optim.SGD(model.parameters(), lr=rate)}
     precond = KFACPreconditioner(
-        model, factor_update_steps=3, inv_update_steps=6, damping=0.05, kl_clip=0.01
+        model, factor_update_steps=3, inv_update_steps=6, damping=0.05, kl_clip=0.01, **options
     )
     for s in range(3):
         _, tok, y = (t.cuda() for t in data(s))

@@ -100,7 +100,7 @@ class GradientApplication:
         self,
         layers: list[KFACLayer],
         damping: float,
-        lr: float,
+        lr: float | Tensor,
         kl_clip: float | None,
         factor_step: bool,
         presence: Mapping[str, bool] | None = None,
@@ -156,7 +156,10 @@ class GradientApplication:
         return self._model_parallel is None or self._model_parallel.counts_in_kl(layer.adapter)
 
     def _nu(
-        self, dots: list[Tensor], layers: list[KFACLayer], clip: tuple[float, float] | None
+        self,
+        dots: list[Tensor],
+        layers: list[KFACLayer],
+        clip: tuple[float | Tensor, float] | None,
     ) -> Tensor | float | None:
         """The KL clip's scale from this rank's ``⟨V, ∇⟩`` terms (None: no clip).
 
@@ -168,7 +171,8 @@ class GradientApplication:
         if clip is None:
             return None
         if dots and not self.comm.model_parallel and self.reads_free(dots[0].device):
-            return kl_scale_value(math.fsum(float(d) for d in dots), *clip)
+            lr, bound = clip
+            return kl_scale_value(math.fsum(float(d) for d in dots), float(lr), bound)
         inner = torch.stack(dots).sum() if dots else None
         if self.comm.model_parallel:
             # every rank of a model-parallel group joins, with 0 if it has no layer

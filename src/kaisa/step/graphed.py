@@ -19,7 +19,8 @@ What may differ between replays, and how each is kept right:
   back would give, without its launch).  Under ``zero_grad(set_to_none=False)``
   backward then accumulates into them and a replay copies nothing.
 * **damping, lr, kl_clip**: 0-d device tensors the graph reads, refilled
-  when a value changes (a schedule costs one fill, not a new recording).
+  when a value changes (a schedule costs one fill, not a new recording; an
+  optimizer's tensor learning rate is copied in every step, unread).
 * **the operands** (eigenbases, inverses, stacked groups): new at every
   decomposition; the pipeline drops the graph then (:meth:`invalidate`) and
   the next non-factor step records anew (once per inverse update).
@@ -194,7 +195,7 @@ class GraphedApplication:
         self,
         layers: list[KFACLayer],
         damping: float,
-        lr: float,
+        lr: float | Tensor,
         kl_clip: float | None,
         verdict_of: Callable[[], Tensor | None] | None = None,
         step: int = 0,
@@ -271,7 +272,7 @@ class GraphedApplication:
         layers: list[KFACLayer],
         key: Key,
         damping: float,
-        lr: float,
+        lr: float | Tensor,
         kl_clip: float | None,
         verdict_of: Callable[[], Tensor | None] | None,
     ) -> bool:
@@ -333,11 +334,15 @@ class GraphedApplication:
             self._values = [None, None, None]
             self.tally = VerdictTally(device)
 
-    def _fill(self, damping: float, lr: float, kl_clip: float | None) -> None:
+    def _fill(self, damping: float, lr: float | Tensor, kl_clip: float | None) -> None:
         """The scalars the graph reads, refilled where their value changed
-        (one small launch each)."""
+        (one small launch each; an optimizer's tensor learning rate is
+        copied every step: comparing it would read it)."""
         assert self._scalars is not None
         for i, value in enumerate((damping, lr, kl_clip)):
-            if value is not None and value != self._values[i]:
+            if isinstance(value, Tensor):
+                self._scalars[i].copy_(value.reshape(()))
+                self._values[i] = None
+            elif value is not None and value != self._values[i]:
                 self._scalars[i].fill_(value)
                 self._values[i] = value

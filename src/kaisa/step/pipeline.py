@@ -246,7 +246,9 @@ class StepPipeline:
     def apply(self, step: int, damping: float, factor_step: bool, deferred: bool) -> None:
         """``deferred``: a non-factor step whose verdict stays on the device,
         which may be replayed (:mod:`kaisa.step.graphed`)."""
-        lr, kl_clip = self.schedule.lr(step), self.schedule.kl_clip(step)
+        lr, kl_clip = self.schedule.lr_operand(step), self.schedule.kl_clip(step)
+        if isinstance(lr, Tensor) and self.application.reads_free(lr.device):
+            lr = float(lr)
         verdict_of = self._verdict if deferred and self._verdict_owed else None
         graphed = self.graphed
         if deferred and graphed is not None:

@@ -89,10 +89,18 @@ class Schedule:
         self.values[name] = value
 
     def lr(self, step: int) -> float:
+        value = self.lr_operand(step)
+        return float(value.item() if isinstance(value, Tensor) else value)
+
+    def lr_operand(self, step: int) -> float | Tensor:
+        """The learning rate as the step uses it: an optimizer's tensor
+        learning rate (a compiled or capturable optimizer's) stays a tensor,
+        which the step reads on the device (reading it as a number would
+        synchronise an accelerator every step)."""
         if self.lr_from_optimizer:
             assert self.optimizer is not None
             value = self.optimizer.param_groups[0]["lr"]
-            return float(value.item() if isinstance(value, Tensor) else value)
+            return value if isinstance(value, Tensor) else float(value)
         return float(self.value("lr", step))
 
     def damping(self, step: int) -> float:

@@ -190,6 +190,56 @@ def test_turning_the_kl_clip_off_and_on_records_anew() -> None:
     assert log.count("record") == 6
 
 
+def _train_with_optimizer_lr(lr: float | Tensor, graphed: bool) -> tuple[list[Tensor], list[str]]:
+    """SGD whose learning rate kaisa reads from the optimizer (decayed by a
+    scheduler), under the accelerator's rule."""
+    torch.manual_seed(0)
+    model = tower()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    kwargs = {k: v for k, v in KW.items() if k != "lr"}
+    precond = KFACPreconditioner(model, optimizer=opt, **kwargs)
+    pipeline = precond._parts.pipeline
+    pipeline.application.read_scalars = False
+    log: list[str] = []
+    if graphed:
+        layers = list(precond.layers.values())
+        pipeline.graphed = GraphedApplication(
+            pipeline.application, lambda: Emulated(model, layers, log)
+        )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(14):
+        opt.zero_grad()
+        model(torch.randn(10, 8, generator=g, dtype=torch.float64)).logsumexp(-1).mean().backward()
+        precond.step()
+        opt.step()
+        sched.step()
+    return [p.detach().clone() for p in model.parameters()], log
+
+
+def test_an_optimizer_tensor_lr_is_used_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor learning rate (a compiled or capturable optimizer's) is used
+    by the KL clip as a tensor, never read as a number (a host
+    synchronisation on an accelerator), eagerly and replayed, and gives
+    what the same rate as a float gives."""
+    want, _ = _train_with_optimizer_lr(0.05, graphed=False)
+    item = torch.Tensor.item
+    lr_tensors: list[Tensor] = []
+
+    def guarded(self: Tensor) -> Any:
+        assert not any(self is t for t in lr_tensors), "the learning rate was read"
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", guarded)
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda self: guarded(self))
+    for graphed in (False, True):
+        lr = torch.tensor(0.05, dtype=torch.float64)
+        lr_tensors[:] = [lr]
+        got, log = _train_with_optimizer_lr(lr, graphed)
+        assert_same(got, want)
+        assert not graphed or log.count("replay") >= 4
+
+
 def _reports_of_transient_nans(graphed: bool) -> tuple[int, list[str], list[str]]:
     """Train with NaN gradients at a few non-factor steps whose optimizer
     step is skipped (so the NaN does not reach the weights); the count, the
