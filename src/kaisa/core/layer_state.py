@@ -16,7 +16,7 @@ from torch import Tensor
 
 from kaisa.core.precision import CastCopies
 from kaisa.core.specs import FactorSpec, StatisticDtype, StatisticSpec, factor_statistics
-from kaisa.core.statistics import factor_finite, running_average_
+from kaisa.core.statistics import fold_averages_
 from kaisa.layers.base import LayerAdapter
 
 __all__ = ["BatchStatistics", "KFACLayer", "PendingCapture"]
@@ -122,7 +122,7 @@ class KFACLayer:
         self.eval_forward = False
         self.failed_decompositions = 0
         self.decompositions = 0  #: factors this rank has decomposed
-        self._rejected: Tensor | int = 0  # non-finite batch factors, counted on device
+        self._rejected = 0  # non-finite batch statistics left out of their averages
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {self.adapter.describe()})"
@@ -138,34 +138,35 @@ class KFACLayer:
         return self.running[self.index(name)]
 
     def fold(self, index: int, batch: Tensor, decay: float) -> None:
-        """Fold a reduced batch factor into the running average.
+        """Fold one reduced batch factor into the running average (the step
+        folds every layer's at once: :meth:`kaisa.step.reduce.FactorReduction.fold`).
 
-        A non-finite batch factor leaves the running factor unchanged (the
-        first one is rejected with a host check; later ones on device).
-        """
-        running = self.running[index]
-        if running is None:
-            if not bool(factor_finite(batch)):
-                self._rejected = self._rejected + 1
-                return
+        A non-finite batch factor leaves the running factor unchanged."""
+        (finite,) = fold_averages_([self.running[index]], [batch], [1.0], decay)
+        self.folded(index, batch, finite)
+
+    def folded(self, index: int, batch: Tensor, finite: bool) -> None:
+        """After :func:`~kaisa.core.statistics.fold_averages_`: the first
+        finite batch factor starts the running one; a non-finite one is counted."""
+        if not finite:
+            self.rejected()
+        elif self.running[index] is None:
             self.running[index] = batch.clone()
-            return
-        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
 
     def dtype_of(self, statistic: StatisticSpec) -> torch.dtype:
         """The dtype ``statistic`` is formed, reduced and kept in."""
         second_order = statistic.dtype is StatisticDtype.SECOND_ORDER
         return self.inv_dtype if second_order else self.factor_dtype
 
-    def fold_state(self, key: str, batch: Tensor, decay: float) -> None:
-        """Fold a reduced statistic kept in the method's state (a ``WORKERS``
-        statistic) into its running average, in place; nothing where the
-        method holds no such tensor (yet).  A non-finite batch is rejected
-        as a factor's is."""
-        running = self.state.get(key)
-        if running is None:
-            return
-        self._rejected = self._rejected + running_average_(running, batch, decay).to(torch.int64)
+    def state_average(self, key: str) -> Tensor | None:
+        """The running average a ``WORKERS`` statistic folds into, kept in
+        the method's state (None where the method holds no such tensor yet:
+        nothing to fold)."""
+        return self.state.get(key)
+
+    def rejected(self) -> None:
+        """Count a non-finite batch statistic left out of its average."""
+        self._rejected += 1
 
     def operands(self) -> Mapping[str, Tensor]:
         """What the curvature method applies: :attr:`state`, or its cast copies
@@ -174,8 +175,8 @@ class KFACLayer:
 
     @property
     def nonfinite_updates(self) -> int:
-        """How many batch factors were rejected as non-finite (syncs once)."""
-        return int(self._rejected)
+        """How many batch statistics were rejected as non-finite."""
+        return self._rejected
 
     def memory(self) -> dict[str, int]:
         """Bytes held for this layer, by kind."""

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import ReducedTo
+from kaisa.core.statistics import fold_averages_
 from kaisa.distributed.communicator import Communicator, MessagePart, message_numel, pack, unpack
 from kaisa.distributed.plan import WorkPlan
 
@@ -214,9 +215,15 @@ class FactorReduction:
             layer.batch.reset()
 
     def fold(self, counts: list[float], decay: float) -> None:
-        """Divide by the counts and fold into the running averages: a
+        """Divide by the counts and fold into the running averages — a
         factor's on its owner, a workers' statistic into the method's state
-        on each gradient worker."""
+        on each gradient worker — all at once
+        (:func:`~kaisa.core.statistics.fold_averages_`)."""
+        # what each folded batch belongs to: (layer, factor index), or (layer, None) for a state
+        owners: list[tuple[KFACLayer, int | None]] = []
+        runnings: list[Tensor | None] = []
+        batches: list[Tensor] = []
+        divisors: list[float] = []
         k = 0
         for layer in self.layers:
             lp = self.plan.layer(layer.name)
@@ -227,15 +234,28 @@ class FactorReduction:
                     continue
                 reduced = self._reduced.pop((layer.name, i), None)
                 if stat.reduced_to is ReducedTo.WORKERS:
-                    if reduced is not None and lp.is_grad_worker(self.rank):
-                        layer.fold_state(stat.name, reduced.div_(count), decay)
-                    continue
-                layer.captured = True
-                assert stat.factor is not None
-                if lp.owners[stat.factor] == self.rank and reduced is not None:
-                    layer.fold(stat.factor, reduced.div_(count), decay)
+                    running = layer.state_average(stat.name)
+                    if reduced is None or running is None or not lp.is_grad_worker(self.rank):
+                        continue
+                    owners.append((layer, None))
+                else:
+                    layer.captured = True
+                    assert stat.factor is not None
+                    if lp.owners[stat.factor] != self.rank or reduced is None:
+                        continue
+                    running = layer.running[stat.factor]
+                    owners.append((layer, stat.factor))
+                runnings.append(running)
+                batches.append(reduced)
+                divisors.append(count)
             layer.batch.reset()
         self._reduced.clear()
+        verdicts = fold_averages_(runnings, batches, divisors, decay) if batches else []
+        for (layer, index), batch, finite in zip(owners, batches, verdicts, strict=True):
+            if index is not None:
+                layer.folded(index, batch, finite)
+            elif not finite:
+                layer.rejected()
 
     def _reset_buckets(self) -> None:
         for bucket in self._buckets:
