@@ -27,9 +27,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from kaisa.core.kl_clip import kl_scale, kl_scale_value, kl_term, sum_kl_terms
+from kaisa.core.kl_clip import kl_scale, kl_scale_value, kl_term
 from kaisa.core.layer_state import KFACLayer
-from kaisa.core.workspace import Workspace, uses_workspace
+from kaisa.core.workspace import Workspace
 from kaisa.distributed.communicator import Communicator, Part
 from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
@@ -37,6 +37,7 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.batched import ShapeGroups
 from kaisa.step.diagnostics import StepDiagnostics
+from kaisa.step.in_place import InPlaceWrites
 from kaisa.step.participation import Participation
 from kaisa.step.second_order import SecondOrderUpdate
 
@@ -77,10 +78,10 @@ class GradientApplication:
         #: which layers take part in a step (kaisa.step.participation)
         self.participation = Participation(comm, engine)
         self._globals: dict[int, tuple[int, ...]] = {}
-        self._work: Workspace | None = None
-        self._sized = False
-        self._served: frozenset[str] = frozenset()  # layers whose products use it
-        self._own: frozenset[str] = frozenset()  # layers written before ν (rescalable)
+        #: layers written before ν, the workspace of the large ones (kaisa.step.in_place)
+        self.writes = InPlaceWrites(
+            plan, method, engine, self._in_place, self._apply_one, self._fill_missing, self._counted
+        )
         #: filled with each step's ν only while set (:mod:`kaisa.step.diagnostics`)
         self.diagnostics: StepDiagnostics | None = None
         #: read scalars (ν's terms, the finiteness verdict) as numbers: None
@@ -94,7 +95,7 @@ class GradientApplication:
     @property
     def workspace_bytes(self) -> int:
         """Bytes held by the reused product buffers (:mod:`kaisa.core.workspace`)."""
-        return 0 if self._work is None else self._work.nbytes()
+        return self.writes.nbytes
 
     def run(
         self,
@@ -110,21 +111,21 @@ class GradientApplication:
         collective is needed to agree on it."""
         taking_part = self.participation.taking_part(layers, factor_step, presence)
         clip = None if kl_clip is None else (lr, kl_clip)
-        work = self._workspace(layers)
+        work = self.writes.workspace(layers)
         own: list[KFACLayer] = []
         held = taking_part
         if work is not None and self.plan.grad_workers == self.plan.world_size:
             # every rank is every layer's worker: the layers that own their
             # parameters write each V at once (the large ones' products in the
             # workspace) and are scaled after; the others hold V until ν is known
-            own = [la for la in taking_part if la.name in self._own]
-            held = [la for la in taking_part if la.name not in self._own]
+            own = [la for la in taking_part if la.name in self.writes.own]
+            held = [la for la in taking_part if la.name not in self.writes.own]
         groups = self._shape_groups(taking_part)
         if groups:  # stacked layers are held until ν, as the general path holds them
             grouped = {la.name for group in groups for la in group}
             own = [la for la in own if la.name not in grouped]
             held = [la for la in held if la.name not in grouped]
-        dots = self._write_each(own, work, damping) if work is not None and own else {}
+        dots = self.writes.write_each(own, work, damping) if work is not None and own else {}
         results = self._precondition(held, damping) if held else {}
         results.update(self._precondition_stacked(groups, damping))
         held = held + [la for group in groups for la in group]
@@ -137,12 +138,12 @@ class GradientApplication:
         if self._in_place is not None:
             # held layers that own their parameters: written at once (one
             # foreach copy) and scaled by ν with the others (one foreach product)
-            writable = [la for la in held if la.name in self._own]
+            writable = [la for la in held if la.name in self.writes.own]
             self._in_place.write_many(
                 [la.adapter for la in writable], [results[la.name][0] for la in writable]
             )
             own = own + writable
-            held = [la for la in held if la.name not in self._own]
+            held = [la for la in held if la.name not in self.writes.own]
         if nu is not None and own:
             assert self._in_place is not None  # own layers are rescalable ones
             self._in_place.rescale([la.adapter for la in own], nu)
@@ -207,62 +208,8 @@ class GradientApplication:
         for group in groups:
             for layer in group:
                 self._fill_missing(layer, self.plan.layer(layer.name), damping)
-        own = self._own if self._in_place is not None else frozenset()
+        own = self.writes.own if self._in_place is not None else frozenset()
         return self.groups.precondition(groups, self.engine, self._in_place, own, damping)
-
-    def _write_each(
-        self, layers: list[KFACLayer], work: Workspace, damping: float
-    ) -> dict[str, Tensor]:
-        """Precondition and write back one layer after the other (layers
-        whose gradients :meth:`InPlaceGradients.rescalable` allows); the products of the
-        layers the workspace serves reuse it, and read and write those
-        layers' own gradients where the method can (:meth:`_write_in_place`).
-        Returns the counted layers' ``⟨V, ∇⟩`` by name."""
-        engine = self._in_place
-        assert engine is not None  # only rescalable layers are written one by one
-        dots = {}
-        for layer in layers:
-            counted = self._counted(layer)
-            lw = work if layer.name in self._served else None
-            if lw is not None:
-                done, dot = self._write_in_place(layer, lw, damping, counted)
-                if done:
-                    if dot is not None:
-                        dots[layer.name] = dot
-                    continue
-            adapter = layer.adapter
-            grad = engine.read_into(adapter, lw) if lw is not None else self.engine.read(adapter)
-            assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
-            v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
-            if counted:
-                dots[layer.name] = kl_term(v, grad)
-            self.engine.write(layer.adapter, v)
-        return dots
-
-    def _write_in_place(
-        self, layer: KFACLayer, work: Workspace, damping: float, counted: bool
-    ) -> tuple[bool, Tensor | None]:
-        """``V`` computed from the layer's own gradients and written over
-        them: the first product reads ``∇W`` and ``∇b`` where they lie and
-        the last writes into them, so no ``[∇W | ∇b]`` is assembled and no
-        ``V`` copied (four gradient-sized passes fewer; the eigen method also
-        forms ``⟨V, ∇⟩`` in its eigenbasis, so ``∇`` is not kept either).
-        Returns (done, the counted ``⟨V, ∇⟩``); not done where the engine or
-        the method cannot (the caller then takes the general path)."""
-        assert self._in_place is not None
-        blocks = self._in_place.grad_blocks(layer.adapter)
-        if blocks is None:
-            return False, None
-        self._fill_missing(layer, self.plan.layer(layer.name), damping)
-        state = layer.operands()
-        if not self.method.writes_blocks(layer.factors, state, blocks[0].dtype):
-            return False, None
-        work.prepare(blocks[0].dtype, blocks[0].dtype)  # the memory held: all three, always
-        kept = work.keep(blocks) if counted and not self.method.forms_kl_term else None
-        dot = self.method.apply_blocks(layer.factors, state, blocks, damping, work, blocks, counted)
-        if kept is not None:
-            dot = sum_kl_terms(blocks, kept)
-        return True, dot
 
     def _fill_missing(self, layer: KFACLayer, lp: LayerPlan, damping: float) -> None:
         """Damping-only stand-ins for what was never decomposed."""
@@ -276,29 +223,6 @@ class GradientApplication:
         """``V`` of one layer on a gradient worker."""
         self._fill_missing(layer, lp, damping)
         return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
-
-    def _workspace(self, layers: list[KFACLayer]) -> Workspace | None:
-        """The workspace of the layers it serves, built on the first step:
-        large layers (:func:`uses_workspace`) whose gradients may be written
-        before ``ν`` is known (:meth:`InPlaceGradients.rescalable`; none
-        where the engine does not offer the in-place path)."""
-        if self._work is None and not self._sized:
-            self._sized = True
-            if self._in_place is None:
-                return None
-            allowed = self._in_place.rescalable([la.adapter for la in layers])
-            self._own = frozenset(la.name for la, ok in zip(layers, allowed) if ok)
-            shapes = {}
-            for la in layers:
-                shape = la.adapter.matrix_shape
-                numel = int(torch.Size(shape).numel())
-                size = la.adapter.weight.element_size()
-                if la.name in self._own and uses_workspace(la.adapter.device, numel, size):
-                    shapes[la.name] = shape
-            self._served = frozenset(shapes)
-            if shapes:
-                self._work = Workspace.for_shapes(list(shapes.values()), layers[0].adapter.device)
-        return self._work
 
     def _precondition(
         self, layers: list[KFACLayer], damping: float
