@@ -195,6 +195,15 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
             kept = arm.step(profiled=True)
             counts[arm.name]["host_reads_kept_on_device"] = kept["aten::_local_scalar_dense"]
             counts[arm.name]["launches_kept_on_device"] = kept["launches"]
+            # and a factor step that decomposes nothing (statistics folded)
+            schedule = pipeline.schedule
+            while not schedule.is_factor_step(pipeline.steps) or schedule.is_inverse_step(
+                pipeline.steps
+            ):
+                arm.step()
+            folded = arm.step(profiled=True)
+            counts[arm.name]["factor_step_launches"] = folded["launches"]
+            counts[arm.name]["factor_step_host_reads"] = folded["aten::_local_scalar_dense"]
             application.read_scalars = None
     for _ in range(args.rounds):
         for arm in arms:
@@ -242,6 +251,26 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{compiled_ms} | "
             f"{ms['kaisa stacked'] / ms['first-order']:.2f} |"
         )
+    return "\n".join(lines)
+
+
+def factor_table(results: list[dict[str, Any]]) -> str:
+    """A factor step's ``step()`` that decomposes nothing (the statistics
+    reduced and folded; accelerator rule): kernel launches and host reads."""
+    arms = [a for a in ARMS[1:] if a in results[0]["step_ops"]]
+    lines = [
+        "| model | factor step() launches: "
+        + " / ".join(arms)
+        + " | host reads: "
+        + " / ".join(arms)
+        + " |",
+        "|---|---|---|",
+    ]
+    for r in results:
+        ops = r["step_ops"]
+        launches = " / ".join(str(ops[a].get("factor_step_launches", "–")) for a in arms)
+        reads = " / ".join(str(ops[a].get("factor_step_host_reads", "–")) for a in arms)
+        lines.append(f"| {r['model']} | {launches} | {reads} |")
     return "\n".join(lines)
 
 
@@ -313,11 +342,17 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in args.models:
         results.append(run_case(name, all_cases[name], args))
-        print(table(results[-1:]), non_factor_table(results[-1:]), sep="\n", flush=True)
+        print(
+            table(results[-1:]),
+            non_factor_table(results[-1:]),
+            factor_table(results[-1:]),
+            sep="\n",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}
     (args.out / "step_launches.json").write_text(json.dumps(payload, indent=1))
-    print(table(results), non_factor_table(results), sep="\n\n")
+    print(table(results), non_factor_table(results), factor_table(results), sep="\n\n")
     plot(results, args.out / "step_launches.png")
 
 

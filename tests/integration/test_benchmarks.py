@@ -259,6 +259,12 @@ def test_step_launches_counts_fewer_products_when_stacked(tmp_path: Path) -> Non
     assert stacked["host_reads_kept_on_device"] == 0  # the accelerator's rule: none
     # 12 blocks: launches follow the 6 distinct shapes, where per layer they follow the 74
     assert stacked["launches_kept_on_device"] < single["launches_kept_on_device"] / 3
+    # a factor step folds all 148 factors at once: fewer launches than layers
+    # (ten per factor before); one scalar read, the step's validity (the
+    # fold's verdicts come with one tolist(), which the profiler does not
+    # count on CPU; a read per factor before)
+    assert stacked["factor_step_launches"] < row["layers"]
+    assert stacked["factor_step_host_reads"] == 1
     assert all(t > 0 for t in row["ms_per_step"].values())
     assert (tmp_path / "step_launches.png").stat().st_size > 0
 
