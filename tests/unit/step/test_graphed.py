@@ -82,6 +82,26 @@ KW: dict[str, Any] = dict(
 )
 
 
+def accelerator_rule(
+    model: nn.Module,
+    precond: KFACPreconditioner,
+    graphed: bool,
+    recorder: type[Emulated] = Emulated,
+) -> list[str]:
+    """Scalars kept on the device (nothing read, as on an accelerator);
+    where ``graphed``, non-factor steps replayed through ``recorder``.
+    Returns the recordings' log."""
+    pipeline = precond._parts.pipeline
+    pipeline.application.read_scalars = False
+    log: list[str] = []
+    if graphed:
+        layers = list(precond.layers.values())
+        pipeline.graphed = GraphedApplication(
+            pipeline.application, lambda: recorder(model, layers, log)
+        )
+    return log
+
+
 def train(
     graphed: bool,
     steps: int = 20,
@@ -97,15 +117,7 @@ def train(
     torch.manual_seed(0)
     model = tower()
     precond = KFACPreconditioner(model, **(KW if kwargs is None else kwargs))
-    pipeline = precond._parts.pipeline
-    pipeline.application.read_scalars = False
-    log: list[str] = []
-    if graphed:
-        layers = list(precond.layers.values())
-        kind = Emulated if recorder is None else recorder
-        pipeline.graphed = GraphedApplication(
-            pipeline.application, lambda: kind(model, layers, log)
-        )
+    log = accelerator_rule(model, precond, graphed, Emulated if recorder is None else recorder)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for s in range(steps):
@@ -199,14 +211,7 @@ def _train_with_optimizer_lr(lr: float | Tensor, graphed: bool) -> tuple[list[Te
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
     kwargs = {k: v for k, v in KW.items() if k != "lr"}
     precond = KFACPreconditioner(model, optimizer=opt, **kwargs)
-    pipeline = precond._parts.pipeline
-    pipeline.application.read_scalars = False
-    log: list[str] = []
-    if graphed:
-        layers = list(precond.layers.values())
-        pipeline.graphed = GraphedApplication(
-            pipeline.application, lambda: Emulated(model, layers, log)
-        )
+    log = accelerator_rule(model, precond, graphed)
     g = torch.Generator().manual_seed(1)
     for _ in range(14):
         opt.zero_grad()
@@ -247,14 +252,7 @@ def _reports_of_transient_nans(graphed: bool) -> tuple[int, list[str], list[str]
     torch.manual_seed(0)
     model = tower()
     precond = KFACPreconditioner(model, **KW)
-    pipeline = precond._parts.pipeline
-    pipeline.application.read_scalars = False
-    log: list[str] = []
-    if graphed:
-        layers = list(precond.layers.values())
-        pipeline.graphed = GraphedApplication(
-            pipeline.application, lambda: Emulated(model, layers, log)
-        )
+    log = accelerator_rule(model, precond, graphed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as caught:
