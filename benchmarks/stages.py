@@ -253,13 +253,13 @@ def _instrument_adapter(layer: KFACLayer, clock: Clock) -> None:
     adapter.rows_for = timed_rows  # type: ignore[method-assign]
     adapter.factor_term = timed_term  # type: ignore[method-assign,assignment]
 
-    fold = layer.fold
+    folded = layer.folded  # called for each factor after the step folds them all at once
 
-    def logged_fold(index: int, batch: Tensor, decay: float) -> None:
+    def logged_fold(index: int, batch: Tensor, finite: bool) -> None:
         clock.need("running average", ("lerp", tuple(layer.factors[index].shape)))
-        fold(index, batch, decay)
+        folded(index, batch, finite)
 
-    layer.fold = logged_fold  # type: ignore[method-assign]
+    layer.folded = logged_fold  # type: ignore[method-assign]
 
 
 def _instrument_method(precond: KFACPreconditioner, clock: Clock) -> None:
