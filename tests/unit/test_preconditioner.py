@@ -576,3 +576,32 @@ def test_sharded_state_round_trip_and_refusals_in_one_process() -> None:
     for name, la in fresh.layers.items():
         for spec in la.factors:
             assert torch.equal(la.factor(spec.name), before[f"{name}.{spec.name}"])
+
+
+def test_a_layer_first_captured_late_is_decomposed_at_once() -> None:
+    """A layer that takes part only from a later factor step is decomposed at
+    that step, not at the next inverse update: the step does not rescan
+    settled layers on every step, but a factor step looks again."""
+
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.late, self.use_late = nn.Linear(6, 6), nn.Linear(6, 3), False
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.body(x))
+            return self.head(h) + (self.late(h) if self.use_late else 0.0)
+
+    torch.manual_seed(0)
+    model = Late()
+    precond = KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=100)
+    g = torch.Generator().manual_seed(0)
+    for s in range(6):
+        model.use_late = s >= 3  # first seen at step 3, captured at the factor step 4
+        model.zero_grad()
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+        late = precond.layers["late"]
+        assert late.decomposed == (s >= 4), s
