@@ -17,6 +17,8 @@ built from ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``) — it rep
 K-FAC runs at factor/inverse intervals 10/100 (``--factor-steps``,
 ``--inv-steps``), so a block of 10 steps holds one factor step.  The first
 forward of each compiled arm (its cold compile) is timed apart.
+``--device cuda`` runs the same on a GPU (inductor's Triton kernels; each
+block of steps synchronised before its clock stops).
 
 Prints tables, writes ``compile_step.json`` and ``compile_step.png`` to ``--out``.
 """
@@ -41,6 +43,8 @@ from kaisa import KFACPreconditioner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conv_capture import cnn  # the same CNN (3 channels, 32 x 32 inputs)
+
+CPU = torch.device("cpu")
 
 
 class Block(nn.Module):
@@ -141,10 +145,18 @@ def loss_of(out: Tensor, target: Tensor) -> Tensor:
 class Arm:
     """One model, optimizer and (optionally) preconditioner, stepped in turns."""
 
-    def __init__(self, name: str, case: Case, kfac: dict[str, Any] | None, compiled: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        case: Case,
+        kfac: dict[str, Any] | None,
+        compiled: bool,
+        device: torch.device = CPU,
+    ) -> None:
         self.name = name
+        self.device = device
         torch.manual_seed(0)
-        self.model = case[0]()
+        self.model = case[0]().to(device)
         self.data = case[1]
         self.g = torch.Generator().manual_seed(1)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
@@ -159,21 +171,29 @@ class Arm:
         self.times: list[float] = []
 
     def step(self) -> None:
-        x, y = self.data(self.g)
+        x, y = (t.to(self.device) for t in self.data(self.g))
         self.opt.zero_grad(set_to_none=True)
         loss_of(self.forward(x), y).backward()
         if self.precond is not None:
             self.precond.step()
         self.opt.step()
 
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def block(self, steps: int) -> None:
+        self.sync()
         start = time.perf_counter()
         for _ in range(steps):
             self.step()
+        self.sync()
         self.times.append((time.perf_counter() - start) / steps)
 
 
-def graph_counts(case: Case, kfac: dict[str, Any] | None) -> dict[str, int]:
+def graph_counts(
+    case: Case, kfac: dict[str, Any] | None, device: torch.device = CPU
+) -> dict[str, int]:
     """Graphs run per forward (factor and non-factor step), compiled, breaks,
     and how many of kaisa's layers the compiled steps captured."""
     torch._dynamo.reset()
@@ -194,7 +214,7 @@ def graph_counts(case: Case, kfac: dict[str, Any] | None) -> dict[str, int]:
         return run
 
     torch.manual_seed(0)
-    model = case[0]()
+    model = case[0]().to(device)
     precond = (
         None if kfac is None else KFACPreconditioner(model, **{**kfac, "factor_update_steps": 2})
     )
@@ -203,7 +223,7 @@ def graph_counts(case: Case, kfac: dict[str, Any] | None) -> dict[str, int]:
     per_step = []
     for _ in range(2):  # a factor step, then a non-factor step
         before = runs[0]
-        x, y = case[1](g)
+        x, y = (t.to(device) for t in case[1](g))
         loss_of(forward(x), y).backward()
         per_step.append(runs[0] - before)
         if precond is not None:
@@ -225,18 +245,23 @@ def run_case(name: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     kfac = dict(
         factor_update_steps=args.factor_steps, inv_update_steps=args.inv_steps, damping=0.01
     )
-    graphs = {"plain": graph_counts(case, None), "kaisa": graph_counts(case, kfac)}
+    device = torch.device(args.device)
+    graphs = {
+        "plain": graph_counts(case, None, device),
+        "kaisa": graph_counts(case, kfac, device),
+    }
     torch._dynamo.reset()
     arms = [
-        Arm("eager", case, None, False),
-        Arm("eager+kaisa", case, kfac, False),
-        Arm("compiled", case, None, True),
-        Arm("compiled+kaisa", case, kfac, True),
+        Arm("eager", case, None, False, device),
+        Arm("eager+kaisa", case, kfac, False, device),
+        Arm("compiled", case, None, True, device),
+        Arm("compiled+kaisa", case, kfac, True, device),
     ]
     cold: dict[str, float] = {}
     for arm in arms:  # warm-up: compiles the factor-step and the other variant
         start = time.perf_counter()
         arm.step()
+        arm.sync()
         cold[arm.name] = time.perf_counter() - start
         for _ in range(args.block):
             arm.step()
@@ -305,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inv-steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--graphs-only", action="store_true", help="count graphs, time nothing")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", type=Path, default=Path("runs/compile_step"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -317,8 +343,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.graphs_only:
             kfac = dict(factor_update_steps=2, inv_update_steps=4, damping=0.01)
             graphs = {
-                "plain": graph_counts(all_cases[name], None),
-                "kaisa": graph_counts(all_cases[name], kfac),
+                "plain": graph_counts(all_cases[name], None, torch.device(args.device)),
+                "kaisa": graph_counts(all_cases[name], kfac, torch.device(args.device)),
             }
             print(name, json.dumps(graphs))
             results.append({"model": name, "graphs": graphs})
@@ -332,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     if not args.graphs_only:
+        if args.device.startswith("cuda"):
+            print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
         print(table(results))
         plot(results, args.out / "compile_step.png")
 

@@ -285,6 +285,31 @@ def test_step_launches_times_non_factor_steps_alone(tmp_path: Path) -> None:
     assert host["first-order"] == 0 and host["kaisa stacked"] > 0
 
 
+def test_step_breakdown_splits_every_arms_step_into_its_parts(tmp_path: Path) -> None:
+    """step_breakdown.py: every arm's non-factor step split into host parts
+    and the device wait; only the arms that call ``step()`` spend time in it."""
+    run_script(
+        "step_breakdown.py",
+        *("--models", "mlp", "--batch", "2", "--rounds", "2", "--block", "3", "--warmup", "2"),
+        *("--out", str(tmp_path)),
+        timeout=300,
+    )
+    (row,) = json.loads((tmp_path / "step_breakdown.json").read_text())["results"]
+    ms = row["ms"]
+    assert set(ms) == {"first-order", "hooks only", "kaisa", "kaisa, hooks off"}
+    for parts in ms.values():
+        assert set(parts) == {
+            "step",
+            "forward+backward",
+            "precond.step",
+            "optimizer",
+            "device wait",
+        }
+        assert parts["step"] >= parts["forward+backward"] > 0
+    assert ms["kaisa"]["precond.step"] > 10 * ms["hooks only"]["precond.step"]
+    assert (tmp_path / "step_breakdown.png").stat().st_size > 0
+
+
 def test_replay_host_times_the_host_part_of_a_replayed_step(tmp_path: Path) -> None:
     """replay_host.py: the replayed step's host part (the graph a no-op) is a
     small fraction of the eager step, whose products run on CPU."""

@@ -40,6 +40,7 @@ __all__ = [
     "EngineDefaults",
     "GradientMarks",
     "InPlaceGradients",
+    "MarksStamp",
     "ModelParallelLayers",
     "OwnsTheLoop",
     "ShardedReads",
@@ -272,6 +273,15 @@ def unique_parameters(adapters: Sequence[LayerAdapter]) -> list[nn.Parameter]:
     return list(dict.fromkeys(p for a in adapters for p in a.parameters()))
 
 
+class MarksStamp(Protocol):
+    """Marks kept by whoever last wrote the gradients (a replayed step,
+    :class:`kaisa.step.graphed.ReplayStamp`), cheaper than a mark per layer."""
+
+    def unchanged(self) -> bool:
+        """True when the gradients are as stamped: no backward since."""
+        ...
+
+
 class GradientMarks:
     """Tells whether a backward pass has run since the last ``step()``.
 
@@ -279,11 +289,14 @@ class GradientMarks:
     backward either accumulates in place (the version moves) or creates a new
     tensor.  If no registered layer's mark moved, ``step()`` would
     precondition already preconditioned gradients.  Costs nothing on the hot
-    path: no hook, no synchronisation.
+    path: no hook, no synchronisation.  A replayed step leaves a
+    :class:`MarksStamp` instead (:meth:`stamp`): the gradients are then
+    tensors it holds, compared by identity and version without a mark each.
     """
 
     def __init__(self) -> None:
         self._marks: list[Any] | None = None
+        self._stamp: MarksStamp | None = None
 
     @staticmethod
     def of(grad: Tensor | None) -> Any:
@@ -303,6 +316,8 @@ class GradientMarks:
         ``marks`` is read lazily and only as far as needed: after a backward
         the first layer's mark has moved (one read, where a whole list would
         cost a microsecond per layer of cache-cold reads on every step)."""
+        if self._stamp is not None:
+            return self._stamp.unchanged()
         if self._marks is None:
             return False
         present = False
@@ -314,6 +329,12 @@ class GradientMarks:
 
     def record(self, marks: Iterable[Any]) -> None:
         self._marks = list(marks)
+        self._stamp = None
+
+    def stamp(self, stamp: MarksStamp) -> None:
+        """The gradients as ``stamp`` holds them (it answers :meth:`unchanged`)."""
+        self._stamp = stamp
+        self._marks = None
 
 
 Assemble = Callable[[list[nn.Parameter], tuple[int, ...]], "list[Tensor] | None"]

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.core.layer_state import KFACLayer
-from kaisa.engines.base import unique_parameters
+from kaisa.engines.base import GradientMarks, unique_parameters
 from kaisa.engines.pytorch import ParamGradAccess, TorchEngine
 from kaisa.step.apply import GradientApplication
 from kaisa.step.nonfinite import VerdictTally
@@ -129,6 +129,30 @@ class CudaGraphRecorder:
 Key = tuple[object, ...]
 #: the key of no recording (matches no step's)
 NO_KEY: Key = ((), None, None)
+
+
+class ReplayStamp:
+    """The gradients as a replay left them (a
+    :class:`~kaisa.engines.base.MarksStamp`): the graph's tensors, each at
+    its version, and the other layers' marks.  A backward since makes new
+    tensors or moves a version; a second ``step()`` without one finds them
+    as stamped — told apart without a weak reference per layer."""
+
+    __slots__ = ("_held", "_others", "_params", "_versions")
+
+    def __init__(
+        self, params: list[nn.Parameter], held: list[Tensor], others: list[nn.Parameter]
+    ) -> None:
+        self._params = params
+        self._held = held
+        self._versions = [h._version for h in held]
+        self._others = [(w, GradientMarks.of(w.grad)) for w in others]
+
+    def unchanged(self) -> bool:
+        for p, h, v in zip(self._params, self._held, self._versions):
+            if p.grad is not h or h._version != v:
+                return False
+        return all(GradientMarks._same(old, GradientMarks.of(w.grad)) for w, old in self._others)
 
 
 class GraphedApplication:
@@ -240,6 +264,13 @@ class GraphedApplication:
             return False, None
         done = self._record(layers, key, damping, lr, kl_clip, verdict_of)
         return done, self._counted(done and verdict_of is not None, step)
+
+    def stamp(self) -> ReplayStamp | None:
+        """The gradients as the last replay (or recording) left them; None
+        where there is no graph (the step ran eagerly)."""
+        if self._recorder is None:
+            return None
+        return ReplayStamp(self._params, self._grads, [w for w, _ in self._others])
 
     def _same_layers(self, grads: list[Tensor | None], moved: list[int]) -> bool:
         """The recorded parameters have gradients (on the recorded device),

@@ -31,7 +31,7 @@ from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.nonfinite import NonFiniteSteps, finite_verdict, gradients_finite
 from kaisa.step.reduce import FactorReduction
 from kaisa.step.reports import StepReports
-from kaisa.step.schedule import Schedule
+from kaisa.step.schedule import FixedValues, Schedule
 from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["StepPipeline"]
@@ -77,6 +77,11 @@ class StepPipeline:
         #: a non-factor step's finiteness verdict is formed on the device (defer_verdict)
         self._verdict_owed = False
         self.reports = StepReports()
+        #: the schedule's constants, once a non-factor step was replayed (_replay_settled)
+        self._fast: FixedValues | None = None
+        self._fast_scalars: bool | None = None
+        #: non-factor steps that took :meth:`_replay_settled`
+        self.shortcuts = 0
         #: what of defer_verdict's conditions is fixed at construction
         self._may_defer = not (
             self.application.method.apply_updates_state
@@ -93,6 +98,9 @@ class StepPipeline:
             self._loop.check_step()
         self.check_new_backward()
         self.scaling.check_unscaled()
+        if self._fast is not None and self._replay_settled(step, self._fast):
+            self._end_step((step + 1) % self._fast.factor_every == 0, True)
+            return
         factor_step = self.schedule.is_factor_step(step)
         # the reductions backward started come first: any other collective
         # (the validity verdict) issued before them would cross them
@@ -112,11 +120,54 @@ class StepPipeline:
             self.reduction.fold(counts, self.schedule.factor_decay(step))
             self._settled = False  # layers may be captured for the first time
         self.update_second_order(step, damping)
-        self.apply(step, damping, factor_step, deferred)
+        replayed = self.apply(step, damping, factor_step, deferred)
+        self._end_step(self.schedule.is_factor_step(step + 1), replayed)
+
+    def _end_step(self, factor_next: bool, replayed: bool) -> None:
+        """Count the step; mark the gradients it leaves (a replay's own stamp
+        where it replayed: no mark per layer)."""
         self.comm.stats.end_step()
         self.steps += 1
-        self.capture.enabled = self.schedule.is_factor_step(self.steps)
-        self.marks.record(self.engine.gradient_marks(self.adapters))
+        self.capture.enabled = factor_next
+        stamp = self.graphed.stamp() if replayed and self.graphed is not None else None
+        if stamp is not None:
+            self.marks.stamp(stamp)
+        else:
+            self.marks.record(self.engine.gradient_marks(self.adapters))
+
+    def _replay_settled(self, step: int, fixed: FixedValues) -> bool:
+        """A replayed non-factor step after another, with only what may have
+        changed since checked (on a GPU this Python is the step's cost): the
+        schedule (its revision: a changed value goes the whole way), the
+        step's place in it, new layers or a load (:attr:`_settled`,
+        :attr:`stale`) and the scalars' rule.  What :meth:`defer_verdict`
+        and :meth:`update_second_order` would conclude holds while these
+        do; the replay checks the gradients (:meth:`GraphedApplication.run`).
+        False where it did not replay: the step goes the whole way."""
+        graphed = self.graphed
+        if (
+            graphed is None
+            or fixed.revision != self.schedule.revision
+            or step % fixed.factor_every == 0
+            or step % fixed.inverse_every == 0
+            or self.stale
+            or not self._settled
+            or self.application.read_scalars is not self._fast_scalars
+        ):
+            return False  # a full step (it arms this again with what it finds)
+        self._presence = None
+        self._verdict_owed = True
+        lr = fixed.lr if fixed.lr is not None else self.lr_operand(step)
+        replayed, tally = graphed.run(
+            self.layers, fixed.damping, lr, fixed.kl_clip, self._verdict, step
+        )
+        if not replayed:
+            return False
+        if tally is not None:
+            self.nonfinite.defer_tally(tally)
+        self.drop_statistics = False
+        self.shortcuts += 1
+        return True
 
     def resume_at(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (its layers
@@ -243,12 +294,19 @@ class StepPipeline:
         if inverse_step and self.on_inverse_step is not None:
             self.on_inverse_step(step)
 
-    def apply(self, step: int, damping: float, factor_step: bool, deferred: bool) -> None:
-        """``deferred``: a non-factor step whose verdict stays on the device,
-        which may be replayed (:mod:`kaisa.step.graphed`)."""
-        lr, kl_clip = self.schedule.lr_operand(step), self.schedule.kl_clip(step)
+    def lr_operand(self, step: int) -> float | Tensor:
+        """The learning rate the KL clip reads: an optimizer's tensor one stays
+        on its device unless reading it is free."""
+        lr = self.schedule.lr_operand(step)
         if isinstance(lr, Tensor) and self.application.reads_free(lr.device):
-            lr = float(lr)
+            return float(lr)
+        return lr
+
+    def apply(self, step: int, damping: float, factor_step: bool, deferred: bool) -> bool:
+        """``deferred``: a non-factor step whose verdict stays on the device,
+        which may be replayed (:mod:`kaisa.step.graphed`); once one is, the
+        next ones may take :meth:`_replay_settled`.  Returns whether it replayed."""
+        lr, kl_clip = self.lr_operand(step), self.schedule.kl_clip(step)
         verdict_of = self._verdict if deferred and self._verdict_owed else None
         graphed = self.graphed
         if deferred and graphed is not None:
@@ -256,8 +314,12 @@ class StepPipeline:
             if replayed:
                 if tally is not None:
                     self.nonfinite.defer_tally(tally)
-                return
+                if self.scaling.scaler is None and self._loop is None:
+                    self._fast = self.schedule.fixed()
+                    self._fast_scalars = self.application.read_scalars
+                return True
         verdict = verdict_of() if verdict_of is not None else None
         self.application.run(self.layers, damping, lr, kl_clip, factor_step, self._presence)
         if verdict is not None:
             self.nonfinite.defer(self.steps, verdict)
+        return False

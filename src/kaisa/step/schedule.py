@@ -24,13 +24,27 @@ from torch import Tensor
 
 from kaisa.config import KFACConfig, check_value, resolve
 
-__all__ = ["Schedule", "warn_unaligned_intervals"]
+__all__ = ["FixedValues", "Schedule", "warn_unaligned_intervals"]
 
 _UNSEEN = object()
 _IMMUTABLE = (int, float, type(None))
 
 #: the options a checkpoint restores
 RESTORED = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedValues:
+    """Every schedule option of one :attr:`Schedule.revision`, each a constant
+    (what a replayed non-factor step needs, read without six lookups)."""
+
+    revision: int
+    factor_every: int
+    inverse_every: int
+    damping: float
+    kl_clip: float | None
+    #: None: the optimizer's learning rate, read at each step
+    lr: float | None
 
 
 class Schedule:
@@ -46,6 +60,9 @@ class Schedule:
         self.values: dict[str, Any] = {k: getattr(config, k) for k in RESTORED}
         #: the constants among them already validated (by identity)
         self._valid: dict[str, Any] = {}
+        #: counts the changes of :attr:`values` (``set``, ``restore``)
+        self.revision = 0
+        self._fixed: FixedValues | None = None
 
     @property
     def config(self) -> KFACConfig:
@@ -87,6 +104,28 @@ class Schedule:
         if name == "lr":
             self.lr_from_optimizer = False
         self.values[name] = value
+        self.revision += 1
+
+    def fixed(self) -> FixedValues | None:
+        """The values a non-factor step reads, while the schedule is not
+        changed, where each is a constant (None where one is a callable of
+        the step or a tensor, which may change in place); validated as
+        :meth:`value` does."""
+        if self._fixed is not None and self._fixed.revision == self.revision:
+            return self._fixed
+        read = ("factor_update_steps", "inv_update_steps", "damping", "kl_clip", "lr")
+        names = [k for k in read if not (k == "lr" and self.lr_from_optimizer)]
+        if any(type(self.values[k]) not in _IMMUTABLE for k in names):
+            return None
+        self._fixed = FixedValues(
+            self.revision,
+            int(self.value("factor_update_steps", 0)),
+            int(self.value("inv_update_steps", 0)),
+            self.damping(0),
+            self.kl_clip(0),
+            None if self.lr_from_optimizer else float(self.value("lr", 0)),
+        )
+        return self._fixed
 
     def lr(self, step: int) -> float:
         value = self.lr_operand(step)
@@ -134,6 +173,7 @@ class Schedule:
         if values:
             self._config = dataclasses.replace(self._config, **values)
             self.values.update(values)
+            self.revision += 1
 
 
 def warn_unaligned_intervals(config: KFACConfig) -> None:

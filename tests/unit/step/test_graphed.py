@@ -80,6 +80,10 @@ KW: dict[str, Any] = dict(
     lr=lambda s: 0.05 / (1 + 0.1 * s),
     kl_clip=1e-3,
 )
+#: the same as constants: after a replay the next non-factor steps take the
+#: pipeline's settled path (StepPipeline._replay_settled)
+CONSTANT: dict[str, Any] = {**KW, "damping": 0.1, "lr": 0.05}
+SCHEDULES = {"callable": KW, "constant": CONSTANT}
 
 
 def accelerator_rule(
@@ -138,13 +142,18 @@ def assert_same(a: list[Tensor], b: list[Tensor]) -> None:
         assert float((x - y).norm() / y.norm()) <= 1e-12
 
 
+@pytest.mark.parametrize("schedule", ["callable", "constant"])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
-def test_replays_equal_the_eager_step(method: str, set_to_none: bool) -> None:
-    kwargs = {**KW, "compute_method": method}
+def test_replays_equal_the_eager_step(method: str, set_to_none: bool, schedule: str) -> None:
+    kwargs = {**SCHEDULES[schedule], "compute_method": method}
     want, _, _ = train(False, set_to_none=set_to_none, kwargs=kwargs)
     got, log, precond = train(True, set_to_none=set_to_none, kwargs=kwargs)
     assert_same(got, want)
+    # constants: every non-factor step after the first (recorded the full
+    # way) takes the settled path, replays and the later recordings alike
+    shortcuts = precond._parts.pipeline.shortcuts
+    assert shortcuts == (13 - 1 if schedule == "constant" else 0)
     # steps 0..19 at intervals 3/6: the non-factor steps after each of the
     # four inverse updates (0, 6, 12, 18) record once and replay after
     assert log.count("record") == 4
@@ -156,7 +165,8 @@ def test_replays_equal_the_eager_step(method: str, set_to_none: bool) -> None:
     assert graphed.copied == (10 * (13 - 4) if set_to_none else 0)
 
 
-def test_a_layer_without_gradient_records_anew() -> None:
+@pytest.mark.parametrize("schedule", ["callable", "constant"])
+def test_a_layer_without_gradient_records_anew(schedule: str) -> None:
     """The set of layers taking part is the graph's key."""
 
     def drop(model: nn.Module, s: int) -> None:
@@ -164,8 +174,8 @@ def test_a_layer_without_gradient_records_anew() -> None:
             model[2].weight.grad = None
             model[2].bias.grad = None
 
-    want, _, _ = train(False, tamper=drop)
-    got, log, _ = train(True, tamper=drop)
+    want, _, _ = train(False, tamper=drop, kwargs=SCHEDULES[schedule])
+    got, log, _ = train(True, tamper=drop, kwargs=SCHEDULES[schedule])
     assert_same(got, want)
     # records at 1 (after 0), 4 (new set), 5 is the same set, 7 (after 6,
     # full set again), 10 (new set), 11 (full set), 13, 19
@@ -200,6 +210,50 @@ def test_turning_the_kl_clip_off_and_on_records_anew() -> None:
     # records at 1 and 7 (after the inverse updates at 0 and 6), at 8 (no
     # clip), at 10 (a clip again; the new bound alone would not), 13, 19
     assert log.count("record") == 6
+
+
+def test_constants_changed_between_replays_take_effect_at_once() -> None:
+    """Constant schedule values changed between replayed steps — damping and
+    the KL clip's bound set as kfac-pytorch users set them (validated, and
+    raw as its LambdaParamScheduler writes), the learning rate, the factor
+    interval — reach the very next step, as eagerly: the settled path
+    replays only while the schedule is unchanged."""
+    changes: dict[int, tuple[str, Any]] = {
+        5: ("damping", 0.3),
+        8: ("_kl_clip", 0.004),
+        10: ("lr", 0.02),
+        11: ("_damping", 0.05),
+        13: ("factor_update_steps", 4),
+    }
+
+    def before(precond: KFACPreconditioner, s: int) -> None:
+        if s in changes:
+            setattr(precond, *changes[s])
+
+    want, _, _ = train(False, before=before, kwargs=CONSTANT)
+    got, log, precond = train(True, before=before, kwargs=CONSTANT)
+    assert_same(got, want)
+    assert log.count("replay") >= 6 and precond._parts.pipeline.shortcuts >= 4
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_second_step_without_backward_is_refused_after_a_replay(set_to_none: bool) -> None:
+    """After a replayed step the gradients are the graph's tensors, marked
+    by the replay's stamp rather than a mark per layer: a second ``step()``
+    with no backward is still refused and changes nothing, and the next
+    backward (new tensors, or accumulated into the graph's) is taken."""
+    _, log, precond = train(True, steps=6, set_to_none=set_to_none, kwargs=CONSTANT)
+    assert log[-1] == "replay"  # step 5, a replayed non-factor step
+    model = precond.model
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="called again"):
+        precond.step()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    assert precond.steps == 6
+    model.zero_grad(set_to_none=set_to_none)
+    model(torch.randn(10, 8, dtype=torch.float64)).logsumexp(-1).mean().backward()
+    precond.step()  # step 6, an inverse step
+    assert precond.steps == 7
 
 
 def _train_with_optimizer_lr(lr: float | Tensor, graphed: bool) -> tuple[list[Tensor], list[str]]:

@@ -213,6 +213,8 @@ class Capture:
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:
+        if not self.enabled:
+            return  # a non-factor step: nothing is captured (asked first: every forward)
         if torch.compiler.is_compiling():
             return  # compiled calls count their passes on their sinks
         if self.enabled and module.training and torch.is_grad_enabled():
@@ -220,6 +222,8 @@ class Capture:
 
     def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+            if not self.enabled:
+                return None  # a non-factor step: nothing is captured (asked first)
             x = _first_tensor(inputs)
             out = layer.adapter.output_tensor(output)
             if x is None or out is None:
