@@ -78,7 +78,14 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "kfac inverse f=1 inv=10": dict(
         factor_update_steps=1, inv_update_steps=10, compute_method="inverse"
     ),
+    # precond.compile(mode="reduce-overhead"): non-factor steps replayed as a
+    # CUDA graph (kaisa.step.graphed); a GPU variant, left out of CPU defaults
+    "kfac f=10 inv=100 replayed": dict(
+        factor_update_steps=10, inv_update_steps=100, compute_method="eigen"
+    ),
 }
+#: variants timed with ``precond.compile(mode="reduce-overhead")`` (kaisa only)
+REPLAYED = frozenset({"kfac f=10 inv=100 replayed"})
 
 
 Preconditioner = Callable[..., Any]
@@ -92,12 +99,16 @@ def time_steps(
     batch: int,
     device: str = "cpu",
     preconditioner: Preconditioner = KFACPreconditioner,
+    replayed: bool = False,
 ) -> tuple[float, float]:
-    """Seconds per step and page faults per step."""
+    """Seconds per step and page faults per step (``replayed``: kaisa's
+    non-factor steps replayed as CUDA graphs)."""
     torch.manual_seed(0)
     model = MODELS[model_name]().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     precond = preconditioner(model, **_keywords(preconditioner, kfac, opt)) if kfac else None
+    if replayed and precond is not None:
+        precond.compile(mode="reduce-overhead")
     xs = torch.randn(POOL, batch, 1, 28, 28, device=device)
     ys = torch.randint(0, 10, (POOL, batch), device=device)
     sync = torch.cuda.synchronize if xs.is_cuda else (lambda: None)
@@ -184,8 +195,9 @@ def main() -> None:
         "--variants",
         nargs="+",
         choices=list(VARIANTS),
-        default=list(VARIANTS),
-        help="variants to time (ratios need 'sgd' among them)",
+        default=None,
+        help="variants to time (ratios need 'sgd' among them; default: all, the "
+        "replayed one on CUDA only)",
     )
     parser.add_argument(
         "--reference-src",
@@ -194,6 +206,9 @@ def main() -> None:
         help="a kfac-pytorch checkout: time its KFACPreconditioner beside kaisa's",
     )
     args = parser.parse_args()
+    if args.variants is None:
+        cuda = args.device.startswith("cuda")
+        args.variants = [v for v in VARIANTS if cuda or v not in REPLAYED]
     if args.threads:
         torch.set_num_threads(args.threads)
     tuned = not args.default_allocator and tune_cpu_allocator()
@@ -206,12 +221,14 @@ def main() -> None:
         for variant in args.variants:
             kfac = VARIANTS[variant]
             for library, preconditioner in libraries.items():
-                if kfac is None and library != "kaisa":
-                    continue  # one SGD baseline
+                if (kfac is None or variant in REPLAYED) and library != "kaisa":
+                    continue  # one SGD baseline; graphs are kaisa's
                 try:
                     runs = [
                         time_steps(
-                            model_name, kfac, args.steps, args.batch, args.device, preconditioner
+                            *(model_name, kfac, args.steps, args.batch, args.device),
+                            preconditioner,
+                            replayed=variant in REPLAYED,
                         )
                         for _ in range(args.repeats)
                     ]

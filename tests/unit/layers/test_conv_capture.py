@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner
 from kaisa.core.specs import FactorKind, FactorSource
-from kaisa.core.statistics import contribution_features_first
+from kaisa.core.statistics import _features_first_gram, contribution_features_first
 from kaisa.layers import Conv1dAdapter, Conv2dAdapter
 from kaisa.layers import patches as patches_module
 from kaisa.layers.convolution import ConvAdapter
@@ -224,6 +224,17 @@ def test_contribution_features_first() -> None:
     assert rel_err(dense, 3.0 * rows.t() @ rows) <= EXACT
     diag = contribution_features_first(cols, FactorKind.DIAGONAL, torch.float64)
     assert rel_err(diag, (rows * rows).sum(0)) <= EXACT
+
+
+@pytest.mark.parametrize("per_point", [True, False])
+def test_features_first_gram_both_forms(per_point: bool) -> None:
+    """Per data point without a copy (CPU) or one product of the copied rows
+    (an accelerator, where ``addbmm`` is a product per data point): both
+    equal the float64 Gram of the rows, with the scale folded in."""
+    cols = torch.randn(6, 5, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rows = cols.transpose(1, 2).reshape(-1, 5)
+    got = _features_first_gram(cols, 0.25, per_point)
+    assert rel_err(got, 0.25 * rows.t() @ rows) <= EXACT
 
 
 def cnn() -> nn.Module:
