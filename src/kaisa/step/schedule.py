@@ -35,8 +35,9 @@ RESTORED = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay"
 
 @dataclasses.dataclass(frozen=True)
 class FixedValues:
-    """Every schedule option of one :attr:`Schedule.revision`, each a constant
-    (what a replayed non-factor step needs, read without six lookups)."""
+    """The schedule options a non-factor step reads, at one
+    :attr:`Schedule.revision`, each a constant (read by a replayed step
+    without six lookups)."""
 
     revision: int
     factor_every: int

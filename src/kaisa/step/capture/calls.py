@@ -217,7 +217,7 @@ class Capture:
             return  # a non-factor step: nothing is captured (asked first: every forward)
         if torch.compiler.is_compiling():
             return  # compiled calls count their passes on their sinks
-        if self.enabled and module.training and torch.is_grad_enabled():
+        if module.training and torch.is_grad_enabled():
             self.pass_id += 1
 
     def _forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Any, Any], Any]:
