@@ -347,24 +347,3 @@ def test_arm_step_cost_rejects_an_unknown_kfac_keyword() -> None:
     with pytest.raises(subprocess.CalledProcessError) as err:
         run_script("arm_step_cost.py", "--kfac-kwargs", "dampnig=0.3", "--arms", "adamw")
     assert "dampnig" in err.value.stderr and "damping" in err.value.stderr
-
-
-def test_seeds_vs_step_cost_multiplies_median_steps_by_each_arms_cpu_cost(
-    tmp_path: Path,
-) -> None:
-    cost = {"load_1min": [1.0, 1.0],
-            "median": {"muon": {"cpu_ms": 100.0}, "soap": {"cpu_ms": 200.0},
-                       "adamw+kfac": {"cpu_ms": 120.0}}}  # fmt: skip
-    (tmp_path / "cost.json").write_text(json.dumps(cost))
-    run_script(
-        "seeds_vs_step_cost.py",
-        *("muon=70,70,80", "soap=60,50,70", "kfac@adamw+kfac=90,100,90"),
-        *("--step-cost", str(tmp_path / "cost.json"), "--relative-to", "muon"),
-        *("--json", str(tmp_path / "out.json"), "--png", str(tmp_path / "out.png")),
-    )
-    arms = json.loads((tmp_path / "out.json").read_text())["arms"]
-    assert arms["muon"]["median_steps"] == 70 and arms["muon"]["time_vs_muon"] == 1.0
-    assert arms["soap"]["time_vs_muon"] == pytest.approx(60 * 200 / (70 * 100))
-    assert arms["kfac"]["step_cost_cpu_ms"] == 120.0  # the cost arm named after the @
-    assert arms["kfac"]["time_vs_muon"] == pytest.approx(90 * 120 / (70 * 100))
-    assert (tmp_path / "out.png").stat().st_size > 0

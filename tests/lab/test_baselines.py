@@ -148,6 +148,7 @@ def test_every_baseline_builds_on_each_task_family_and_lowers_the_loss(
         weight_decay=defaults.decay(name),
         adamw_lr=defaults.base_lr("adamw"),
         adamw_weight_decay=defaults.decay("adamw"),
+        compile_baseline=False,  # the same math; heavyball's compile takes minutes here
     )
     # an arm tuned with a warm-up ramps its lr up, here over the 8 steps (LAMB at
     # text-cnn's lr 0.08 diverges at its full lr from step 0, as kaisa train does not run it)
@@ -164,6 +165,31 @@ def test_every_baseline_builds_on_each_task_family_and_lowers_the_loss(
     with torch.no_grad():
         after = float(t.loss(model(x), y))
     assert after < 0.95 * before, (before, after)
+
+
+@pytest.mark.parametrize(
+    ("name", "asked", "mode"),
+    [("soap", True, "default"), ("soap", False, None), ("shampoo", True, None)],
+)
+def test_each_heavyball_optimizer_steps_under_its_own_compile_switch(
+    name: str, asked: bool, mode: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """heavyball reads one global switch at every call: each optimizer sets its own
+    before stepping (compiled as heavyball's default, except where compiling fails)."""
+    _needs_package(name)
+    heavyball = importlib.import_module("heavyball")
+    seen: list[Any] = []
+    cls = heavyball.SOAP if name == "soap" else heavyball.KLShampoo
+    monkeypatch.setattr(
+        cls, "step", lambda self, *a, **k: seen.append(heavyball.utils.compile_mode)
+    )
+    opt = build_optimizer(name, nn.Linear(2, 2), lr=0.1, weight_decay=0.0, compile_baseline=asked)
+    default = optim_build._HEAVYBALL_COMPILE["mode"]  # heavyball's own, read before any switch
+    assert default is not None  # heavyball compiles by default
+    monkeypatch.setattr(heavyball.utils, "compile_mode", "another optimizer's")
+    opt.step()
+    assert seen == [default if mode == "default" else None]
+    assert opt.compiled is (mode == "default")  # type: ignore[attr-defined]
 
 
 def test_a_missing_package_is_an_error_that_names_the_extra(
@@ -257,9 +283,10 @@ def test_compare_optimizers_writes_every_arm(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main(["compare", "--task", "text-lm", "--optimizers", "adamw,muon,soap",
                  "--epochs", "1", "--max-steps-per-epoch", "3", "--quiet", "--threads", "1",
-                 "--out", str(out)]) == 0  # fmt: skip
+                 "--no-compile-baselines", "--out", str(out)]) == 0  # fmt: skip
     runs = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in runs] == ["adamw", "adamw+kfac", "muon", "muon+kfac", "soap"]
+    assert {r["config"]["compile_baseline"] for r in runs} == {False}
     lrs = {r["name"]: r["config"]["lr"] for r in runs}
     defaults = get_task("text-lm").defaults
     assert lrs == {r["name"]: defaults.arm(r["kfac"], r["optimizer"])[0] for r in runs}
@@ -271,12 +298,12 @@ def test_compare_optimizers_writes_every_arm(tmp_path: Path) -> None:
 
 def test_the_schedule_scales_muons_adamw_part_by_the_same_factor() -> None:
     from kaisa_lab.cli.distributed import DistContext
-    from kaisa_lab.cli.train import _Trainer
+    from kaisa_lab.cli.trainer import Trainer
 
     task = get_task("text-lm")
     args = build_parser()[0].parse_args(["train", "--task", "text-lm", "--optimizer", "muon"])
     (spec,) = build_specs(args, task, [False])
-    with _Trainer(spec, task, DistContext(device=torch.device("cpu"))) as trainer:
+    with Trainer(spec, task, DistContext(device=torch.device("cpu"))) as trainer:
         trainer.set_lr(spec.lr / 4)
         muon_group, adamw_group = trainer.optimizer.param_groups
     assert muon_group["lr"] == spec.lr / 4

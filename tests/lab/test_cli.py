@@ -405,10 +405,10 @@ def test_cuda_without_cuda_is_a_usage_error(
 
 def _record_lrs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float | None]]:
     """Patch the training step to record (run, optimizer lr, K-FAC's lr) at every step."""
-    from kaisa_lab.cli import train
+    from kaisa_lab.cli import trainer
 
     seen: list[tuple[str, float, float | None]] = []
-    original = train._Trainer.step
+    original = trainer.Trainer.step
 
     def step(self: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         precond = self.preconditioner
@@ -416,7 +416,7 @@ def _record_lrs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float
         seen.append(("kfac" if precond else "sgd", lr, None if precond is None else precond.lr))
         return original(self, x, y)
 
-    monkeypatch.setattr(train._Trainer, "step", step)
+    monkeypatch.setattr(trainer.Trainer, "step", step)
     return seen
 
 
@@ -570,13 +570,13 @@ def test_constant_schedule_never_writes_the_lr(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default (constant, no warm-up) is bit-identical to training without a schedule."""
-    from kaisa_lab.cli import train
+    from kaisa_lab.cli import trainer
 
     def refuse(self: Any, lr: float) -> None:
         raise AssertionError("a constant schedule must not write the lr")
 
     seen = _record_lrs(monkeypatch)
-    monkeypatch.setattr(train._Trainer, "set_lr", refuse)
+    monkeypatch.setattr(trainer.Trainer, "set_lr", refuse)
     args = ("train", *QUICK, "--epochs", "2")
     (default,) = run_cli(tmp_path / "a", *args)
     (explicit,) = run_cli(tmp_path / "b", *args, "--schedule", "constant", "--warmup-epochs", "0")

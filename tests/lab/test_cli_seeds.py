@@ -20,6 +20,9 @@ SEED_FIELDS = {
     "epochs_to_target",
     "final_metric",
     "wall_time_s",
+    "stopped",
+    "step_times",
+    "fingerprints",
     "curve",
 }
 

@@ -31,6 +31,7 @@ from kaisa import __version__
 from kaisa.allocator import tune_cpu_allocator
 from kaisa.config import DistributedStrategy
 from kaisa.distributed.plan import grad_workers_for
+from kaisa_lab.bench.cli import add_bench_parser, run_bench
 from kaisa_lab.cli import distributed
 from kaisa_lab.cli.options import add_kfac_arguments
 from kaisa_lab.cli.plan import add_plan_parser, run_plan
@@ -214,6 +215,14 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave glibc's malloc thresholds as they are (default: raise them so CPU steps "
         "stop faulting freed memory back in; kaisa.allocator)",
     )
+    run.add_argument(
+        "--compile-baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile heavyball's soap and shampoo with torch.compile, as heavyball does by "
+        "default (the compilation falls in the untimed warm-up; default: on). "
+        "--no-compile-baselines runs them eager: same math, no minutes of compiling",
+    )
     run.add_argument("--data-dir", type=Path, help="folder with the task's data (cifar10)")
     run.add_argument("--out", type=Path, help="output folder (default: runs/<task>-<timestamp>)")
     run.add_argument("--quiet", action="store_true", help="no progress bars; one line per epoch")
@@ -238,7 +247,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Train built-in tasks with and without the KAISA K-FAC preconditioner.",
     )
     parser.add_argument("--version", action="version", version=f"kaisa {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{train,compare,plan}", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="{train,compare,plan,bench}", required=True
+    )
     train = commands.add_parser(
         "train",
         help="train one configuration",
@@ -273,7 +284,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "baseline of the time ratios",
     )
     plan = add_plan_parser(commands)
-    return parser, {"train": train, "compare": compare, "plan": plan}
+    bench = add_bench_parser(commands)
+    return parser, {"train": train, "compare": compare, "plan": plan, "bench": bench}
 
 
 def _default_out(task: str) -> Path:
@@ -342,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = commands[args.command]
     if args.command == "plan":
         return run_plan(args, command.error)
+    if args.command == "bench":
+        return run_bench(args, command.error)
     task = get_task(args.task)
     try:
         specs = build_specs(args, task, [args.kfac] if args.command == "train" else [False, True])

@@ -72,6 +72,18 @@ def format_environment(environment: Mapping[str, Any]) -> str:
     return text + "."
 
 
+def _outcome(result: RunResult) -> dict[str, Any]:
+    """Why a run stopped, the spread of its step times, and its fingerprints."""
+    return {
+        "stopped": result.stopped,
+        "step_times": None if result.step_times is None else asdict(result.step_times),
+        "fingerprints": {
+            "initial_weights": result.initial_weights,
+            "data_order": result.data_order,
+        },
+    }
+
+
 def run_to_dict(result: RunResult, environment: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON object of one run; ``environment`` (device, ranks, ...) joins its config."""
     spec = result.spec
@@ -88,6 +100,7 @@ def run_to_dict(result: RunResult, environment: Mapping[str, Any]) -> dict[str, 
         "epochs_to_target": result.epochs_to_target,
         "final_metric": result.final_metric,
         "wall_time_s": result.wall_time_s,
+        **_outcome(result),
         "config": {**spec.to_dict(), **environment},
         "curve": [asdict(record) for record in result.curve],
     }
@@ -102,6 +115,7 @@ def seed_record(result: RunResult) -> dict[str, Any]:
         "epochs_to_target": result.epochs_to_target,
         "final_metric": result.final_metric,
         "wall_time_s": result.wall_time_s,
+        **_outcome(result),
         "curve": [asdict(record) for record in result.curve],
     }
 

@@ -69,6 +69,9 @@ class RunSpec:
     #: embeddings, head, norms and biases (the task's AdamW ones).
     adamw_lr: float | None = None
     adamw_weight_decay: float | None = None
+    #: heavyball's baselines (soap, shampoo) compiled as their library does by
+    #: default (the compilation falls in the untimed warm-up), or eager
+    compile_baseline: bool = True
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -99,6 +102,7 @@ class RunSpec:
             "lr_tuned": self.lr_tuned,
             "adamw_lr": self.adamw_lr,
             "adamw_weight_decay": self.adamw_weight_decay,
+            "compile_baseline": self.compile_baseline,
             "kfac": kfac,
         }
 
@@ -246,6 +250,7 @@ def build_specs(
         "eval_batch_size": defaults.eval_batch_size,
         "stop_at_target": args.stop_at_target,
         "evals_per_epoch": _pick(args.evals_per_epoch, defaults.evals_per_epoch),
+        "compile_baseline": getattr(args, "compile_baselines", True),
     }
     return [
         _spec(args, task, optimizer, use_kfac, common)

@@ -4,10 +4,10 @@ Seed ``k`` of an arm is the arm's spec with ``seed + k``; since the seed fixes
 both the initial weights and the data order, the arms of one seed start from
 the same weights and see the same batches, and only the optimizer differs.
 
-Runs are interleaved by seed (seed 0 of every arm, then seed 1, ...) rather
-than grouped by arm, so anything that drifts during a long comparison (other
-load on the machine, clock throttling) is spread over the arms instead of
-being charged to whichever arm runs last.
+The arms of one seed train in lockstep (:func:`kaisa_lab.cli.train.train_lockstep`:
+each arm one step in turn, each on its own clock), so anything that changes
+while they train — other load on the machine, clock throttling — falls on
+every arm alike instead of on whichever arm runs last.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.spec import RunSpec
-from kaisa_lab.cli.train import RunResult, train_run
+from kaisa_lab.cli.train import RunResult, train_lockstep
 from kaisa_lab.tasks.base import Task, TaskData
 
 __all__ = ["run_seeds", "seeded"]
@@ -50,15 +50,15 @@ def run_seeds(
         progress.start_runs(total)
     try:
         for offset in range(n_seeds):
-            for index, (arm, spec) in enumerate(zip(arms, specs)):
-                run_spec = seeded(spec, offset)
-                label = spec.name
-                if n_seeds > 1:
-                    label = f"{spec.name} seed {run_spec.seed}"
-                    number = offset * len(specs) + index + 1
-                    progress.log(f"run {number}/{total}: {label}")
-                arm.append(train_run(run_spec, task, data, ctx, progress, label=label))
-                progress.end_run()
+            group = [seeded(spec, offset) for spec in specs]
+            labels = [spec.name for spec in specs]
+            if n_seeds > 1:
+                labels = [f"{spec.name} seed {run.seed}" for spec, run in zip(specs, group)]
+                for index, label in enumerate(labels):
+                    progress.log(f"run {offset * len(specs) + index + 1}/{total}: {label}")
+            results = train_lockstep(group, task, data, ctx, progress, labels)
+            for arm, result in zip(arms, results):
+                arm.append(result)
     finally:
         progress.close_runs()
     return arms

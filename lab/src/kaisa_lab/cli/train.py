@@ -1,19 +1,28 @@
-"""The training loop shared by ``kaisa train`` and ``kaisa compare``.
+"""The training loop shared by ``kaisa train``, ``kaisa compare`` and the benchmark suite.
 
-The clock runs only while training: it is paused for every
-evaluation, so ``wall_time_s`` and ``time_to_target_s`` compare optimizers, not
-evaluation cost. On CUDA the device is synchronised before each reading so
-queued kernels are charged to the phase that launched them.
+Runs advance **in lockstep**: every run of a group takes one step in turn,
+each on its own clock, so whatever else the machine does while they train
+falls on every run alike instead of on whichever ran last. Each run keeps its
+own random-number state, so a run trained in a group is bit-identical to the
+same run trained alone.
+
+A run's clock runs only while it trains (fetching its batch, setting its lr,
+its step): it is paused for every evaluation, so ``wall_time_s`` and
+``time_to_target_s`` compare optimizers, not evaluation cost. On CUDA the
+device is synchronised before each reading so queued kernels are charged to
+the step that launched them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import math
+import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,15 +31,17 @@ from kaisa_lab.cli.distributed import DistContext, eval_indices, train_sampler
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.schedule import LRSchedule
 from kaisa_lab.cli.spec import RunSpec
-from kaisa_lab.optim import build_optimizer
+from kaisa_lab.cli.trainer import Trainer, make_optimizer
 from kaisa_lab.tasks.base import BatchDataset, EvalSums, Task, TaskData
 
 __all__ = [
     "EpochRecord",
     "RunResult",
+    "StepTimes",
     "eval_steps",
     "evaluate",
     "make_optimizer",
+    "train_lockstep",
     "train_run",
     "warm_up",
 ]
@@ -52,9 +63,48 @@ class EpochRecord:
     eval: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """The spread of a run's step times (ms), its first steps left out.
+
+    The quartiles say how steady the machine was while the run trained: on a
+    quiet machine they sit within a few percent of the median, under a
+    changing load they spread, and a ratio of two arms' times is then only as
+    good as that spread."""
+
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    count: int
+
+    #: steps of a run not counted in its spread (allocations, lazy set-up)
+    skip = 5
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> StepTimes | None:
+        kept = [1e3 * s for s in seconds[cls.skip :]] or [1e3 * s for s in seconds]
+        if not kept:
+            return None
+        if len(kept) < 2:
+            return cls(kept[0], kept[0], kept[0], 1)
+        q1, median, q3 = statistics.quantiles(kept, n=4, method="inclusive")
+        return cls(median, q1, q3, len(kept))
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median."""
+        return (self.q3_ms - self.q1_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+
 @dataclass
 class RunResult:
-    """A finished run: its spec, per-epoch curve and when it first reached the target."""
+    """A finished run: its spec, per-epoch curve and when it first reached the target.
+
+    ``initial_weights`` and ``data_order`` are fingerprints (SHA-256) of the
+    weights it started from and of the order of every batch its budget would
+    draw: two arms of a fair comparison have equal ones. ``stopped`` says why
+    it ended: ``"target"``, ``"budget"`` (its last epoch) or ``"diverged"``.
+    """
 
     spec: RunSpec
     metric_name: str
@@ -63,6 +113,10 @@ class RunResult:
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
     epochs_to_target: float | None = None
+    initial_weights: str = ""
+    data_order: str = ""
+    stopped: str = "budget"
+    step_times: StepTimes | None = None
 
     @property
     def wall_time_s(self) -> float:
@@ -71,19 +125,6 @@ class RunResult:
     @property
     def final_metric(self) -> float | None:
         return self.curve[-1].metric if self.curve else None
-
-
-def make_optimizer(spec: RunSpec, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of ``spec`` over ``model`` (:func:`kaisa_lab.optim.build_optimizer`)."""
-    return build_optimizer(
-        spec.optimizer,
-        model,
-        lr=spec.lr,
-        weight_decay=spec.weight_decay,
-        momentum=spec.momentum,
-        adamw_lr=spec.adamw_lr,
-        adamw_weight_decay=spec.adamw_weight_decay,
-    )
 
 
 class _Clock:
@@ -103,6 +144,7 @@ class _Clock:
         self._started = self._now()
 
     def stop(self) -> float:
+        """Add the time since :meth:`start`; return the total."""
         self.elapsed += self._now() - self._started
         return self.elapsed
 
@@ -124,87 +166,31 @@ def evaluate(
     return task.summarize(EvalSums.from_tensor(ctx.sum(sums)))
 
 
-def _batches(
-    dataset: BatchDataset, indices: Iterable[int], batch_size: int, limit: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """At most ``limit`` batches, in the order of ``indices`` (read only as far as needed)."""
-    order = torch.tensor(list(itertools.islice(indices, limit * batch_size)), dtype=torch.int64)
-    for chunk in order.split(batch_size):
-        yield dataset.get_batch(chunk)
-
-
-class _Trainer:
-    """Model, optimizer and (optional) preconditioner of one run, and its training step.
-
-    Shared by :func:`train_run` and :func:`warm_up` so both execute exactly the
-    same code. Use as a context manager: K-FAC's hooks are removed on exit.
-    """
-
-    def __init__(self, spec: RunSpec, task: Task, ctx: DistContext) -> None:
-        self.task = task
-        self.device = ctx.device
-        torch.manual_seed(spec.seed)
-        self.model = task.build_model().to(ctx.device)
-        self.net = ctx.wrap(self.model)
-        self.optimizer = make_optimizer(spec, self.model)
-        # The schedule scales every group's own lr (muon's AdamW part has another).
-        self._lr_scales = [group["lr"] / spec.lr for group in self.optimizer.param_groups]
-        self.preconditioner: Any = None
-        if spec.kfac:
-            # Imported here so that first-order runs work even while the
-            # preconditioner module is missing or broken.
-            from kaisa.preconditioner import KFACPreconditioner
-
-            # Hooks go on the unwrapped model so layer names (and the
-            # --kfac-skip-layers patterns matched against them) do not depend on DDP.
-            self.preconditioner = KFACPreconditioner(
-                self.model, optimizer=self.optimizer, pg_timeout_s=ctx.timeout_s, **spec.kfac_kwargs
-            )
-
-    def __enter__(self) -> _Trainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.preconditioner is not None:
-            self.preconditioner.remove_hooks()
-
-    def set_lr(self, lr: float) -> None:
-        """Set the lr of the run's schedule: each parameter group's lr is ``lr`` times its
-        own initial lr over the run's (1 for every group but muon's AdamW part, so
-        exactly ``lr`` there); K-FAC reads it from the optimizer at its step."""
-        for group, scale in zip(self.optimizer.param_groups, self._lr_scales):
-            group["lr"] = lr * scale
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on a batch; returns the (detached) batch loss."""
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.loss(self.net(x), y)
-        loss.backward()
-        if self.preconditioner is not None:
-            self.preconditioner.step()
-        self.optimizer.step()
-        return loss.detach()
-
-
 def warm_up(
-    specs: list[RunSpec], task: Task, data: TaskData, ctx: DistContext, steps: int = 3
+    specs: Sequence[RunSpec], task: Task, data: TaskData, ctx: DistContext, steps: int = 3
 ) -> None:
     """Run a few untimed steps of each kind of run on throwaway models.
 
     The first steps of a process pay one-off costs (thread pools, allocator,
-    lazy imports, LAPACK initialisation); without a warm-up ``compare`` would
-    charge them to whichever run comes first.
+    lazy imports, LAPACK initialisation, a compiled optimizer's compilation);
+    without a warm-up they would be charged to whichever run comes first.
+    The global random state is restored afterwards, so a warm-up changes no
+    run's result.
     """
-    seen: set[tuple[str, bool]] = set()
-    for spec in specs:
-        if (spec.optimizer, spec.kfac) in seen:
-            continue
-        seen.add((spec.optimizer, spec.kfac))
-        order = list(range(min(len(data.train), steps * spec.batch_size)))
-        with _Trainer(spec, task, ctx) as trainer:
-            for x, y in _batches(data.train, order, spec.batch_size, steps):
-                trainer.step(x, y)
+    seen: set[tuple[str, bool, int]] = set()
+    state = torch.random.get_rng_state()
+    try:
+        for spec in specs:
+            key = (spec.optimizer, spec.kfac, spec.batch_size)
+            if key in seen:
+                continue
+            seen.add(key)
+            order = torch.arange(min(len(data.train), steps * spec.batch_size))
+            with Trainer(spec, task, ctx) as trainer:
+                for chunk in order.split(spec.batch_size):
+                    trainer.step(*data.train.get_batch(chunk))
+    finally:
+        torch.random.set_rng_state(state)
 
 
 def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> frozenset[int]:
@@ -217,26 +203,252 @@ def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> frozenset[int]:
     return frozenset(math.ceil(steps_per_epoch * i / k) for i in range(1, k + 1))
 
 
-def _mean_loss(ctx: DistContext, loss_sum: torch.Tensor, steps: int) -> float:
-    """Mean training loss over ``steps`` steps of every rank (a collective)."""
-    totals = ctx.sum(torch.stack([loss_sum.cpu(), torch.tensor(float(steps))]))
-    return float(totals[0] / totals[1])
+def _epoch_orders(
+    data: BatchDataset, ctx: DistContext, spec: RunSpec, steps_per_epoch: int
+) -> list[torch.Tensor]:
+    """The sample indices of every step of every epoch of ``spec``'s budget, per epoch.
+
+    They depend only on the seed, the epoch and the rank (never on the
+    optimizer); drawn up front so their fingerprint covers the whole budget,
+    whatever step a run stops at."""
+    sampler = train_sampler(data, ctx, spec.seed)
+    orders = []
+    for epoch in range(1, spec.epochs + 1):
+        sampler.set_epoch(epoch)
+        taken = itertools.islice(iter(sampler), steps_per_epoch * spec.batch_size)
+        orders.append(torch.tensor(list(taken), dtype=torch.int64))
+    return orders
 
 
-def _record(result: RunResult, record: EpochRecord, reached: bool) -> None:
-    """Append ``record``; the first that reaches the target sets the to-target fields."""
-    result.curve.append(record)
-    if reached and result.steps_to_target is None:
-        result.time_to_target_s = record.wall_time_s
-        result.steps_to_target = record.step
-        result.epochs_to_target = record.epoch
+def _order_fingerprint(orders: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for order in orders:
+        digest.update(order.numpy().tobytes())
+    return digest.hexdigest()
 
 
-def _stop(spec: RunSpec, result: RunResult, train_loss: float) -> bool:
-    """Whether the run ends early: the loss diverged, or the target is reached and wanted."""
-    return not math.isfinite(train_loss) or (
-        spec.stop_at_target and result.steps_to_target is not None
+@dataclass(frozen=True)
+class _RandomState:
+    """The global generators' states (the CPU's, and CUDA's where there is one)."""
+
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def take(cls) -> _RandomState:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(torch.random.get_rng_state(), cuda)
+
+    def put(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+class _Lane:
+    """One run of a lockstep group: its trainer, data, schedule, clock and random state."""
+
+    def __init__(
+        self, spec: RunSpec, label: str, task: Task, data: TaskData, ctx: DistContext
+    ) -> None:
+        self.spec, self.label, self.task, self.data, self.ctx = spec, label, task, data, ctx
+        self.trainer = Trainer(spec, task, ctx)
+        length = math.ceil(len(train_sampler(data.train, ctx, spec.seed)) / spec.batch_size)
+        self.steps_per_epoch = min(length, spec.steps_per_epoch or length)
+        self.orders = _epoch_orders(data.train, ctx, spec, self.steps_per_epoch)
+        self.schedule = LRSchedule.from_epochs(
+            spec.schedule, spec.lr, spec.warmup_epochs, spec.epochs, self.steps_per_epoch
+        )
+        self.ends = eval_steps(self.steps_per_epoch, spec.evals_per_epoch)
+        self.result = RunResult(
+            spec,
+            task.metric.name,
+            task.metric.higher_is_better,
+            initial_weights=self.trainer.initial_weights,
+            data_order=_order_fingerprint(self.orders),
+        )
+        self.clock = _Clock(ctx.device)
+        self.rng = _RandomState.take()
+        self.epoch, self.epoch_step, self.step = 1, 0, 0
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        self.segment_steps = 0
+        self.seconds: list[float] = []
+        self.done = False
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec.epochs * self.steps_per_epoch
+
+    def advance(self) -> torch.Tensor:
+        """Take one timed training step (with this run's own random state)."""
+        saved = _RandomState.take()
+        self.rng.put()
+        before = self.clock.elapsed
+        self.clock.start()
+        chunk = self.orders[self.epoch - 1][
+            self.epoch_step * self.spec.batch_size : (self.epoch_step + 1) * self.spec.batch_size
+        ]
+        x, y = self.data.train.get_batch(chunk)
+        if not self.schedule.is_identity:
+            self.trainer.set_lr(self.schedule.lr(self.step))
+        loss = self.trainer.step(x, y)
+        self.clock.stop()
+        self.seconds.append(self.clock.elapsed - before)
+        self.rng = _RandomState.take()
+        saved.put()
+        self.loss_sum += loss
+        self.step += 1
+        self.epoch_step += 1
+        self.segment_steps += 1
+        return loss
+
+    @property
+    def at_evaluation(self) -> bool:
+        return self.epoch_step in self.ends  # ends holds the epoch's last step
+
+    @property
+    def at_epoch_end(self) -> bool:
+        return self.epoch_step == self.steps_per_epoch
+
+    def evaluate(self) -> tuple[EpochRecord, bool]:
+        """Read the metric (off the clock); record it; return it and whether it reached."""
+        totals = self.ctx.sum(
+            torch.stack([self.loss_sum.cpu(), torch.tensor(float(self.segment_steps))])
+        )
+        train_loss = float(totals[0] / totals[1])
+        self.loss_sum.zero_()
+        self.segment_steps = 0
+        evals = evaluate(
+            self.trainer.model, self.task, self.data.test, self.ctx, self.spec.eval_batch_size
+        )
+        at = self.epoch - 1 + self.epoch_step / self.steps_per_epoch
+        metric = evals[self.task.metric.name]
+        record = EpochRecord(at, self.step, self.clock.elapsed, train_loss, metric, evals)
+        reached = self.task.metric.reached(metric, self.spec.target)
+        result = self.result
+        result.curve.append(record)
+        if reached and result.steps_to_target is None:
+            result.time_to_target_s = record.wall_time_s
+            result.steps_to_target = record.step
+            result.epochs_to_target = record.epoch
+        if not math.isfinite(train_loss):
+            self.finish("diverged")
+        elif self.spec.stop_at_target and result.steps_to_target is not None:
+            self.finish("target")
+        elif self.at_epoch_end and self.epoch == self.spec.epochs:
+            self.finish("budget")
+        return record, reached
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.epoch_step = 0
+
+    def finish(self, why: str) -> None:
+        self.done = True
+        self.result.stopped = why
+        self.result.step_times = StepTimes.of(self.seconds)
+        self.trainer.close()
+
+
+def _header(lane: _Lane) -> str:
+    spec, schedule = lane.spec, lane.schedule
+    return (
+        f"[{lane.label}] {spec.task}: {spec.epochs} epochs x {lane.steps_per_epoch} steps, "
+        f"batch {spec.batch_size}/rank x {lane.ctx.world_size} rank(s), lr {spec.lr:g}"
+        + ("" if schedule.is_identity else f" ({spec.schedule}, warm-up {spec.warmup_epochs:g} ep)")
+        + f", device {lane.ctx.device}"
     )
+
+
+def train_lockstep(
+    specs: Sequence[RunSpec],
+    task: Task,
+    data: TaskData,
+    ctx: DistContext,
+    progress: Progress,
+    labels: Sequence[str] | None = None,
+    *,
+    cutoff: Callable[[int, RunResult], bool] | None = None,
+    on_finish: Callable[[int, RunResult], None] | None = None,
+) -> list[RunResult]:
+    """Train every spec from a fresh, seeded model, all in lockstep; results in ``specs`` order.
+
+    Each round, every unfinished run takes one step; a run evaluates at its
+    ``evals_per_epoch`` points (off its clock) and leaves the group when it
+    diverges, reaches its target with ``stop_at_target``, or ends its last
+    epoch. The model of a run is initialised from ``spec.seed`` and its data
+    order depends only on ``spec.seed`` and the epoch, so runs that differ only
+    in the optimizer start from the same weights and see the same batches.
+    Every rank executes the same rounds, so under torchrun the collectives of
+    the runs line up. ``labels`` name the runs in progress lines (default:
+    ``spec.name``).
+
+    ``cutoff(i, result)``, asked after each evaluation of run ``i`` that has
+    not ended, may end it (``stopped = "cutoff"``: a rule of the caller's,
+    e.g. a tuning run far slower than its arm's best); ``on_finish(i,
+    result)`` is called as each run ends, so a long group's finished runs can
+    be saved before the rest are done.
+    """
+    labels = [spec.name for spec in specs] if labels is None else list(labels)
+    if len(labels) != len(specs):
+        raise ValueError(f"{len(labels)} labels for {len(specs)} runs")
+    lanes: list[_Lane] = []
+    with contextlib.ExitStack() as stack:
+        for spec, label in zip(specs, labels):
+            lane = _Lane(spec, label, task, data, ctx)
+            stack.callback(lane.trainer.close)
+            lanes.append(lane)
+            progress.log(_header(lane))
+        _run_rounds(lanes, progress, cutoff, on_finish)
+    return [lane.result for lane in lanes]
+
+
+def _run_rounds(
+    lanes: Sequence[_Lane],
+    progress: Progress,
+    cutoff: Callable[[int, RunResult], bool] | None,
+    on_finish: Callable[[int, RunResult], None] | None,
+) -> None:
+    """Step every unfinished lane once per round until all are done."""
+    name = ", ".join(lane.label for lane in lanes)
+    index = {id(lane): i for i, lane in enumerate(lanes)}
+    while True:
+        active = [lane for lane in lanes if not lane.done]
+        if not active:
+            return
+        lead = active[0]
+        if lead.epoch_step == 0:
+            epochs = max(lane.spec.epochs for lane in active)
+            progress.start_epoch(f"[{name}] epoch {lead.epoch}/{epochs}", lead.steps_per_epoch)
+        for lane in active:
+            loss = lane.advance()
+            if lane is lead:
+                progress.step(loss)
+            if not lane.at_evaluation:
+                continue
+            record, reached = lane.evaluate()
+            if not lane.done and cutoff is not None and cutoff(index[id(lane)], lane.result):
+                lane.finish("cutoff")
+            if lane.at_epoch_end or lane.done:
+                summary = (
+                    f"[{lane.label}] epoch {lane.epoch}/{lane.spec.epochs} step {lane.step} "
+                    f"train_loss {record.train_loss:.4f} {lane.task.metric.name} "
+                    f"{record.metric:.4f} train_time {record.wall_time_s:.2f}s"
+                    + (" (target reached)" if reached else "")
+                )
+                values = {"loss": record.train_loss, lane.task.metric.name: record.metric}
+                if lane is lead:
+                    progress.end_epoch(summary, values)
+                else:
+                    progress.log(summary)
+            if lane.done:
+                if lane.result.stopped == "diverged":
+                    progress.log(f"[{lane.label}] training loss is not finite; stopping this run")
+                progress.end_run()
+                if on_finish is not None:
+                    on_finish(index[id(lane)], lane.result)
+            elif lane.at_epoch_end:
+                lane.next_epoch()
 
 
 def train_run(
@@ -247,74 +459,6 @@ def train_run(
     progress: Progress,
     label: str | None = None,
 ) -> RunResult:
-    """Train ``spec`` from a fresh, seeded model; evaluate ``spec.evals_per_epoch`` times an epoch.
-
-    The model is initialised from ``spec.seed`` and the data order depends only
-    on ``spec.seed`` and the epoch, so two specs that differ only in the
-    optimizer see the same initial weights and the same batches. ``label``
-    names the run in progress lines (default: ``spec.name``).
-    """
-    label = spec.name if label is None else label
-    sampler = train_sampler(data.train, ctx, spec.seed)
-    steps_per_epoch = math.ceil(len(sampler) / spec.batch_size)
-    if spec.steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, spec.steps_per_epoch)
-    schedule = LRSchedule.from_epochs(
-        spec.schedule, spec.lr, spec.warmup_epochs, spec.epochs, steps_per_epoch
-    )
-    result = RunResult(spec, task.metric.name, task.metric.higher_is_better)
-    clock = _Clock(ctx.device)
-    step = 0
-    progress.log(
-        f"[{label}] {spec.task}: {spec.epochs} epochs x {steps_per_epoch} steps, "
-        f"batch {spec.batch_size}/rank x {ctx.world_size} rank(s), lr {spec.lr:g}"
-        + ("" if schedule.is_identity else f" ({spec.schedule}, warm-up {spec.warmup_epochs:g} ep)")
-        + f", device {ctx.device}"
-    )
-    with _Trainer(spec, task, ctx) as trainer:
-        for epoch in range(1, spec.epochs + 1):
-            sampler.set_epoch(epoch)
-            trainer.model.train()
-            progress.start_epoch(f"[{label}] epoch {epoch}/{spec.epochs}", steps_per_epoch)
-            ends = eval_steps(steps_per_epoch, spec.evals_per_epoch)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            segment_steps = 0
-            clock.start()
-            for epoch_step, (x, y) in enumerate(
-                _batches(data.train, sampler, spec.batch_size, steps_per_epoch), start=1
-            ):
-                if not schedule.is_identity:
-                    trainer.set_lr(schedule.lr(step))
-                loss = trainer.step(x, y)
-                loss_sum += loss
-                step += 1
-                segment_steps += 1
-                progress.step(loss)
-                if epoch_step not in ends:  # ends holds the epoch's last step
-                    continue
-                elapsed = clock.stop()
-                # --- clock paused: reductions and evaluation are not training time ---
-                train_loss = _mean_loss(ctx, loss_sum, segment_steps)
-                loss_sum.zero_()
-                segment_steps = 0
-                evals = evaluate(trainer.model, task, data.test, ctx, spec.eval_batch_size)
-                at = epoch - 1 + epoch_step / steps_per_epoch
-                record = EpochRecord(at, step, elapsed, train_loss, evals[task.metric.name], evals)
-                reached = task.metric.reached(record.metric, spec.target)
-                _record(result, record, reached)
-                if epoch_step != steps_per_epoch and not _stop(spec, result, train_loss):
-                    clock.start()
-                    continue
-                progress.end_epoch(
-                    f"[{label}] epoch {epoch}/{spec.epochs} step {step} "
-                    f"train_loss {train_loss:.4f} {task.metric.name} {record.metric:.4f} "
-                    f"train_time {elapsed:.2f}s" + (" (target reached)" if reached else ""),
-                    {"loss": train_loss, task.metric.name: record.metric},
-                )
-                break
-            if result.curve and not math.isfinite(result.curve[-1].train_loss):
-                progress.log(f"[{label}] training loss is not finite; stopping this run")
-                break
-            if spec.stop_at_target and result.steps_to_target is not None:
-                break
-    return result
+    """Train ``spec`` alone (a lockstep group of one run)."""
+    labels = None if label is None else [label]
+    return train_lockstep([spec], task, data, ctx, progress, labels)[0]

@@ -1,0 +1,309 @@
+"""Carry out the tuning protocol of a case: what to run next, run it, record it, resume.
+
+The state of a campaign is its records and nothing else: every step asks the
+protocol (:mod:`kaisa_lab.bench.protocol`) what the records so far call for
+next, so a campaign stopped at any point goes on where it stopped, and runs
+whose record exists are never run again. The work comes in **units**, each a
+lockstep group (:func:`kaisa_lab.cli.train.train_lockstep`: each run one step in
+turn, each on its own clock):
+
+- ``grid``: the grid of one kind of run on one selection seed;
+- ``followup``: every arm's next follow-up on one selection seed;
+- ``heldout``: every arm's selected setting on one held-out seed, all arms in
+  one group, so the load of the machine falls on the arms of a reported
+  comparison alike. Held-out units start only when every arm is selected.
+
+Several workers may share a record folder: a unit is claimed by a lock file
+(its owner's process id; a dead owner's lock is taken over), and each run's
+record is written the moment the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kaisa_lab.bench.cases import Arm, TrainCase
+from kaisa_lab.bench.protocol import Outcome, Setting, best, followup
+from kaisa_lab.bench.records import RecordStore, config_key, environment, load_average, train_record
+from kaisa_lab.cli.distributed import DistContext
+from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.cli.train import RunResult, train_lockstep, warm_up
+from kaisa_lab.tasks.registry import get_task
+
+__all__ = ["ArmState", "Campaign", "Run", "Unit"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run a unit trains: an arm's setting on a seed."""
+
+    arm: Arm
+    setting: Setting
+    seed: int
+    role: str
+    spec: RunSpec
+
+    @property
+    def key(self) -> str:
+        return config_key(self.spec.to_dict())
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm.kind} {self.setting.describe()} seed {self.seed}"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A lockstep group of runs: one stage on one seed."""
+
+    stage: str
+    seed: int
+    runs: tuple[Run, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}-s{self.seed}"
+
+
+@dataclass(frozen=True)
+class ArmState:
+    """Where an arm stands: its stage, the settings tried, and (once done) its choice."""
+
+    arm: Arm
+    stage: str  # "grid", "followup", "heldout" or "done"
+    tried: tuple[Setting, ...]
+    pending: Setting | None  # the follow-up being run
+    selected: Setting | None
+
+
+class Campaign:
+    """The protocol of ``case`` over the records in ``store``."""
+
+    def __init__(self, case: TrainCase, store: RecordStore) -> None:
+        self.case = case
+        self.store = store
+        self.protocol = case.protocol
+        self._index: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the records again (another worker may have written some)."""
+        self._index = {(r["arm"], r["key"], r["seed"]): r for r in self.store.read(self.case.name)}
+
+    def run(self, arm: Arm, setting: Setting, seed: int, role: str) -> Run:
+        return Run(arm, setting, seed, role, self.case.spec(arm, setting, seed))
+
+    def record(self, run: Run) -> dict[str, Any] | None:
+        return self._index.get((run.arm.kind, run.key, run.seed))
+
+    def records(self, arm: Arm, setting: Setting, seeds: Sequence[int]) -> list[dict[str, Any]]:
+        found = (self.record(self.run(arm, setting, seed, "")) for seed in seeds)
+        return [r for r in found if r is not None]
+
+    def outcomes(self, arm: Arm, setting: Setting, seeds: Sequence[int]) -> list[Outcome]:
+        return [
+            Outcome(
+                r["result"]["time_to_target_s"],
+                r["result"]["steps_to_target"],
+                r["result"]["final_metric"],
+            )
+            for r in self.records(arm, setting, seeds)
+        ]
+
+    def _missing(self, arm: Arm, setting: Setting, seeds: Sequence[int]) -> list[int]:
+        return [s for s in seeds if self.record(self.run(arm, setting, s, "")) is None]
+
+    def state(self, arm: Arm) -> ArmState:
+        """Replay the protocol for ``arm`` over the records: where it stands now."""
+        seeds = self.protocol.selection_seeds
+        tried = list(self.case.grid(arm))
+        if any(self._missing(arm, s, seeds) for s in tried):
+            return ArmState(arm, "grid", tuple(tried), None, None)
+        higher = get_task(self.case.task).metric.higher_is_better
+        while True:
+            chosen = best({s: self.outcomes(arm, s, seeds) for s in tried}, higher)
+            assert chosen is not None  # every tried setting has all its outcomes
+            nxt = followup(self.protocol, tried, chosen, arm.knobs)
+            if nxt is None:
+                break
+            if self._missing(arm, nxt, seeds):
+                return ArmState(arm, "followup", tuple(tried), nxt, None)
+            tried.append(nxt)
+        stage = "heldout" if self._missing(arm, chosen, self.protocol.heldout_seeds) else "done"
+        return ArmState(arm, stage, tuple(tried), None, chosen)
+
+    def units(self) -> list[Unit]:
+        """Every unit the records call for now, in the order a worker should take them."""
+        states = [self.state(arm) for arm in self.case.arms]
+        units: list[Unit] = []
+        seeds = self.protocol.selection_seeds
+        kinds = dict.fromkeys(st.arm.kind for st in states if st.stage == "grid")
+        for seed in seeds:
+            for kind in kinds:
+                runs = [
+                    self.run(st.arm, s, seed, "grid")
+                    for st in states
+                    if st.stage == "grid" and st.arm.kind == kind
+                    for s in st.tried
+                ]
+                units.append(Unit(f"grid-{kind}", seed, _pending(self, runs)))
+        for seed in seeds:
+            runs = [
+                self.run(st.arm, st.pending, seed, "followup")
+                for st in states
+                if st.stage == "followup" and st.pending is not None
+            ]
+            units.append(Unit("followup", seed, _pending(self, runs)))
+        if all(st.stage in ("heldout", "done") for st in states):
+            for seed in self.protocol.heldout_seeds:
+                runs = [
+                    self.run(st.arm, st.selected, seed, "heldout")
+                    for st in states
+                    if st.selected is not None
+                ]
+                units.append(Unit("heldout", seed, _pending(self, runs)))
+        return [u for u in units if u.runs]
+
+    def best_time(self, kind: str, seed: int) -> float:
+        """The fastest time to target of any recorded run of ``kind`` on ``seed``."""
+        times = [
+            r["result"]["time_to_target_s"]
+            for (k, _, s), r in self._index.items()
+            if k == kind and s == seed and r["result"]["time_to_target_s"] is not None
+        ]
+        return min(times, default=math.inf)
+
+    def status(self) -> list[str]:
+        """One line per arm: its stage, settings tried, and its choice."""
+        lines = []
+        for arm in self.case.arms:
+            st = self.state(arm)
+            text = f"{arm.name:<22} {st.stage:<9} {len(st.tried)}/{self.protocol.budget} settings"
+            if st.pending is not None:
+                text += f"; running {st.pending.describe()}"
+            if st.selected is not None:
+                text += f"; selected {st.selected.describe()}"
+            lines.append(text)
+        return lines
+
+
+def _pending(campaign: Campaign, runs: Sequence[Run]) -> tuple[Run, ...]:
+    """``runs`` without those recorded or listed twice (two arms sharing a run)."""
+    seen: set[tuple[str, str, int]] = set()
+    out = []
+    for run in runs:
+        ident = (run.arm.kind, run.key, run.seed)
+        if ident in seen or campaign.record(run) is not None:
+            continue
+        seen.add(ident)
+        out.append(run)
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _claim(path: Path) -> Iterator[bool]:
+    """Hold the lock file ``path`` (True) unless a live process holds it (False)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            owner = int(path.read_text() or "0")
+            os.kill(owner, 0)
+            yield False
+            return
+        except (ValueError, ProcessLookupError, PermissionError, OSError):
+            path.unlink(missing_ok=True)  # its owner is gone
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    try:
+        yield True
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def run_unit(campaign: Campaign, unit: Unit, progress: Progress, device: str = "cpu") -> None:
+    """Train one unit in lockstep, writing each run's record as it ends."""
+    task = get_task(campaign.case.task)
+    data = task.load()
+    ctx = DistContext(device=torch.device(device))
+    specs = [run.spec for run in unit.runs]
+    warm_up(specs, task, data, ctx)
+    load_start = load_average()
+    bests: dict[str, float] = {}
+    cut = campaign.protocol.cutoff
+
+    def cutoff(i: int, result: RunResult) -> bool:
+        run = unit.runs[i]
+        if run.role == "heldout" or cut is None:
+            return False
+        kind = run.arm.kind
+        fastest = min(bests.get(kind, math.inf), campaign.best_time(kind, unit.seed))
+        return result.wall_time_s > cut * fastest
+
+    def on_finish(i: int, result: RunResult) -> None:
+        run = unit.runs[i]
+        if result.time_to_target_s is not None:
+            bests[run.arm.kind] = min(bests.get(run.arm.kind, math.inf), result.time_to_target_s)
+        env = environment(device, load_start, load_average())
+        record = train_record(
+            case=campaign.case.name,
+            arm=run.arm.kind,
+            role=run.role,
+            result=result,
+            env=env,
+            group=f"{unit.name}@{env['date']}",
+        )
+        campaign.store.write(record)
+
+    labels = [run.label for run in unit.runs]
+    train_lockstep(specs, task, data, ctx, progress, labels, cutoff=cutoff, on_finish=on_finish)
+
+
+def work(
+    campaign: Campaign,
+    progress: Progress,
+    *,
+    max_units: int | None = None,
+    wait_s: float = 30.0,
+    stages: Sequence[str] = ("grid", "followup", "heldout"),
+    device: str = "cpu",
+) -> int:
+    """Take units until none is left (or ``max_units``); return how many this worker ran.
+
+    Units another worker holds are skipped; when every pending unit is held,
+    this worker waits ``wait_s`` and looks again (0: return instead)."""
+    done = 0
+    locks = campaign.store.root / campaign.case.name / ".locks"
+    while max_units is None or done < max_units:
+        campaign.refresh()
+        units = [u for u in campaign.units() if u.stage.split("-")[0] in stages]
+        if not units:
+            return done
+        for unit in units:
+            with _claim(locks / f"{unit.name}.lock") as mine:
+                if not mine:
+                    continue
+                campaign.refresh()  # the unit may have been finished meanwhile
+                fresh = _pending(campaign, unit.runs)
+                if fresh:
+                    progress.log(f"unit {unit.name}: {len(fresh)} run(s) in lockstep")
+                    run_unit(campaign, Unit(unit.stage, unit.seed, fresh), progress, device)
+                    done += 1
+                break
+        else:
+            if wait_s <= 0:
+                return done
+            time.sleep(wait_s)
+    return done

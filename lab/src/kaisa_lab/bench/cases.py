@@ -1,0 +1,224 @@
+"""The suite's time-to-target cases, declared as data: task × arms × protocol × budget.
+
+A case is one comparison a report answers: every arm of it is tuned by the
+same :class:`~kaisa_lab.bench.protocol.Protocol` on the same task, from the
+same initial weights and batches, and held out on the same seeds. The
+arms:
+
+- **first-order**: the optimizer alone, as its library documents it;
+- **K-FAC at the library's defaults** (``<optimizer>+kfac``): kaisa's
+  defaults, only the base optimizer's lr and warm-up tuned;
+- **K-FAC tuned** (``<optimizer>+kfac tuned``): the same grid, with the
+  follow-ups of its budget spent on K-FAC's own knobs (:data:`KFAC_KNOBS`)
+  instead of the lr.
+
+Both K-FAC arms train the same runs on their grid (the settings are equal),
+so a record serves both. The budget (epochs, steps per epoch, evaluations)
+and schedule shape are the task's; the warm-up axis is none and the task's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kaisa_lab.bench.protocol import Protocol, Setting, grid
+from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.optim import BASELINE_LR, KFAC_BASES
+from kaisa_lab.tasks.registry import get_task
+
+__all__ = ["CASES", "KFAC_KNOBS", "Arm", "TrainCase", "get_case"]
+
+#: what a tuned K-FAC arm's follow-ups try at its best lr and warm-up, in order:
+#: curvature refreshed twice as often, and a third of the default damping
+KFAC_KNOBS: tuple[Mapping[str, Any], ...] = ({"inv_update_steps": 50}, {"damping": 0.1})
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One row of a comparison: an optimizer, with or without K-FAC, and its knobs."""
+
+    optimizer: str
+    kfac: bool = False
+    #: K-FAC variants its follow-ups may try (empty: lr and warm-up only)
+    knobs: tuple[Mapping[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.knobs and not self.kfac:
+            raise ValueError(f"{self.optimizer}: knobs are K-FAC's; this arm has no K-FAC")
+        if self.kfac and self.optimizer not in KFAC_BASES:
+            raise ValueError(f"K-FAC does not run on {self.optimizer}")
+
+    @property
+    def kind(self) -> str:
+        """What its runs are called (their records' folder): shared by both K-FAC arms."""
+        return f"{self.optimizer}+kfac" if self.kfac else self.optimizer
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} tuned" if self.knobs else self.kind
+
+
+@dataclass(frozen=True)
+class TrainCase:
+    """A time-to-target comparison on one task."""
+
+    name: str
+    task: str
+    arms: tuple[Arm, ...]
+    #: the warm-up axis (epochs): none, and the task's
+    warmups: tuple[float, ...]
+    protocol: Protocol = field(default_factory=Protocol)
+    #: overrides of the task's budget (None: the task's)
+    epochs: int | None = None
+    steps_per_epoch: int | None = None
+    evals_per_epoch: int | None = None
+    batch_size: int | None = None
+    #: whether ``make bench`` runs it
+    quick: bool = False
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        names = [arm.name for arm in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"case {self.name}: an arm is named twice in {names}")
+
+    @property
+    def schedule(self) -> str:
+        return get_task(self.task).defaults.schedule
+
+    def prior_lr(self, optimizer: str) -> float:
+        """The centre of an arm's lr grid: the task's lr for it, else its library's."""
+        lrs = get_task(self.task).defaults.lr
+        return float(lrs[optimizer] if optimizer in lrs else BASELINE_LR[optimizer])
+
+    def grid(self, arm: Arm) -> list[Setting]:
+        return grid(self.protocol, self.prior_lr(arm.optimizer), self.warmups, self.schedule)
+
+    def arm(self, name: str) -> Arm:
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        raise KeyError(f"case {self.name} has no arm {name!r}; arms: {[a.name for a in self.arms]}")
+
+    def spec(self, arm: Arm, setting: Setting, seed: int) -> RunSpec:
+        """The run of ``arm`` at ``setting`` on ``seed``: the task's budget, stopped at target."""
+        task = get_task(self.task)
+        d = task.defaults
+        muon = arm.optimizer == "muon"
+        steps = self.steps_per_epoch or d.steps_per_epoch
+        return RunSpec(
+            name=arm.kind,
+            task=task.name,
+            optimizer=arm.optimizer,
+            kfac=arm.kfac,
+            epochs=self.epochs or d.epochs,
+            batch_size=self.batch_size or d.batch_size,
+            lr=setting.lr,
+            momentum=d.momentum,
+            weight_decay=d.decay(arm.optimizer),
+            seed=seed,
+            target=task.target,
+            steps_per_epoch=steps,
+            eval_batch_size=d.eval_batch_size,
+            stop_at_target=True,
+            evals_per_epoch=self.evals_per_epoch or d.evals_per_epoch,
+            schedule=setting.schedule,
+            warmup_epochs=setting.warmup_epochs,
+            kfac_kwargs=(
+                {"loss_average": task.loss_average, **dict(setting.kfac)} if arm.kfac else {}
+            ),
+            lr_tuned=True,
+            adamw_lr=d.base_lr("adamw") if muon else None,
+            adamw_weight_decay=d.decay("adamw") if muon else None,
+        )
+
+
+def _arms(
+    optimizers: tuple[str, ...], kfac_on: tuple[str, ...], tuned: tuple[str, ...]
+) -> tuple[Arm, ...]:
+    return (
+        *(Arm(o) for o in optimizers),
+        *(Arm(o, kfac=True) for o in kfac_on),
+        *(Arm(o, kfac=True, knobs=KFAC_KNOBS) for o in tuned),
+    )
+
+
+#: the language-model families: every baseline, K-FAC at defaults on every base, tuned on two
+_LM_ARMS = _arms(
+    ("sgd", "adamw", "muon", "soap", "shampoo", "lamb"),
+    ("sgd", "adamw", "muon", "lamb"),
+    ("adamw", "muon"),
+)
+#: the small families: SGD and AdamW, with and without K-FAC
+_SMALL_ARMS = _arms(("sgd", "adamw"), ("sgd", "adamw"), ("sgd", "adamw"))
+
+CASES: dict[str, TrainCase] = {
+    case.name: case
+    for case in (
+        TrainCase(
+            "digits-mlp",
+            "digits-mlp",
+            _SMALL_ARMS,
+            warmups=(0.0, 1.0),
+            description="3-layer MLP on the digits images (batch 64), to 95% test accuracy",
+        ),
+        TrainCase(
+            "digits-cnn",
+            "digits-cnn",
+            _SMALL_ARMS,
+            warmups=(0.0, 0.5),
+            description="small CNN on the digits images (batch 64), to 97% test accuracy",
+        ),
+        TrainCase(
+            "digits-ae",
+            "digits-ae",
+            _SMALL_ARMS,
+            warmups=(0.0, 1.0),
+            description="deep autoencoder of the digits images (batch 64), to 0.12 test loss",
+        ),
+        TrainCase(
+            "text-lm",
+            "text-lm",
+            _LM_ARMS,
+            warmups=(0.0, 0.25),
+            description="2-block, 128-wide character Transformer (batch 32), to 2.5 bits/char",
+        ),
+        TrainCase(
+            "text-cnn",
+            "text-cnn",
+            _LM_ARMS,
+            warmups=(0.0, 0.25),
+            description="causal dilated convolutional character LM (batch 32), to 2.5 bits/char",
+        ),
+        TrainCase(
+            "text-lm-large",
+            "text-lm-large",
+            _LM_ARMS,
+            warmups=(0.0, 0.25),
+            description="4-block, 256-wide character Transformer (batch 32), to 2.03 bits/char",
+        ),
+        # the suite's own smoke case: minutes, not hours, and every stage of the protocol
+        TrainCase(
+            "quick",
+            "digits-mlp",
+            _arms(("sgd",), ("sgd",), ("sgd",)),
+            warmups=(0.0, 1.0),
+            protocol=Protocol(
+                selection_seeds=(0,), heldout_seeds=(1, 2), lr_points=3, budget=7, cutoff=3.0
+            ),
+            epochs=4,
+            quick=True,
+            description="digits-mlp in 4 epochs, a 3-lr grid, one selection seed: the "
+            "protocol end to end in a minute",
+        ),
+    )
+}
+
+
+def get_case(name: str) -> TrainCase:
+    try:
+        return CASES[name]
+    except KeyError:
+        raise KeyError(f"unknown case {name!r}; choose from {', '.join(CASES)}") from None

@@ -1,0 +1,170 @@
+"""The tuning protocol every arm of a comparison goes through, as pure functions.
+
+An arm is an optimizer, with or without K-FAC. Each arm gets the same budget
+of settings (:attr:`Protocol.budget`), each trained on the same selection
+seeds, over the same axes:
+
+1. **grid**: ``lr_points`` learning rates on a log grid (factor ``lr_step``
+   apart, centred on the arm's prior lr) × the case's warm-ups (none, and the
+   task's), at the case's schedule;
+2. **follow-ups**, the rest of the budget, one at a time: while the best
+   setting so far sits at an edge of the lrs tried at its warm-up, the next lr
+   beyond that edge; otherwise the arm's own knobs at the best lr and warm-up
+   (a tuned K-FAC arm: damping, intervals), or, for an arm without knobs, the
+   lrs half a grid step either side of the best;
+3. **selection**: the setting with the lowest median time to target over the
+   selection seeds (a run that misses the target counts as infinitely slow;
+   ties go to fewer median steps); where no setting reaches the target on
+   most seeds, the best median final metric;
+4. **held-out**: the selected setting on the held-out seeds, which played no
+   part in the choice; only those runs are reported.
+
+A library-defaults arm (K-FAC at its defaults) has no knobs: only the base
+optimizer's lr and warm-up are tuned. Nothing here runs anything: the
+campaign (:mod:`kaisa_lab.bench.campaign`) asks these functions what to run
+next, given the outcomes so far.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Outcome", "Protocol", "Setting", "best", "followup", "grid"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What tuning varies for one arm: lr, warm-up, schedule and K-FAC keywords."""
+
+    lr: float
+    warmup_epochs: float
+    schedule: str
+    kfac: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        text = f"lr {self.lr:.3g}, warm-up {self.warmup_epochs:g} ep, {self.schedule}"
+        return text + "".join(f", {k} {v}" for k, v in self.kfac)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run of a setting on one seed: what the protocol reads of its record."""
+
+    time_s: float | None  # time to target on the run's clock; None: not reached
+    steps: int | None
+    final_metric: float | None
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """The numbers of the protocol (the same for every arm of a case)."""
+
+    selection_seeds: tuple[int, ...] = (0, 1, 2)
+    heldout_seeds: tuple[int, ...] = (5, 6, 7, 8, 9)
+    lr_points: int = 5
+    lr_step: float = 2.0
+    #: settings per arm: the grid, then follow-ups up to this many
+    budget: int = 12
+    #: a tuning run stops once its clock passes this many times the fastest time
+    #: to target of a run of its own kind on its seed in its lockstep group
+    cutoff: float | None = 3.0
+    warmups_note: str = field(default="none, and the task's", compare=False)
+
+    def __post_init__(self) -> None:
+        if set(self.selection_seeds) & set(self.heldout_seeds):
+            raise ValueError("selection and held-out seeds must be disjoint")
+        if self.lr_points < 3 or self.lr_step <= 1.0:
+            raise ValueError("need lr_points >= 3 and lr_step > 1")
+
+
+def grid(
+    protocol: Protocol, prior_lr: float, warmups: Sequence[float], schedule: str
+) -> list[Setting]:
+    """The grid of an arm: ``lr_points`` lrs centred on ``prior_lr`` × ``warmups``."""
+    middle = (protocol.lr_points - 1) / 2
+    lrs = [_round(prior_lr * protocol.lr_step ** (i - middle)) for i in range(protocol.lr_points)]
+    return [Setting(lr, w, schedule) for w in warmups for lr in lrs]
+
+
+def _round(lr: float) -> float:
+    """Four significant digits: grids stay readable and equal settings compare equal."""
+    return float(f"{lr:.4g}")
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.inf
+
+
+def _score(outcomes: Sequence[Outcome], higher_is_better: bool) -> tuple[float, float, float]:
+    """Sort key of a setting: (median time to target, median steps, minus quality)."""
+    times = [o.time_s if o.time_s is not None else math.inf for o in outcomes]
+    steps = [float(o.steps) if o.steps is not None else math.inf for o in outcomes]
+    finals = [o.final_metric for o in outcomes if o.final_metric is not None]
+    finals = [f for f in finals if math.isfinite(f)]
+    quality = _median(finals) if finals else (-math.inf if higher_is_better else math.inf)
+    return (_median(times), _median(steps), -quality if higher_is_better else quality)
+
+
+def best(results: Mapping[Setting, Sequence[Outcome]], higher_is_better: bool) -> Setting | None:
+    """The selected setting: lowest median time to target, then steps, then final metric.
+
+    Only settings with an outcome on every seed compete (a half-run setting
+    would otherwise win or lose by the seeds it skipped)."""
+    complete = {s: o for s, o in results.items() if o}
+    if not complete:
+        return None
+    counts = {len(o) for o in complete.values()}
+    seeds = max(counts)
+    ranked = sorted(
+        (s for s, o in complete.items() if len(o) == seeds),
+        key=lambda s: (_score(complete[s], higher_is_better), s.lr, s.warmup_epochs),
+    )
+    return ranked[0] if ranked else None
+
+
+def followup(
+    protocol: Protocol,
+    tried: Sequence[Setting],
+    chosen: Setting,
+    knobs: Sequence[Mapping[str, Any]],
+) -> Setting | None:
+    """The next setting to try after ``tried`` (all with complete outcomes), or None.
+
+    ``chosen`` is :func:`best` of ``tried``; ``knobs`` the arm's own K-FAC
+    variants (empty for an arm without knobs)."""
+    if len(tried) >= protocol.budget:
+        return None
+    same = sorted({s.lr for s in tried if _same_but_lr(s, chosen)})
+    if chosen.lr == same[0] or chosen.lr == same[-1]:
+        factor = protocol.lr_step if chosen.lr == same[-1] else 1 / protocol.lr_step
+        return _replace(chosen, lr=_round(chosen.lr * factor))
+    candidates = (
+        [_with_kfac(chosen, knob) for knob in knobs]
+        if knobs
+        else [_replace(chosen, lr=_round(chosen.lr * protocol.lr_step**f)) for f in (0.5, -0.5)]
+    )
+    for candidate in candidates:
+        if candidate not in tried:
+            return candidate
+    return None
+
+
+def _same_but_lr(a: Setting, b: Setting) -> bool:
+    """Whether ``a`` lies on ``b``'s lr axis: the same warm-up and schedule (a
+    knob variant, tried at an lr inside the grid, counts at that lr)."""
+    return (a.warmup_epochs, a.schedule) == (b.warmup_epochs, b.schedule)
+
+
+def _replace(setting: Setting, lr: float) -> Setting:
+    return Setting(lr, setting.warmup_epochs, setting.schedule, setting.kfac)
+
+
+def _with_kfac(setting: Setting, knob: Mapping[str, Any]) -> Setting:
+    merged = {**dict(setting.kfac), **knob}
+    return Setting(
+        setting.lr, setting.warmup_epochs, setting.schedule, tuple(sorted(merged.items()))
+    )

@@ -1,0 +1,212 @@
+"""Tables and plots of a case, computed from its records only.
+
+Two questions, two tables:
+
+- ``heldout``: the reported comparison. Per arm, its selected setting and,
+  over the held-out seeds, the median [min–max] steps and time to target on
+  the runs' own clocks, how many seeds reached it, the median step cost, and
+  the ratio of its median time to the best first-order arm's and (for a
+  K-FAC arm) to its base optimizer's. Before anything is computed the report
+  checks that every arm started each held-out seed from the same weights and
+  data order (the records' fingerprints); a mismatch is an error, not a row.
+- ``tuning``: every setting each arm tried, with its median steps and time
+  over the selection seeds, the selected one marked.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kaisa_lab.bench.campaign import Campaign
+from kaisa_lab.bench.cases import Arm
+
+__all__ = ["ArmRow", "FairnessError", "heldout_rows", "markdown_heldout", "markdown_tuning", "plot"]
+
+
+class FairnessError(ValueError):
+    """Arms of one held-out seed did not start from the same weights or data order."""
+
+
+@dataclass(frozen=True)
+class ArmRow:
+    """One arm's held-out figures (None where no seed reached the target)."""
+
+    arm: Arm
+    setting: str
+    seeds: int
+    reached: int
+    steps: tuple[float, float, float] | None  # median, min, max over the reaching seeds
+    time_s: tuple[float, float, float] | None
+    median_time_s: float  # over every seed, a miss counting as infinity
+    step_ms: float | None
+    records: tuple[Mapping[str, Any], ...]
+
+
+def _spread(values: Sequence[float]) -> tuple[float, float, float] | None:
+    return (statistics.median(values), min(values), max(values)) if values else None
+
+
+def heldout_rows(campaign: Campaign) -> list[ArmRow]:
+    """The held-out figures of every selected arm (arms not yet held out are left out)."""
+    seeds = campaign.protocol.heldout_seeds
+    rows = []
+    for arm in campaign.case.arms:
+        state = campaign.state(arm)
+        if state.selected is None:
+            continue
+        records = campaign.records(arm, state.selected, seeds)
+        if not records:
+            continue
+        results = [r["result"] for r in records]
+        reached = [r for r in results if r["reached"]]
+        times = [r["time_to_target_s"] if r["reached"] else math.inf for r in results]
+        costs = [r["step_times"]["median_ms"] for r in results if r.get("step_times")]
+        rows.append(
+            ArmRow(
+                arm=arm,
+                setting=state.selected.describe(),
+                seeds=len(results),
+                reached=len(reached),
+                steps=_spread([float(r["steps_to_target"]) for r in reached]),
+                time_s=_spread([r["time_to_target_s"] for r in reached]),
+                median_time_s=statistics.median(times),
+                step_ms=statistics.median(costs) if costs else None,
+                records=tuple(records),
+            )
+        )
+    check_fairness(rows)
+    return rows
+
+
+def check_fairness(rows: Sequence[ArmRow]) -> None:
+    """Raise :class:`FairnessError` unless every arm of a seed shares its fingerprints."""
+    by_seed: dict[int, set[tuple[str, str]]] = {}
+    for row in rows:
+        for record in row.records:
+            prints = record["result"]["fingerprints"]
+            by_seed.setdefault(record["seed"], set()).add(
+                (prints["initial_weights"], prints["data_order"])
+            )
+    for seed, prints in sorted(by_seed.items()):
+        if len(prints) > 1:
+            raise FairnessError(
+                f"held-out seed {seed}: the arms started from {len(prints)} different "
+                "weight/data-order fingerprints; a comparison needs one"
+            )
+
+
+def _ratio(a: float, b: float) -> str:
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def _fmt(spread: tuple[float, float, float] | None, spec: str) -> str:
+    if spread is None:
+        return "not reached"
+    med, lo, hi = spread
+    return f"{med:{spec}} [{lo:{spec}}–{hi:{spec}}]"
+
+
+def _label(arm: Arm) -> str:
+    if not arm.kfac:
+        return arm.optimizer
+    return f"{arm.optimizer} + K-FAC ({'tuned' if arm.knobs else 'library defaults'})"
+
+
+def markdown_heldout(campaign: Campaign) -> str:
+    """The held-out table of a case, as markdown."""
+    rows = heldout_rows(campaign)
+    if not rows:
+        return "_No held-out records yet._\n"
+    first_order = [r for r in rows if not r.arm.kfac]
+    peer = min(first_order, key=lambda r: r.median_time_s) if first_order else None
+    by_kind = {r.arm.kind: r for r in rows if not r.arm.kfac}
+    lines = [
+        "| arm | selected setting | reached | steps to target | time to target (s) "
+        f"| ms/step | time vs {_label(peer.arm) if peer else 'best first-order'} "
+        "| time vs its base |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        base = by_kind.get(row.arm.optimizer) if row.arm.kfac else None
+        cost = "-" if row.step_ms is None else f"{row.step_ms:.1f}"
+        vs_peer = _ratio(row.median_time_s, peer.median_time_s) if peer else "-"
+        vs_base = _ratio(row.median_time_s, base.median_time_s) if base else "-"
+        lines.append(
+            f"| {_label(row.arm)} | {row.setting} | {row.reached}/{row.seeds} "
+            f"| {_fmt(row.steps, '.0f')} | {_fmt(row.time_s, '.3g')} | {cost} "
+            f"| {vs_peer} | {vs_base} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def markdown_tuning(campaign: Campaign) -> str:
+    """Every setting each arm tried, median over the selection seeds; the choice in bold."""
+    seeds = campaign.protocol.selection_seeds
+    lines = [
+        "| arm | setting | reached | median steps | median time (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in campaign.case.arms:
+        state = campaign.state(arm)
+        for setting in state.tried:
+            results = [r["result"] for r in campaign.records(arm, setting, seeds)]
+            reached = [r for r in results if r["reached"]]
+            times = [r["time_to_target_s"] if r["reached"] else math.inf for r in results]
+            steps = [r["steps_to_target"] if r["reached"] else math.inf for r in results]
+            med_t = statistics.median(times) if times else math.inf
+            med_s = statistics.median(steps) if steps else math.inf
+            text = setting.describe()
+            if setting == state.selected:
+                text = f"**{text}**"
+            lines.append(
+                f"| {_label(arm)} | {text} | {len(reached)}/{len(results)} "
+                f"| {'-' if math.isinf(med_s) else f'{med_s:.0f}'} "
+                f"| {'-' if math.isinf(med_t) else f'{med_t:.3g}'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(campaign: Campaign, path: Path) -> None:
+    """Held-out time to target per arm (median, min–max) and one seed's curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = heldout_rows(campaign)
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [_label(r.arm) for r in rows]
+    medians = [r.time_s[0] if r.time_s else 0.0 for r in rows]
+    lows = [r.time_s[0] - r.time_s[1] if r.time_s else 0.0 for r in rows]
+    highs = [r.time_s[2] - r.time_s[0] if r.time_s else 0.0 for r in rows]
+    bars.barh(
+        names, medians, xerr=[lows, highs], color=["C1" if r.arm.kfac else "C0" for r in rows]
+    )
+    bars.invert_yaxis()
+    bars.set_xlabel("time to target (s), median and range over held-out seeds")
+    seed = campaign.protocol.heldout_seeds[0]
+    for i, row in enumerate(rows):
+        for record in row.records:
+            if record["seed"] == seed:
+                steps = [p["step"] for p in record["curve"]]
+                metric = [p["metric"] for p in record["curve"]]
+                curves.plot(steps, metric, label=_label(row.arm), color=f"C{i % 10}")
+    target = rows[0].records[0]["result"]["target"] if rows else None
+    if target is not None:
+        curves.axhline(target, color="grey", linestyle=":", label="target")
+    curves.set_xlabel("step")
+    curves.set_ylabel(rows[0].records[0]["result"]["metric"] if rows else "metric")
+    curves.set_title(f"held-out seed {seed}")
+    curves.legend(fontsize=7)
+    fig.suptitle(f"{campaign.case.name}: {campaign.case.description}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,353 @@
+"""The benchmark suite: lockstep runs, the protocol, the campaign, the records, the report.
+
+The tests that guard a comparison's fairness each break the property they
+guard and check that it is caught: arms seeded apart, another data order,
+evaluation on the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kaisa_lab.bench import campaign as campaign_module
+from kaisa_lab.bench.campaign import Campaign, work
+from kaisa_lab.bench.cases import CASES, KFAC_KNOBS, Arm, get_case
+from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup, grid
+from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
+from kaisa_lab.bench.report import FairnessError, heldout_rows, markdown_heldout, markdown_tuning
+from kaisa_lab.cli import trainer as trainer_module
+from kaisa_lab.cli.distributed import DistContext
+from kaisa_lab.cli.main import main
+from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.train import train_lockstep, train_run
+from kaisa_lab.tasks.registry import get_task
+
+CPU = DistContext(device=torch.device("cpu"))
+QUIET = Progress(enabled=False, bars=False)
+
+
+def _specs(case: str = "quick", seed: int = 0) -> list[Any]:
+    c = get_case(case)
+    setting = c.grid(c.arms[0])[1]
+    return [c.spec(arm, setting, seed) for arm in c.arms[:2]]  # sgd and sgd+kfac
+
+
+def _strip(result: Any) -> list[tuple[int, float, float]]:
+    return [(r.step, r.train_loss, r.metric) for r in result.curve]
+
+
+# ---------------------------------------------------------------- lockstep
+
+
+def test_a_run_in_lockstep_is_bit_identical_to_the_run_alone() -> None:
+    task = get_task("digits-mlp")
+    data = task.load()
+    specs = _specs()
+    together = train_lockstep(specs, task, data, CPU, QUIET)
+    alone = [train_run(spec, task, data, CPU, QUIET) for spec in specs]
+    for a, b in zip(together, alone, strict=True):
+        assert _strip(a) == _strip(b) and len(a.curve) > 1
+        assert (a.steps_to_target, a.stopped) == (b.steps_to_target, b.stopped)
+
+
+def test_lockstep_keeps_each_runs_random_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that draws random numbers (dropout, sampled labels) draws the same ones
+    in a group as alone: each run's generator state is its own."""
+    draws: dict[str, list[float]] = {}
+    original = trainer_module.Trainer.step
+
+    def step(self: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        kind = "kfac" if self.preconditioner is not None else "sgd"
+        draws.setdefault(kind, []).append(float(torch.rand(())))
+        return original(self, x, y)
+
+    monkeypatch.setattr(trainer_module.Trainer, "step", step)
+    task = get_task("digits-mlp")
+    data = task.load()
+    specs = [dataclasses.replace(s, epochs=1, stop_at_target=False) for s in _specs()]
+    train_lockstep(specs, task, data, CPU, QUIET)
+    together = dict(draws)
+    draws.clear()
+    for spec in specs:
+        train_run(spec, task, data, CPU, QUIET)
+    assert together == draws and together["sgd"] == together["kfac"]
+    assert len(set(together["sgd"])) == len(together["sgd"]) > 1  # a stream, not one draw
+
+
+def test_evaluation_is_off_every_runs_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that jumps 1000 s during each evaluation must not show in any run's time."""
+    from kaisa_lab.cli import train as train_module
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    real = train_module.evaluate
+
+    def slow(*args: Any, **kwargs: Any) -> dict[str, float]:
+        now[0] += 1000.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module.time, "perf_counter", clock)
+    monkeypatch.setattr(train_module, "evaluate", slow)
+    task = get_task("digits-mlp")
+    results = train_lockstep(_specs(), task, task.load(), CPU, QUIET)
+    for result in results:
+        assert len(result.curve) > 1
+        assert all(0 < r.wall_time_s < 5.0 for r in result.curve), result.curve
+
+
+def test_arms_of_one_seed_share_weights_and_data_order_and_another_seed_does_not() -> None:
+    task = get_task("digits-mlp")
+    data = task.load()
+    seed0 = train_lockstep(_specs(seed=0), task, data, CPU, QUIET)
+    seed1 = train_lockstep(_specs(seed=1)[:1], task, data, CPU, QUIET)
+    assert seed0[0].initial_weights == seed0[1].initial_weights != seed1[0].initial_weights
+    assert seed0[0].data_order == seed0[1].data_order != seed1[0].data_order
+    assert len(seed0[0].initial_weights) == 64
+
+
+def test_cutoff_ends_a_run_and_on_finish_sees_every_run() -> None:
+    task = get_task("digits-mlp")
+    finished: list[tuple[int, str]] = []
+    specs = [dataclasses.replace(s, stop_at_target=False) for s in _specs()]
+    results = train_lockstep(
+        specs,
+        task,
+        task.load(),
+        CPU,
+        QUIET,
+        cutoff=lambda i, result: i == 0 and len(result.curve) >= 2,
+        on_finish=lambda i, result: finished.append((i, result.stopped)),
+    )
+    assert results[0].stopped == "cutoff" and len(results[0].curve) == 2
+    assert results[1].stopped == "budget" and len(results[1].curve) == specs[1].epochs
+    assert sorted(finished) == [(0, "cutoff"), (1, "budget")]
+
+
+# ---------------------------------------------------------------- the protocol
+
+
+def test_the_grid_is_centred_on_the_prior_times_each_warm_up() -> None:
+    settings = grid(Protocol(), 0.01, (0.0, 0.25), "cosine")
+    assert [s.lr for s in settings[:5]] == [0.0025, 0.005, 0.01, 0.02, 0.04]
+    assert [s.warmup_epochs for s in settings] == [0.0] * 5 + [0.25] * 5
+    assert {s.schedule for s in settings} == {"cosine"}
+
+
+def _o(time_s: float | None, steps: int | None = None, final: float = 1.0) -> Outcome:
+    return Outcome(time_s, steps if steps is not None else (None if time_s is None else 10), final)
+
+
+def test_best_is_the_lowest_median_time_a_miss_counting_as_infinite() -> None:
+    a, b, c = (Setting(lr, 0.0, "cosine") for lr in (0.1, 0.2, 0.4))
+    results = {
+        a: [_o(1.0), _o(None), _o(None)],  # fastest once, but misses on two seeds
+        b: [_o(3.0), _o(2.0), _o(2.5)],
+        c: [_o(2.4), _o(2.45), _o(None)],  # misses once: its median is still 2.45
+    }
+    assert best(results, higher_is_better=False) == c
+    results[c] = [_o(2.4), _o(9.0), _o(None)]
+    assert best(results, higher_is_better=False) == b
+
+
+def test_when_nothing_reaches_the_best_median_final_metric_wins() -> None:
+    a, b = Setting(0.1, 0.0, "cosine"), Setting(0.2, 0.0, "cosine")
+    results = {a: [_o(None, final=3.0)] * 3, b: [_o(None, final=2.0)] * 3}
+    assert best(results, higher_is_better=False) == b
+    assert best(results, higher_is_better=True) == a
+
+
+def test_a_best_at_an_edge_extends_the_grid_beyond_it() -> None:
+    p = Protocol()
+    settings = grid(p, 0.01, (0.0, 0.25), "cosine")
+    top = settings[4]  # lr 0.04, no warm-up
+    assert followup(p, settings, top, ()) == Setting(0.08, 0.0, "cosine")
+    bottom = settings[5]  # lr 0.0025 with warm-up
+    assert followup(p, settings, bottom, KFAC_KNOBS) == Setting(0.00125, 0.25, "cosine")
+
+
+def test_an_inner_best_refines_the_lr_or_tries_the_arms_knobs() -> None:
+    p = Protocol()
+    settings = grid(p, 0.01, (0.0, 0.25), "cosine")
+    inner = settings[2]
+    assert followup(p, settings, inner, ()) == Setting(0.01414, 0.0, "cosine")
+    after = followup(p, [*settings, Setting(0.01414, 0.0, "cosine")], inner, ())
+    assert after == Setting(0.007071, 0.0, "cosine")
+    knob = followup(p, settings, inner, KFAC_KNOBS)
+    assert knob == Setting(0.01, 0.0, "cosine", (("inv_update_steps", 50),))
+    # a knob variant lies on its lr axis: choosing it does not count as an edge
+    assert followup(p, [*settings, knob], knob, KFAC_KNOBS) == Setting(
+        0.01, 0.0, "cosine", (("damping", 0.1), ("inv_update_steps", 50))
+    )
+
+
+def test_the_budget_is_the_same_for_every_arm() -> None:
+    p = Protocol(budget=10)
+    settings = grid(p, 0.01, (0.0, 0.25), "cosine")
+    assert followup(p, settings, settings[4], ()) is None
+    assert followup(p, settings, settings[2], KFAC_KNOBS) is None
+
+
+def test_selection_and_held_out_seeds_must_be_disjoint() -> None:
+    with pytest.raises(ValueError, match="disjoint"):
+        Protocol(selection_seeds=(0, 1), heldout_seeds=(1, 2))
+
+
+def test_every_case_gives_every_arm_the_same_axes_and_budget() -> None:
+    for case in CASES.values():
+        sizes = {len(case.grid(arm)) for arm in case.arms}
+        assert sizes == {case.protocol.lr_points * len(case.warmups)}, case.name
+        assert 0.0 in case.warmups and len(case.warmups) == 2
+        for arm in case.arms:
+            spec = case.spec(arm, case.grid(arm)[0], 0)
+            if arm.kfac:  # K-FAC at the library's defaults: nothing but the loss's averaging
+                assert dict(spec.kfac_kwargs) == {"loss_average": get_task(case.task).loss_average}
+
+
+# ---------------------------------------------------------------- campaign and records
+
+
+def test_a_campaign_runs_the_protocol_to_the_end_and_records_every_run(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path)
+    campaign = Campaign(get_case("quick"), store)
+    work(campaign, QUIET, wait_s=0)
+    campaign.refresh()
+    assert campaign.units() == []
+    records = list(store.read("quick"))
+    assert {r["schema"] for r in records} == {SCHEMA}
+    for arm in campaign.case.arms:
+        state = campaign.state(arm)
+        assert state.stage == "done" and len(state.tried) == campaign.protocol.budget
+    heldout = [r for r in records if r["role"] == "heldout"]
+    assert {r["seed"] for r in heldout} == set(campaign.protocol.heldout_seeds)
+    first = records[0]
+    assert first["key"] == config_key(first["config"])
+    env = first["environment"]
+    assert env["machine"]["cpus"] == os.cpu_count() and env["threads"] >= 1
+    assert env["versions"]["torch"] == torch.__version__ and "kaisa" in env["versions"]
+    assert env["load_1min"]["start"] is not None and env["date"].startswith("20")
+    assert first["curve"] and {"step", "time_s", "metric", "train_loss"} <= set(first["curve"][0])
+    rows = heldout_rows(campaign)
+    assert [r.arm.name for r in rows] == [a.name for a in campaign.case.arms]
+    table = markdown_heldout(campaign)
+    assert "sgd + K-FAC (library defaults)" in table and "sgd + K-FAC (tuned)" in table
+    assert "**" in markdown_tuning(campaign)
+
+
+def test_a_campaign_resumes_without_running_a_recorded_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained: list[str] = []
+    real = campaign_module.train_lockstep
+
+    def counting(specs: Any, *args: Any, **kwargs: Any) -> Any:
+        trained.extend(config_key(s.to_dict()) + f"-s{s.seed}" for s in specs)
+        return real(specs, *args, **kwargs)
+
+    monkeypatch.setattr(campaign_module, "train_lockstep", counting)
+    store = RecordStore(tmp_path)
+    assert work(Campaign(get_case("quick"), store), QUIET, max_units=2, wait_s=0) == 2
+    first = len(trained)
+    work(Campaign(get_case("quick"), store), QUIET, wait_s=0)
+    assert len(trained) == len(set(trained)) > first  # nothing twice
+    # the two K-FAC arms share their grid: one run serves both
+    files = list(tmp_path.glob("quick/*/*.json"))
+    assert len(files) == len(trained)
+
+
+def test_a_unit_held_by_a_live_worker_is_left_to_it(tmp_path: Path) -> None:
+    campaign = Campaign(get_case("quick"), RecordStore(tmp_path))
+    locks = tmp_path / "quick" / ".locks"
+    locks.mkdir(parents=True)
+    for unit in campaign.units():
+        (locks / f"{unit.name}.lock").write_text(str(os.getpid()))  # this process: alive
+    assert work(campaign, QUIET, wait_s=0) == 0
+    for lock in locks.iterdir():
+        lock.write_text("999999999")  # no such process: a dead worker's lock
+    assert work(campaign, QUIET, wait_s=0, max_units=1) == 1
+
+
+def test_the_report_refuses_arms_that_started_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeding the K-FAC arms differently must not pass unnoticed."""
+    original = trainer_module.Trainer.__init__
+
+    def seeded_apart(self: Any, spec: Any, task: Any, ctx: Any) -> None:
+        if spec.kfac:
+            spec = dataclasses.replace(spec, seed=spec.seed + 100)
+        original(self, spec, task, ctx)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", seeded_apart)
+    campaign = Campaign(get_case("quick"), RecordStore(tmp_path))
+    work(campaign, QUIET, wait_s=0)
+    campaign.refresh()
+    with pytest.raises(FairnessError, match="held-out seed 1"):
+        heldout_rows(campaign)
+
+
+def test_the_report_refuses_another_data_order(tmp_path: Path) -> None:
+    campaign = Campaign(get_case("quick"), RecordStore(tmp_path))
+    work(campaign, QUIET, wait_s=0)
+    campaign.refresh()
+    heldout_rows(campaign)  # fair as run
+    path = next(p for p in tmp_path.glob("quick/sgd/*-s2.json"))
+    record = json.loads(path.read_text())
+    record["result"]["fingerprints"]["data_order"] = "0" * 64
+    path.write_text(json.dumps(record))
+    campaign.refresh()
+    with pytest.raises(FairnessError, match="held-out seed 2"):
+        heldout_rows(campaign)
+
+
+def test_tuning_runs_are_cut_off_but_held_out_runs_are_not(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path)
+    case = dataclasses.replace(
+        get_case("quick"), protocol=dataclasses.replace(get_case("quick").protocol, cutoff=1.0)
+    )
+    campaign = Campaign(case, store)
+    work(campaign, QUIET, wait_s=0)
+    records = list(store.read("quick"))
+    stopped = {(r["role"], r["result"]["stopped"]) for r in records}
+    assert ("grid", "cutoff") in stopped
+    assert all(r["result"]["stopped"] != "cutoff" for r in records if r["role"] == "heldout")
+    for r in records:
+        if r["result"]["stopped"] == "cutoff":
+            assert not r["result"]["reached"]
+
+
+def test_kaisa_bench_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in CASES) and "(quick)" in listed
+    records = ["--records", str(tmp_path)]
+    assert main(["bench", "run", "quick", *records, "--no-wait"]) == 0
+    out = capsys.readouterr().out
+    assert "sgd+kfac tuned" in out and "done" in out
+    assert main(["bench", "report", "quick", *records, "--plot", str(tmp_path / "q.png")]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| arm | selected setting |")
+    assert (tmp_path / "q.png").stat().st_size > 10_000
+    assert main(["bench", "status", "quick", *records]) == 0
+    with pytest.raises(SystemExit):
+        main(["bench", "run", "quick", *records, "--stages", "warmup"])
+    assert "argument --stages" in capsys.readouterr().err
+
+
+def test_an_arm_with_knobs_must_have_kfac() -> None:
+    with pytest.raises(ValueError, match="knobs are K-FAC's"):
+        Arm("adamw", knobs=KFAC_KNOBS)
+    with pytest.raises(ValueError, match="K-FAC does not run on soap"):
+        Arm("soap", kfac=True)
+    assert math.isfinite(get_case("text-lm").prior_lr("shampoo"))
