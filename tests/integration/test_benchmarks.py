@@ -150,14 +150,6 @@ def test_step_time_times_only_the_chosen_models_and_variants(tmp_path: Path) -> 
     assert data["meta"]["allocator"] in {"glibc, thresholds raised", "default"}
 
 
-def test_gram_benchmark_times_both_forms_on_every_shape(tmp_path: Path) -> None:
-    run_script("gram.py", "--repeats", "1", "--out", str(tmp_path))
-    data = json.loads((tmp_path / "gram.json").read_text())
-    assert len(data["rows"]) >= 5
-    assert all(r["one_product_ms"] > 0 and r["gram_ms"] > 0 for r in data["rows"])
-    assert (tmp_path / "gram.png").stat().st_size > 0
-
-
 def test_stages_ab_summarises_medians_over_rounds(tmp_path: Path) -> None:
     """``stages_ab.py --summarise`` on runs written here: medians per tree, setting
     and stage over the rounds, in the order ``stages.py`` ran the settings."""

@@ -6,27 +6,37 @@
     kaisa bench status text-lm
     kaisa bench report text-lm --table heldout
     kaisa bench report text-lm --plot docs/reports/text-lm.png
+    kaisa bench run gram --quick            # a cost case, with its quick options
+    kaisa bench run gram --option rounds=20
+    kaisa bench report gram --table speed-up
 
-Records go to ``--records`` (default ``benchmarks/records``), one JSON file per
-run; two ``run`` commands on the same folder share the work.
+Two kinds of case: time to target (:mod:`kaisa_lab.bench.cases`, run by the
+tuning protocol) and cost (:mod:`kaisa_lab.bench.costs`). Records go to
+``--records`` (default ``benchmarks/records``), one JSON file per run; two
+``run`` commands on the same folder share a time-to-target case's work.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kaisa_lab.bench import costs as _costs  # registers the cost cases
 from kaisa_lab.bench.campaign import Campaign, work
 from kaisa_lab.bench.cases import CASES, get_case
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import FairnessError, markdown_heldout, markdown_tuning, plot
+from kaisa_lab.bench.timing import TIMING_CASES, TimingCase, latest, run_timing
 from kaisa_lab.cli.progress import Progress
 
 __all__ = ["DEFAULT_RECORDS", "add_bench_parser", "run_bench"]
+
+del _costs
 
 #: where records are read and written unless ``--records`` says otherwise
 DEFAULT_RECORDS = Path("benchmarks/records")
@@ -49,8 +59,9 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a case's protocol until it is done (resumable)")
     status = sub.add_parser("status", help="where each arm of a case stands")
     report = sub.add_parser("report", help="a case's tables (markdown) and plot, from its records")
+    names = [*CASES, *TIMING_CASES]
     for parser in (run, status, report):
-        parser.add_argument("case", choices=list(CASES), help="the case")
+        parser.add_argument("case", choices=names, metavar="CASE", help="the case (see list)")
         parser.add_argument(
             "--records",
             type=Path,
@@ -72,12 +83,26 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         "--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default cpu)"
     )
     run.add_argument(
+        "--quick",
+        action="store_true",
+        help="a cost case with its quick options (seconds; what make bench runs)",
+    )
+    run.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a cost case's option (VALUE read as JSON, else as text); repeatable",
+    )
+    run.add_argument(
         "--no-wait",
         action="store_true",
         help="return when every pending group is held by another worker (default: wait)",
     )
     report.add_argument(
-        "--table", choices=TABLES, default="heldout", help="which table (default: heldout)"
+        "--table",
+        help=f"which table (time to target: {', '.join(TABLES)}, default heldout; a cost "
+        "case: one of its tables, default its first)",
     )
     report.add_argument("--plot", type=Path, metavar="PNG", help="also draw the held-out plot")
     return bench
@@ -86,19 +111,29 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace, error: Any) -> int:
     """Carry out ``kaisa bench ...``; usage problems go to ``error`` (exit 2)."""
     if args.bench_command == "list":
+        print("time to target (kaisa bench run CASE: the tuning protocol, resumable):")
         for case in CASES.values():
             quick = " (quick)" if case.quick else ""
             arms = ", ".join(arm.name for arm in case.arms)
-            print(f"{case.name}{quick}: {case.description}\n    arms: {arms}")
+            print(f"  {case.name}{quick}: {case.description}\n      arms: {arms}")
+        print("cost (kaisa bench run CASE [--quick]):")
+        for timing in TIMING_CASES.values():
+            where = "" if timing.device == "cpu" else f" [{timing.device}]"
+            tables = ", ".join(timing.tables) or "-"
+            print(f"  {timing.name}{where}: {timing.description}\n      tables: {tables}")
         return 0
+    if args.case in TIMING_CASES:
+        return _run_cost(TIMING_CASES[args.case], args, error)
     case = get_case(args.case)
     campaign = Campaign(case, RecordStore(args.records))
     if args.bench_command == "status":
         print("\n".join(campaign.status()))
         return 0
     if args.bench_command == "report":
+        if args.table not in (None, *TABLES):
+            error(f"argument --table: choose from {', '.join(TABLES)}; got {args.table!r}")
         try:
-            table = markdown_heldout if args.table == "heldout" else markdown_tuning
+            table = markdown_tuning if args.table == "tuning" else markdown_heldout
             print(table(campaign), end="")
             if args.plot is not None:
                 plot(campaign, args.plot)
@@ -123,4 +158,50 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
     )
     print(f"ran {done} group(s)")
     print("\n".join(campaign.status()))
+    return 0
+
+
+def _parse_options(items: list[str], error: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            error(f"argument --option: expected KEY=VALUE; got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
+def _run_cost(case: TimingCase, args: argparse.Namespace, error: Any) -> int:
+    """``run``/``status``/``report`` of a cost case."""
+    store = RecordStore(args.records)
+    if args.bench_command == "status":
+        records = latest(store, case.name)
+        when = records[0]["run"] if records else "never"
+        print(f"{case.name}: {len(records)} record(s) in the newest measurement ({when})")
+        return 0
+    if args.bench_command == "report":
+        records = latest(store, case.name)
+        if not records:
+            error(f"no records of {case.name} under {args.records}; run it first")
+        name = str(args.table or next(iter(case.tables), ""))
+        if name not in case.tables:
+            error(f"argument --table: {case.name} has {', '.join(case.tables) or 'no tables'}")
+        print(case.tables[name](records), end="")
+        if args.plot is not None and case.plot is not None:
+            case.plot(records, args.plot)
+        return 0
+    try:
+        options = case.resolve(_parse_options(args.option, error), args.quick)
+    except KeyError as err:
+        error(f"argument --option: {err.args[0]}")
+    if case.device == "cuda" and args.device != "cuda":
+        error(f"argument --device: {case.name} measures a GPU; pass --device cuda")
+    torch.set_num_threads(args.threads)
+    records = run_timing(case, options, store, args.device)
+    for name, render in case.tables.items():
+        print(f"{name}:\n{render(records)}")
+    print(f"wrote {len(records)} record(s) under {store.root / case.name}")
     return 0

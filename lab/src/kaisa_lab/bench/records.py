@@ -158,6 +158,11 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _safe(name: str) -> str:
+    """A file-name form of an arm's name (spaces and slashes replaced)."""
+    return "".join(c if c.isalnum() or c in "+-_.=" else "_" for c in name)
+
+
 def config_key(config: Mapping[str, Any]) -> str:
     """A short digest of what a run is, without its seed: the seeds of one setting share it.
 
@@ -221,20 +226,26 @@ def train_record(
 
 
 class RecordStore:
-    """Records under one folder: ``<root>/<case>/<arm>/<key>-s<seed>.json``."""
+    """Records under one folder: ``<root>/<case>/<arm>/<key>-s<seed>.json`` for a
+    training run, ``<root>/<case>/<arm>/<key>-<run>.json`` for a timing (``run``:
+    when the measurement was made, so re-measuring adds records)."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
 
     def path(self, case: str, arm: str, key: str, seed: int) -> Path:
-        return self.root / case / arm / f"{key}-s{seed}.json"
+        return self.root / case / _safe(arm) / f"{key}-s{seed}.json"
 
     def has(self, case: str, arm: str, key: str, seed: int) -> bool:
         return self.path(case, arm, key, seed).exists()
 
     def write(self, record: Mapping[str, Any]) -> Path:
         """Write a record atomically (a half-written file never counts as done)."""
-        path = self.path(record["case"], record["arm"], record["key"], record["seed"])
+        if record["kind"] == "timing":
+            run = str(record["run"]).replace(":", "")
+            path = self.root / record["case"] / _safe(record["arm"]) / f"{record['key']}-{run}.json"
+        else:
+            path = self.path(record["case"], record["arm"], record["key"], record["seed"])
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".json.partial")
         partial.write_text(json.dumps(_canonical(record), indent=1) + "\n")

@@ -1,0 +1,52 @@
+"""The suite's cost cases: each runs quick, writes records of the one schema, and renders.
+
+No speed is asserted (the machine is shared): what is checked is that every
+arm was measured, the records hold what a report needs, and the tables
+render from the records alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kaisa_lab.bench.records import SCHEMA, RecordStore
+from kaisa_lab.bench.timer import interleave
+from kaisa_lab.bench.timing import TIMING_CASES, latest
+from kaisa_lab.cli.main import main
+
+
+def test_interleave_takes_turns_and_times_every_step() -> None:
+    order: list[str] = []
+    timed = interleave(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+        rounds=3,
+        block=2,
+        warmup=1,
+    )
+    assert order == ["a", "a", "b", "b"] * 4  # one warm-up round, then three
+    assert {name: len(t.samples_ms) for name, t in timed.items()} == {"a": 6, "b": 6}
+    assert all(t.median_ms >= 0 for t in timed.values())
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        interleave({"a": lambda: None}, rounds=0)
+
+
+def test_the_gram_case_measures_both_forms_on_every_shape(tmp_path: Path) -> None:
+    assert main(["bench", "run", "gram", "--quick", "--records", str(tmp_path)]) == 0
+    records = latest(RecordStore(tmp_path), "gram")
+    shapes = TIMING_CASES["gram"].quick["shapes"]
+    assert len(records) == 2 * len(shapes)
+    assert {r["schema"] for r in records} == {SCHEMA} and {r["kind"] for r in records} == {"timing"}
+    assert all(r["result"]["median_ms"] > 0 for r in records)
+    assert {r["config"]["form"] for r in records} == {"one product", "kaisa gram"}
+    assert records[0]["environment"]["versions"]["torch"]
+
+
+def test_a_cost_case_refuses_an_unknown_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "run", "gram", "--option", "repeats=3", "--records", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "argument --option" in err and "repeats" in err and "rounds" in err
