@@ -50,3 +50,17 @@ def test_a_cost_case_refuses_an_unknown_option(
         main(["bench", "run", "gram", "--option", "repeats=3", "--records", str(tmp_path)])
     err = capsys.readouterr().err
     assert "argument --option" in err and "repeats" in err and "rounds" in err
+
+
+def test_ab_times_a_case_on_two_trees_in_turns(tmp_path: Path) -> None:
+    from kaisa_lab.bench.ab import _ROOT, ab, markdown_ab
+
+    records = ab("gram", str(_ROOT), rounds=2, arguments=["--quick"], store=RecordStore(tmp_path))
+    arms = {r["arm"] for r in records}
+    assert len(arms) == 2 * len(TIMING_CASES["gram"].quick["shapes"])
+    for r in records:
+        res = r["result"]
+        assert len(res["before_rounds_ms"]) == len(res["after_rounds_ms"]) == 2
+        assert res["ratio"] == pytest.approx(res["after_ms"] / res["before_ms"])
+    assert len(list(tmp_path.glob("gram-ab/*/*.json"))) == len(records)
+    assert markdown_ab(records).startswith("| arm | before (ms) |")

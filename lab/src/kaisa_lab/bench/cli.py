@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kaisa_lab.bench import costs as _costs  # registers the cost cases
+from kaisa_lab.bench.ab import ab, markdown_ab
 from kaisa_lab.bench.campaign import Campaign, work
 from kaisa_lab.bench.cases import CASES, get_case
 from kaisa_lab.bench.records import RecordStore
@@ -59,6 +60,26 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a case's protocol until it is done (resumable)")
     status = sub.add_parser("status", help="where each arm of a case stands")
     report = sub.add_parser("report", help="a case's tables (markdown) and plot, from its records")
+    compare = sub.add_parser(
+        "ab",
+        help="a cost case on two versions of the library, in alternating fresh processes",
+        description="Before and after a change: the cost case on --before's src and on "
+        "--after's (default: this tree), in fresh interpreters taking turns; per arm the "
+        "median over rounds and after/before.",
+    )
+    compare.add_argument("case", metavar="CASE", help="a cost case (see list)")
+    compare.add_argument(
+        "--before", required=True, help="a git revision, or a folder holding src/kaisa"
+    )
+    compare.add_argument("--after", help="a git revision or folder (default: this tree)")
+    compare.add_argument("--rounds", type=int, default=5, help="turns of each side (default 5)")
+    compare.add_argument(
+        "--records", type=Path, help="also write the result's records under this folder"
+    )
+    compare.add_argument("--quick", action="store_true", help="the case's quick options")
+    compare.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="a case option"
+    )
     names = [*CASES, *TIMING_CASES]
     for parser in (run, status, report):
         parser.add_argument("case", choices=names, metavar="CASE", help="the case (see list)")
@@ -95,6 +116,11 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         help="a cost case's option (VALUE read as JSON, else as text); repeatable",
     )
     run.add_argument(
+        "--print-json",
+        action="store_true",
+        help="a cost case: also print its records as one JSON line at the end (for ab)",
+    )
+    run.add_argument(
         "--no-wait",
         action="store_true",
         help="return when every pending group is held by another worker (default: wait)",
@@ -121,6 +147,19 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
             where = "" if timing.device == "cpu" else f" [{timing.device}]"
             tables = ", ".join(timing.tables) or "-"
             print(f"  {timing.name}{where}: {timing.description}\n      tables: {tables}")
+        return 0
+    if args.bench_command == "ab":
+        if args.case not in TIMING_CASES:
+            error(f"argument CASE: ab times a cost case ({', '.join(TIMING_CASES)})")
+        if args.rounds < 1:
+            error(f"argument --rounds: expected a positive integer; got {args.rounds}")
+        extra = ["--quick"] * args.quick + [f"--option={o}" for o in args.option]
+        store = None if args.records is None else RecordStore(args.records)
+        records = ab(
+            args.case, args.before, after=args.after, rounds=args.rounds, arguments=extra,
+            store=store,
+        )  # fmt: skip
+        print(markdown_ab(records), end="")
         return 0
     if args.case in TIMING_CASES:
         return _run_cost(TIMING_CASES[args.case], args, error)
@@ -204,4 +243,6 @@ def _run_cost(case: TimingCase, args: argparse.Namespace, error: Any) -> int:
     for name, render in case.tables.items():
         print(f"{name}:\n{render(records)}")
     print(f"wrote {len(records)} record(s) under {store.root / case.name}")
+    if args.print_json:
+        print(json.dumps(records))
     return 0

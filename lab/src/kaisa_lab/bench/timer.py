@@ -100,9 +100,11 @@ def alternate(
     env: Mapping[str, Mapping[str, str]] | None = None,
     cwd: Path | None = None,
 ) -> dict[str, list[Any]]:
-    """Run each side's command in a fresh process, taking turns, ``rounds`` times.
+    """Run each side's Python command in a fresh interpreter, taking turns, ``rounds`` times.
 
-    Each command must print one JSON document as the last line of its
+    ``sides`` maps a side's name to the interpreter's arguments (a script and
+    its arguments, or ``-m module ...``). Each must print one JSON document as
+    the last line of its
     standard output; the parsed documents are returned per side, in round
     order. ``env`` adds variables per side (e.g. ``PYTHONPATH`` pointing at
     one source tree), so two versions of the code are measured in the same
@@ -112,7 +114,7 @@ def alternate(
         for name, argv in sides.items():
             full_env = {**os.environ, **(env or {}).get(name, {})}
             done = subprocess.run(
-                [sys.executable, *argv] if argv[0].endswith(".py") else list(argv),
+                [sys.executable, *argv],
                 capture_output=True,
                 text=True,
                 env=full_env,
