@@ -152,7 +152,7 @@ def test_every_baseline_builds_on_each_task_family_and_lowers_the_loss(
     )
     # an arm tuned with a warm-up ramps its lr up, here over the 8 steps (LAMB at
     # text-cnn's lr 0.08 diverges at its full lr from step 0, as kaisa train does not run it)
-    warmup = defaults.arm(False, name)[2] > 0
+    warmup = t.arm(False, name)[2] > 0
     initial = [group["lr"] for group in opt.param_groups]
     with torch.no_grad():
         before = float(t.loss(model(x), y))
@@ -227,7 +227,7 @@ def test_optimizers_give_one_arm_each_plus_kfac_where_it_applies_each_at_its_own
     ]  # fmt: skip
     assert {s.optimizer for s in specs if s.kfac} == {"adamw", "muon", "lamb"} & KFAC_BASES
     for spec in specs:
-        lr, schedule, warmup = task.defaults.arm(spec.kfac, spec.optimizer)
+        lr, schedule, warmup = task.arm(spec.kfac, spec.optimizer)
         assert (spec.lr, spec.schedule, spec.warmup_epochs) == (lr, schedule, warmup)
         assert spec.weight_decay == task.defaults.decay(spec.optimizer)
     muon = specs[2]
@@ -238,7 +238,13 @@ def test_optimizers_give_one_arm_each_plus_kfac_where_it_applies_each_at_its_own
     assert len({s.lr for s in specs if not s.kfac}) > 1  # not one lr for all
 
 
-def test_an_untuned_baseline_runs_at_its_librarys_lr_and_says_so() -> None:
+def test_an_untuned_baseline_runs_at_its_librarys_lr_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kaisa_lab.tasks import tuned
+
+    selected = {"digits-mlp": {"sgd": tuned.Selection(0.1, 0.0, "constant")}}
+    monkeypatch.setattr(tuned, "load", lambda path=None: selected)
     task = get_task("digits-mlp")
     args = build_parser()[0].parse_args(["compare", "--task", "digits-mlp",
                                          "--optimizers", "sgd,muon"])  # fmt: skip
@@ -288,8 +294,9 @@ def test_compare_optimizers_writes_every_arm(tmp_path: Path) -> None:
     assert [r["name"] for r in runs] == ["adamw", "adamw+kfac", "muon", "muon+kfac", "soap"]
     assert {r["config"]["compile_baseline"] for r in runs} == {False}
     lrs = {r["name"]: r["config"]["lr"] for r in runs}
-    defaults = get_task("text-lm").defaults
-    assert lrs == {r["name"]: defaults.arm(r["kfac"], r["optimizer"])[0] for r in runs}
+    text = get_task("text-lm")
+    defaults = text.defaults
+    assert lrs == {r["name"]: text.arm(r["kfac"], r["optimizer"])[0] for r in runs}
     assert runs[2]["config"]["adamw_lr"] == defaults.lr["adamw"]
     assert all(r["curve"][-1]["step"] == 3 for r in runs)
     assert all(r["summary"]["baseline"] == "adamw" for r in runs[1:])

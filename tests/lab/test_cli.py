@@ -132,17 +132,9 @@ def test_compare_runs_share_hyperparameters_and_record_kfac_config(
     assert sgd["config"]["kfac"] is None
     kfac_config = kfac["config"]["kfac"]
     assert set(KFACConfig.field_names()) <= set(kfac_config)
-    # digits-mlp sets no K-FAC defaults (the held-out family): the library's apply ...
-    assert not get_task("digits-mlp").defaults.kfac
+    # no knobs selected for the arm: K-FAC at the library's defaults
+    assert not get_task("digits-mlp").kfac_for("sgd")
     assert kfac_config["damping"] == KFACConfig().damping
-    # ... and where a task sets some, they win over the library's.
-    from kaisa_lab.cli.spec import build_specs
-
-    cnn = get_task("digits-cnn")
-    args = build_parser()[0].parse_args(["compare", "--task", "digits-cnn"])
-    cnn_kfac = build_specs(args, cnn, [True])[0].to_dict()["kfac"]
-    assert cnn.defaults.kfac["damping"] != KFACConfig().damping
-    assert {k: cnn_kfac[k] for k in cnn.defaults.kfac} == dict(cnn.defaults.kfac)
     assert kfac_config["lr"] == kfac["config"]["lr"] and kfac_config["lr_from_optimizer"]
     assert kfac_config["loss_average"] == "batch"
     # Different optimizers from the same start: the first epochs differ.
@@ -465,105 +457,63 @@ def test_the_kfac_arm_takes_its_own_lr_and_schedule(
     assert kfac["config"]["kfac"]["lr"] == 0.05 and kfac["config"]["schedule"] == "cosine"
 
 
-def test_a_tasks_kfac_arm_default_yields_to_the_command_line(
+def _select(monkeypatch: pytest.MonkeyPatch, task: str, **arms: Any) -> None:
+    """Make ``arms`` (name -> Selection) the suite's selections for ``task``."""
+    from kaisa_lab.tasks import tuned
+
+    monkeypatch.setattr(tuned, "load", lambda path=None: {task: dict(arms)})
+
+
+def test_the_suites_selection_yields_to_the_command_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Order: --kfac-arm-*, then the shared option, then the task's kfac_arm, then its default."""
+    """Each arm's lr, schedule, warm-up and K-FAC knobs: the command line, then the
+    suite's selection for that arm, then the task's prior; an arm without a
+    selection is not tuned."""
     from kaisa_lab.cli.spec import build_specs
-    from kaisa_lab.tasks.base import Defaults
+    from kaisa_lab.tasks.tuned import Selection
 
     task = get_task("digits-mlp")
-    defaults = dataclasses.replace(
-        task.defaults, schedule="cosine", warmup_epochs=0.5, kfac_arm={"warmup_epochs": 0.0}
+    _select(
+        monkeypatch,
+        "digits-mlp",
+        sgd=Selection(0.05, 0.5, "cosine"),
+        **{"sgd+kfac": Selection(0.02, 0.0, "cosine", {"damping": 0.1})},
     )
-    monkeypatch.setattr(task, "defaults", defaults)
 
-    def warmups(*argv: str) -> list[tuple[str, float]]:
+    def specs(*argv: str) -> list[Any]:
         args = build_parser()[0].parse_args(["compare", *argv])
-        return [(s.schedule, s.warmup_epochs) for s in build_specs(args, task, [False, True])]
+        return build_specs(args, task, [False, True])
 
-    assert warmups() == [("cosine", 0.5), ("cosine", 0.0)]
-    assert warmups("--warmup-epochs", "0.25") == [("cosine", 0.25), ("cosine", 0.25)]
-    assert warmups("--warmup-epochs", "0.25", "--kfac-arm-warmup-epochs", "1") == [
-        ("cosine", 0.25),
-        ("cosine", 1.0),
-    ]
-    assert warmups("--kfac-arm-schedule", "constant") == [("cosine", 0.5), ("constant", 0.0)]
-    # text-lm's tuned pair: AdamW warms up, K-FAC starts at the full lr (docs/results.md)
-    text = get_task("text-lm")
-    args = build_parser()[0].parse_args(["compare", "--task", "text-lm"])
-    adamw, kfac = build_specs(args, text, [False, True])
-    assert (adamw.warmup_epochs, kfac.warmup_epochs) == (0.25, 0.0)
-    assert adamw.lr == kfac.lr and adamw.schedule == kfac.schedule == "cosine"
-    with pytest.raises(ValueError, match="kfac_arm may set only lr, schedule, warmup_epochs, kfac"):
-        Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"momentum": 0.5})
-    for bad in (0.1, {"lion": 0.1}, {"sgd": 0.0}, {"sgd": "0.1"}, {"sgd": True}, {"sgd": math.inf}):
-        with pytest.raises(ValueError, match=r"kfac_arm\['lr'\] must map optimizer names"):
-            Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"lr": bad})
-
-
-def test_a_tasks_kfac_arm_lr_yields_to_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The K-FAC arm's lr: --kfac-arm-lr, then --lr, then the task's kfac_arm lr for the
-    optimizer, then the task's lr; the first-order arm never takes the K-FAC arm's."""
-    from kaisa_lab.cli.spec import build_specs
-
-    task = get_task("digits-mlp")
-    base = task.defaults.lr
-    defaults = dataclasses.replace(task.defaults, kfac_arm={"lr": {"sgd": 0.02}})
-    monkeypatch.setattr(task, "defaults", defaults)
-
-    def lrs(*argv: str) -> list[float]:
-        args = build_parser()[0].parse_args(["compare", *argv])
-        return [s.lr for s in build_specs(args, task, [False, True])]
-
-    assert lrs() == [base["sgd"], 0.02]
-    assert lrs("--lr", "0.3") == [0.3, 0.3]
-    assert lrs("--lr", "0.3", "--kfac-arm-lr", "0.04") == [0.3, 0.04]
-    assert lrs("--kfac-arm-lr", "0.04") == [base["sgd"], 0.04]
-    assert lrs("--optimizer", "adam") == [base["adam"], base["adam"]]  # none set for adam
-    # text-cnn's tuned pair (docs/results.md): AdamW at 0.01 with a warm-up,
-    # K-FAC at 0.008 without one, both on the same cosine
-    text = get_task("text-cnn")
-    args = build_parser()[0].parse_args(["compare", "--task", "text-cnn"])
-    adamw, kfac = build_specs(args, text, [False, True])
-    assert (adamw.lr, adamw.warmup_epochs) == (0.01, 0.25)
-    assert (kfac.lr, kfac.warmup_epochs) == (0.008, 0.0)
-    assert adamw.schedule == kfac.schedule == "cosine"
-    assert kfac.kfac_kwargs["kl_clip"] == 1e-5 and not adamw.kfac_kwargs
+    sgd, kfac = specs()
+    assert (sgd.lr, sgd.schedule, sgd.warmup_epochs) == (0.05, "cosine", 0.5)
+    assert (kfac.lr, kfac.schedule, kfac.warmup_epochs) == (0.02, "cosine", 0.0)
+    assert kfac.kfac_kwargs["damping"] == 0.1 and sgd.lr_tuned and kfac.lr_tuned
+    assert [s.lr for s in specs("--lr", "0.3")] == [0.3, 0.3]
+    assert [s.lr for s in specs("--kfac-arm-lr", "0.04")] == [0.05, 0.04]
+    assert [s.warmup_epochs for s in specs("--kfac-arm-warmup-epochs", "1")] == [0.5, 1.0]
+    assert specs("--kfac-damping", "0.5")[1].kfac_kwargs["damping"] == 0.5
+    adam, adam_kfac = specs("--optimizer", "adam")  # nothing selected for adam: the prior
+    prior = task.defaults
+    assert (adam.lr, adam.schedule, adam.warmup_epochs) == (
+        prior.lr["adam"],
+        prior.schedule,
+        prior.warmup_epochs,
+    )
+    assert adam_kfac.lr == prior.lr["adam"] and not adam.lr_tuned and not adam_kfac.lr_tuned
+    assert dict(adam_kfac.kfac_kwargs) == {"loss_average": task.loss_average}
 
 
-def test_a_tasks_kfac_settings_per_optimizer_yield_to_the_command_line() -> None:
-    """text-lm's K-FAC arm under Muon takes its own intervals (kfac_arm['kfac']['muon']);
-    under AdamW the task's; a --kfac-* option beats both; a malformed entry is refused."""
-    from kaisa_lab.cli.spec import build_specs
-    from kaisa_lab.tasks.base import Defaults
+def test_an_untuned_arm_is_named_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kaisa_lab.tasks.tuned import Selection
 
-    text = get_task("text-lm")
-
-    def intervals(*argv: str) -> dict[str, tuple[int, int]]:
-        args = build_parser()[0].parse_args(["compare", "--task", "text-lm", *argv])
-        specs = build_specs(args, text, [False, True], ["adamw", "muon"])
-        return {
-            s.name: (s.kfac_kwargs["factor_update_steps"], s.kfac_kwargs["inv_update_steps"])
-            for s in specs
-            if s.kfac
-        }
-
-    assert intervals() == {"adamw+kfac": (10, 50), "muon+kfac": (20, 100)}
-    assert intervals("--kfac-inv-update-steps", "60") == {
-        "adamw+kfac": (10, 60),
-        "muon+kfac": (20, 60),
-    }
-    # Muon's own first-order schedule: no warm-up, as its K-FAC arm
-    args = build_parser()[0].parse_args(["compare", "--task", "text-lm"])
-    specs = build_specs(args, text, [False, True], ["adamw", "muon"])
-    warm = {s.name: s.warmup_epochs for s in specs}
-    assert warm == {"adamw": 0.25, "adamw+kfac": 0.0, "muon": 0.0, "muon+kfac": 0.0}
-    with pytest.raises(ValueError, match="warmup_by_optimizer must map optimizer names"):
-        Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, warmup_by_optimizer={"lion": 0.0})
-    for bad in ({"lion": {}}, {"muon": 20}, 3):
-        with pytest.raises(ValueError, match=r"kfac_arm\['kfac'\] must map optimizer names"):
-            Defaults(epochs=1, batch_size=1, lr={"sgd": 0.1}, kfac_arm={"kfac": bad})
+    _select(monkeypatch, "digits-mlp", sgd=Selection(0.1, 0.0, "constant"))
+    run_cli(tmp_path, "compare", *QUICK, "--epochs", "1")
+    err = capsys.readouterr().err
+    assert "note: sgd+kfac runs at lr 0.1, not tuned for digits-mlp" in err
+    assert "note: sgd runs" not in err
 
 
 def test_constant_schedule_never_writes_the_lr(

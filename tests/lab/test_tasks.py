@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,15 +53,16 @@ def test_defaults_are_valid_for_the_library(name: str) -> None:
     assert set(REQUIRED_OPTIMIZERS) <= set(defaults.weight_decay) <= set(OPTIMIZERS)
     assert all(v > 0 for v in defaults.lr.values())
     assert defaults.epochs >= 1 and defaults.batch_size >= 1
-    # The preconditioner must follow the optimizer's lr, so tasks never pin it.
-    assert "lr" not in defaults.kfac
-    KFACConfig.from_options(loss_average=task.loss_average, **defaults.kfac)
-    # The CLI's schedule must accept the task's default schedule and warm-up.
+    # The CLI's schedule must accept every arm's schedule and warm-up.
     for kfac in (False, True):
         for name in OPTIMIZERS:
-            lr, schedule, warmup_epochs = defaults.arm(kfac, name)
+            lr, schedule, warmup_epochs = task.arm(kfac, name)
             assert lr > 0 and schedule in SCHEDULES
             assert 0 <= warmup_epochs <= defaults.epochs
+            # The preconditioner must follow the optimizer's lr, so no knob pins it.
+            knobs = task.kfac_for(name)
+            assert "lr" not in knobs
+            KFACConfig.from_options(loss_average=task.loss_average, **knobs)
 
 
 def test_text_lm_averages_its_loss_over_batch_and_sequence() -> None:
@@ -252,39 +254,6 @@ def test_text_lm_large_is_text_lm_wider_deeper_and_scored_on_a_fixed_slice() -> 
     assert 3_000_000 < sum(p.numel() for p in model.parameters()) < 3_500_000
 
 
-def test_text_lm_large_muon_takes_its_measured_lr_with_adamws_warm_up() -> None:
-    """Muon's arm on text-lm-large is the measured one (docs/results.md, "text-lm-large:
-    three seeds"): lr 0.01 with AdamW's quarter epoch of warm-up, unlike text-lm and
-    text-cnn where Muon runs without one; the K-FAC arms keep the task's no warm-up.
-    LAMB takes its measured 0.01 with the same warm-up."""
-    d = get_task("text-lm-large").defaults
-    assert d.arm(False, "muon") == (0.01, "cosine", 0.25)
-    assert d.arm(False, "adamw") == (0.001, "cosine", 0.25)
-    assert d.arm(True, "muon") == (0.01, "cosine", 0.0)
-    # K-FAC on Muon in bfloat16 at 20/100 ("text-lm-large: K-FAC's products in bfloat16")
-    muon_kfac = d.kfac_for("muon")
-    assert muon_kfac["precondition_dtype"] == muon_kfac["factor_compute_dtype"] == "bfloat16"
-    assert (muon_kfac["factor_update_steps"], muon_kfac["inv_update_steps"]) == (20, 100)
-    assert "precondition_dtype" not in d.kfac_for("adamw")
-    # LAMB: the best of 0.005-0.04 on seed 0 ("The other baselines tuned"); SOAP and
-    # Shampoo were not swept far enough to name one, so they stay untuned
-    assert d.arm(False, "lamb") == (0.01, "cosine", 0.25) and d.lr_tuned("lamb")
-    assert not d.lr_tuned("soap") and not d.lr_tuned("shampoo")
-
-
-def test_text_cnn_baselines_take_their_measured_lrs_and_schedules() -> None:
-    """text-cnn's SOAP, Shampoo and LAMB arms are the swept ones (docs/results.md, "The
-    other baselines tuned"): SOAP and Shampoo without warm-up, as Muon; LAMB, which
-    misses the target without it, with AdamW's quarter epoch.  Named lrs, so
-    ``kaisa compare`` does not call them untuned."""
-    d = get_task("text-cnn").defaults
-    assert d.arm(False, "soap") == (0.01, "cosine", 0.0)
-    assert d.arm(False, "shampoo") == (0.02, "cosine", 0.0)
-    assert d.arm(False, "lamb") == (0.08, "cosine", 0.25)
-    assert d.arm(False, "muon") == (0.08, "cosine", 0.0)
-    assert all(d.lr_tuned(name) for name in ("soap", "shampoo", "lamb", "muon"))
-
-
 @pytest.mark.parametrize("kfac", [False, True])
 def test_text_lm_large_loss_falls_in_a_few_steps(kfac: bool) -> None:
     """A few steps of the task's AdamW (with and without K-FAC at the task's
@@ -296,7 +265,8 @@ def test_text_lm_large_loss_falls_in_a_few_steps(kfac: bool) -> None:
     torch.manual_seed(0)
     model = task.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=task.defaults.lr["adamw"])
-    kwargs = {**task.defaults.kfac, "factor_update_steps": 1, "inv_update_steps": 2}
+    kwargs: dict[str, Any] = {**task.kfac_for("adamw"), "factor_update_steps": 1}
+    kwargs["inv_update_steps"] = 2
     kwargs["loss_average"] = task.loss_average
     precond = KFACPreconditioner(model, optimizer=opt, **kwargs) if kfac else None
     losses = []

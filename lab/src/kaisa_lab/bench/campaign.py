@@ -39,8 +39,9 @@ from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.cli.train import RunResult, train_lockstep, warm_up
 from kaisa_lab.tasks.registry import get_task
+from kaisa_lab.tasks.tuned import Selection
 
-__all__ = ["ArmState", "Campaign", "Run", "Unit"]
+__all__ = ["ArmState", "Campaign", "Run", "Unit", "selections", "work"]
 
 
 @dataclass(frozen=True)
@@ -307,3 +308,24 @@ def work(
                 return done
             time.sleep(wait_s)
     return done
+
+
+def selections(campaign: Campaign) -> dict[str, Selection]:
+    """Every arm's selected setting (arms still tuning left out), as the task stores it."""
+    out = {}
+    budget = len(campaign.protocol.selection_seeds)
+    for arm in campaign.case.arms:
+        state = campaign.state(arm)
+        if state.selected is None:
+            continue
+        s = state.selected
+        out[arm.name] = Selection(
+            lr=s.lr,
+            warmup_epochs=s.warmup_epochs,
+            schedule=s.schedule,
+            kfac=dict(s.kfac),
+            case=campaign.case.name,
+            settings=len(state.tried),
+            runs=len(state.tried) * budget,
+        )
+    return out

@@ -162,6 +162,7 @@ CASES: dict[str, TrainCase] = {
             "digits-mlp",
             _SMALL_ARMS,
             warmups=(0.0, 1.0),
+            evals_per_epoch=23,  # after every step: steps to target not rounded to an epoch
             description="3-layer MLP on the digits images (batch 64), to 95% test accuracy",
         ),
         TrainCase(

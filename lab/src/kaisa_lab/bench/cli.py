@@ -28,12 +28,13 @@ import torch
 
 from kaisa_lab.bench import costs as _costs  # registers the cost cases
 from kaisa_lab.bench.ab import ab, markdown_ab
-from kaisa_lab.bench.campaign import Campaign, work
+from kaisa_lab.bench.campaign import Campaign, selections, work
 from kaisa_lab.bench.cases import CASES, get_case
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import FairnessError, markdown_heldout, markdown_tuning, plot
 from kaisa_lab.bench.timing import TIMING_CASES, TimingCase, latest, run_timing
 from kaisa_lab.cli.progress import Progress
+from kaisa_lab.tasks import tuned
 
 __all__ = ["DEFAULT_RECORDS", "add_bench_parser", "run_bench"]
 
@@ -60,6 +61,18 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a case's protocol until it is done (resumable)")
     status = sub.add_parser("status", help="where each arm of a case stands")
     report = sub.add_parser("report", help="a case's tables (markdown) and plot, from its records")
+    select = sub.add_parser(
+        "select",
+        help="the settings a case's protocol selected; --write puts them in the task's defaults",
+        description="Print each arm's selected setting; with --write, record them in "
+        "kaisa_lab/tasks/tuned.json, where the task reads its tuned lrs (an arm without a "
+        "selection runs at its prior and kaisa compare calls it untuned).",
+    )
+    select.add_argument("case", choices=list(CASES), metavar="CASE", help="a time-to-target case")
+    select.add_argument(
+        "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
+    )
+    select.add_argument("--write", action="store_true", help="write them to tuned.json")
     compare = sub.add_parser(
         "ab",
         help="a cost case on two versions of the library, in alternating fresh processes",
@@ -165,6 +178,20 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         return _run_cost(TIMING_CASES[args.case], args, error)
     case = get_case(args.case)
     campaign = Campaign(case, RecordStore(args.records))
+    if args.bench_command == "select":
+        if case.name != case.task:
+            error(f"argument CASE: {case.name} is not a task's own case; nothing to select")
+        chosen = selections(campaign)
+        for arm, picked in chosen.items():
+            knobs = "".join(f", {k} {v}" for k, v in picked.kfac.items())
+            print(
+                f"{arm}: lr {picked.lr:g}, warm-up {picked.warmup_epochs:g} ep, "
+                f"{picked.schedule}{knobs} ({picked.settings} settings, {picked.runs} runs)"
+            )
+        if args.write:
+            tuned.write({case.task: chosen})
+            print(f"wrote {len(chosen)} selection(s) for {case.task} to {tuned.PATH}")
+        return 0
     if args.bench_command == "status":
         print("\n".join(campaign.status()))
         return 0

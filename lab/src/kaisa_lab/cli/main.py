@@ -176,17 +176,18 @@ def _add_kfac_arm_arguments(parser: argparse.ArgumentParser) -> None:
     """The K-FAC run's own lr, schedule and warm-up (``compare``'s second arm)."""
     arm = parser.add_argument_group(
         "the K-FAC run's own schedule (unset: --lr, --schedule, --warmup-epochs if given, "
-        "else the task's K-FAC-arm defaults, else the task's)",
-        "Each arm of a comparison is tuned on its own (docs/results.md): a preconditioned "
-        "optimizer may want another learning rate or no warm-up. Each run's header line "
-        "and results.json record what it used.",
+        "else the task's setting for the K-FAC arm)",
+        "Each arm of a comparison is tuned on its own by the benchmark suite "
+        "(docs/benchmarks.md): a preconditioned optimizer may want another learning rate or "
+        "no warm-up. Each run's header line and results.json record what it used.",
     )
     arm.add_argument(
         "--kfac-arm-lr",
         type=_float_at_least(0.0, strict=True),
         metavar="LR",
-        help="learning rate of the K-FAC run (unset: --lr if given, else the task's K-FAC lr "
-        "if it has one, else the task's lr); its KL clip follows it unless --kfac-lr is set",
+        help="learning rate of the K-FAC run (unset: --lr if given, else the lr the suite "
+        "selected for the task's K-FAC arm, else the task's prior); its KL clip follows it "
+        "unless --kfac-lr is set",
     )
     arm.add_argument(
         "--kfac-arm-schedule", choices=SCHEDULES, help="learning-rate schedule of the K-FAC run"
@@ -195,8 +196,8 @@ def _add_kfac_arm_arguments(parser: argparse.ArgumentParser) -> None:
         "--kfac-arm-warmup-epochs",
         type=_float_at_least(0.0, strict=False),
         metavar="EPOCHS",
-        help="warm-up of the K-FAC run (unset: --warmup-epochs if given, else the task's "
-        "K-FAC warm-up if it has one, else the task's warm-up)",
+        help="warm-up of the K-FAC run (unset: --warmup-epochs if given, else the warm-up the "
+        "suite selected for the task's K-FAC arm, else the task's)",
     )
 
 
@@ -336,8 +337,8 @@ def _check_optimizers(specs: Sequence[RunSpec], error: Any, flag: str) -> None:
             error(f"argument {flag}: {err}")
         if not spec.lr_tuned:
             print(
-                f"note: {spec.name} runs at its library's lr {spec.lr:g}, not tuned for "
-                f"{spec.task} (docs/results.md); set it with --lr",
+                f"note: {spec.name} runs at lr {spec.lr:g}, not tuned for {spec.task} by the "
+                "benchmark suite (kaisa bench run); set it with --lr",
                 file=sys.stderr,
             )
 

@@ -189,7 +189,8 @@ def _device(args: argparse.Namespace, error: Any) -> str | None:
 def run_plan(args: argparse.Namespace, error: Any) -> int:
     if any(w < 1 for w in args.world_size):
         error("argument --world-size: every world size must be >= 1")
-    kfac = {**(get_task(args.task).defaults.kfac if args.task else {}), **kfac_overrides(args)}
+    task = get_task(args.task) if args.task else None
+    kfac = {**(task.kfac_for(task.defaults.optimizer) if task else {}), **kfac_overrides(args)}
     kfac.pop("grad_worker_fraction", None)
     device = _device(args, error)
     cost = _cost_model(args, error)

@@ -117,11 +117,10 @@ def _arm_schedule(
     """``(lr, schedule, warm-up epochs)`` of one arm.
 
     For the K-FAC arm: ``--kfac-arm-*``, then the option both arms share
-    (``--lr``, ``--schedule``, ``--warmup-epochs``), then the task's
-    ``kfac_arm`` default, then the task's default; the first-order arm skips
-    the first and third."""
-    defaults = task.defaults
-    lr, schedule, warmup = defaults.arm(use_kfac, optimizer)
+    (``--lr``, ``--schedule``, ``--warmup-epochs``), then the task's setting
+    for the arm (the benchmark suite's selection, else its prior,
+    :meth:`Task.arm`); the first-order arm skips the first."""
+    lr, schedule, warmup = task.arm(use_kfac, optimizer)
     lr = float(_pick(args.lr, lr))
     schedule = _pick(args.schedule, schedule)
     warmup = float(_pick(args.warmup_epochs, warmup))
@@ -198,7 +197,7 @@ def _spec(
         schedule=schedule,
         warmup_epochs=warmup_epochs,
         kfac_kwargs=_kfac_kwargs(args, task, optimizer) if use_kfac else {},
-        lr_tuned=given or defaults.lr_tuned(optimizer),
+        lr_tuned=given or task.lr_tuned(optimizer, use_kfac),
         adamw_lr=defaults.base_lr("adamw") if muon else None,
         adamw_weight_decay=defaults.decay("adamw") if muon else None,
         **common,
@@ -206,11 +205,12 @@ def _spec(
 
 
 def _kfac_kwargs(args: argparse.Namespace, task: Task, optimizer: str) -> dict[str, Any]:
-    """The K-FAC keywords of the K-FAC arm on ``optimizer``: the task's for that
-    optimizer (:meth:`Defaults.kfac_for`), then what the command line set."""
+    """The K-FAC keywords of the K-FAC arm on ``optimizer``: the loss's averaging,
+    the knobs the suite selected for the arm (:meth:`Task.kfac_for`; none at the
+    library's defaults), then what the command line set."""
     return {
         "loss_average": task.loss_average,
-        **task.defaults.kfac_for(optimizer),
+        **task.kfac_for(optimizer),
         **kfac_overrides(args),
     }
 
@@ -223,8 +223,8 @@ def build_specs(
 ) -> list[RunSpec]:
     """One :class:`RunSpec` per optimizer (default: :func:`optimizers_of`) and entry of
     ``kfac_flags``, identical except for the optimizer (and its lr, weight decay and
-    schedule, the task's for that optimizer), K-FAC, and what ``--kfac-arm-*`` (or
-    the task's ``kfac_arm``) sets. An optimizer K-FAC does not apply to
+    schedule, the task's for that arm), K-FAC, and what ``--kfac-arm-*`` sets.
+    An optimizer K-FAC does not apply to
     (:data:`kaisa_lab.optim.KFAC_BASES`) gets no K-FAC run.
 
     Raises ``ValueError``/``TypeError`` (from :class:`KFACConfig`) when the

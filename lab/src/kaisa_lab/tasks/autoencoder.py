@@ -1,11 +1,8 @@
-"""A deep autoencoder on the 8×8 digits: the blind model family of issue 10.
+"""A deep autoencoder on the 8×8 digits.
 
 Deep autoencoders are the classic hard case for first-order methods (long
 chains of saturating units, a regression loss) and the benchmark of the
-original K-FAC paper (Martens & Grosse, 2015).  The library's defaults were
-chosen on the ResNet and the Transformer before this task existed, so K-FAC
-runs here with nothing set but what every task shares: the optimizer's
-learning rate.  Only the first-order baseline is tuned (docs/results.md).
+original K-FAC paper (Martens & Grosse, 2015).
 
 The loss is the squared error summed over the 64 pixels and averaged over the
 images (``loss_average='batch'``: one data point per image), so its gradient
@@ -40,10 +37,6 @@ class DigitsAutoencoderTask(Task):
     )
     metric = Metric("mse", higher_is_better=False)
     target = 0.12
-    # Tuned baselines (docs/results.md, 3 seeds, steps to 0.12 read after every
-    # step): SGD lr 0.01 with momentum, constant, 452-467 steps and the fastest
-    # time; Adam lr 0.003, constant, 404 steps but dearer steps.  No K-FAC
-    # settings: this family is blind, it runs on the library's defaults.
     # The metric is read after every step (23 an epoch, off the clock), so
     # time to target is not rounded up to an epoch's end.
     defaults = Defaults(

@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from kaisa_lab.optim.build import BASELINE_LR, OPTIMIZERS
+from kaisa_lab.tasks.tuned import Selection, selection
 
 __all__ = [
-    "KFAC_ARM_KEYS",
     "OPTIMIZERS",
     "REQUIRED_OPTIMIZERS",
     "ArrayDataset",
@@ -34,18 +34,19 @@ __all__ = [
     "Metric",
     "Task",
     "TaskData",
+    "arm_name",
     "bits_per_char",
 ]
 
-#: Optimizers every task names a learning rate and weight decay for; the
-#: others of :data:`OPTIMIZERS` (today's baselines) fall back to
-#: :data:`kaisa_lab.optim.BASELINE_LR` and the task's AdamW weight decay
-#: where a task has not tuned them (:meth:`Defaults.lr_tuned`).
+#: Optimizers every task names a prior lr and a weight decay for; the others of
+#: :data:`OPTIMIZERS` (today's baselines) fall back to
+#: :data:`kaisa_lab.optim.BASELINE_LR` and the task's AdamW weight decay.
 REQUIRED_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
-#: What :attr:`Defaults.kfac_arm` may set for the K-FAC arm alone (``lr``
-#: per optimizer, as :attr:`Defaults.lr`).
-KFAC_ARM_KEYS: tuple[str, ...] = ("lr", "schedule", "warmup_epochs", "kfac")
+
+def arm_name(optimizer: str, kfac: bool) -> str:
+    """The suite's name of an arm: ``adamw`` or ``adamw+kfac``."""
+    return f"{optimizer}+kfac" if kfac else optimizer
 
 
 def bits_per_char(loss_nats: float) -> float:
@@ -127,33 +128,28 @@ class Metric:
 
 @dataclass(frozen=True)
 class Defaults:
-    """Hyperparameters a task trains well with, used unless overridden.
+    """How a task trains: its budget, its schedule's shape and each optimizer's prior.
 
-    ``optimizer`` is what ``--optimizer`` defaults to (SGD trains small
-    Transformers poorly, so the language model defaults to Adam). ``lr`` and
-    ``weight_decay`` are per optimizer because a good step size for SGD is one
-    to two orders of magnitude larger than for Adam. ``kfac`` holds
-    :class:`kaisa.KFACConfig` keywords; ``lr`` should not be among them so that
-    the preconditioner follows the optimizer's learning rate.
-    ``steps_per_epoch`` caps an epoch for tasks whose natural epoch is too long
-    to evaluate at a useful rate (language modelling samples windows).
-    ``evals_per_epoch`` is how often the metric is read within an epoch: time
-    to target can be no finer than it.
-    ``schedule`` (``constant`` or ``cosine``) and ``warmup_epochs`` shape the
-    learning rate of both arms (see :mod:`kaisa_lab.cli.schedule`); a tuned
-    baseline usually needs them, and K-FAC must be compared with that baseline.
-    ``kfac_arm`` overrides ``lr`` (per optimizer, like ``lr``), ``schedule``
-    and/or ``warmup_epochs`` for the K-FAC arm alone: each arm is tuned on its
-    own, and a preconditioned optimizer may want another step size or no
-    warm-up where its first-order baseline needs one (text-lm, text-cnn).
+    ``lr`` and ``weight_decay`` are per optimizer because a good step size for
+    SGD is one to two orders of magnitude larger than for Adam. ``lr`` is a
+    *prior*: the centre of the benchmark suite's lr grid for the optimizer,
+    and the lr an arm runs at until the suite has selected one from runs
+    (:meth:`Task.arm`; :mod:`kaisa_lab.tasks.tuned`). An optimizer left out of
+    ``lr`` takes its library's documented lr
+    (:data:`kaisa_lab.optim.BASELINE_LR`); left out of ``weight_decay``, the
+    task's AdamW weight decay (decoupled, as AdamW's). ``muon``'s AdamW part
+    (embeddings, head, norms, biases) runs at the task's ``adamw`` prior and
+    weight decay.
 
-    Today's baselines (``muon``, ``soap``, ``shampoo``, ``lamb``) may be left
-    out of ``lr`` and ``weight_decay``: they then run at their library's
-    documented lr (:data:`kaisa_lab.optim.BASELINE_LR`) and the task's AdamW
-    weight decay (all four decay weights decoupled, as AdamW does), and
-    :meth:`lr_tuned` says so, so ``kaisa compare`` can warn that such an arm
-    was not tuned for the task. ``muon``'s AdamW part (embeddings, head,
-    norms, biases) runs at the task's ``adamw`` lr and weight decay.
+    ``optimizer`` is what ``--optimizer`` defaults to. ``steps_per_epoch``
+    caps an epoch for tasks whose natural epoch is too long to evaluate at a
+    useful rate (language modelling samples windows); ``evals_per_epoch`` is
+    how often the metric is read within an epoch: time to target can be no
+    finer than it. ``schedule`` (``constant`` or ``cosine``) and
+    ``warmup_epochs`` shape the learning rate of every arm alike
+    (:mod:`kaisa_lab.cli.schedule`), except where the suite selected an
+    arm's own warm-up. K-FAC runs at the library's defaults unless the suite
+    selected knobs for it.
     """
 
     epochs: int
@@ -167,13 +163,8 @@ class Defaults:
     steps_per_epoch: int | None = None
     eval_batch_size: int = 512
     evals_per_epoch: int = 1
-    kfac: Mapping[str, Any] = field(default_factory=dict)
     schedule: str = "constant"
     warmup_epochs: float = 0.0
-    #: the first-order arm's warm-up for the optimizers named, where one was
-    #: tuned apart (Muon on text-lm needs none); the others take ``warmup_epochs``
-    warmup_by_optimizer: Mapping[str, float] = field(default_factory=dict)
-    kfac_arm: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, mapping in (("lr", self.lr), ("weight_decay", self.weight_decay)):
@@ -181,69 +172,14 @@ class Defaults:
                 raise ValueError(
                     f"Defaults.{name} may name only {', '.join(OPTIMIZERS)}; got {sorted(mapping)}"
                 )
-        unknown = set(self.kfac_arm) - set(KFAC_ARM_KEYS)
-        if unknown:
-            raise ValueError(
-                f"Defaults.kfac_arm may set only {', '.join(KFAC_ARM_KEYS)}; got "
-                f"{', '.join(sorted(unknown))}"
-            )
-        if set(self.warmup_by_optimizer) - set(OPTIMIZERS) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
-            for v in self.warmup_by_optimizer.values()
-        ):
-            raise ValueError(
-                f"Defaults.warmup_by_optimizer must map optimizer names ({', '.join(OPTIMIZERS)}) "
-                f"to warm-up epochs >= 0; got {self.warmup_by_optimizer!r}"
-            )
-        per_optimizer = self.kfac_arm.get("kfac", {})
-        if not isinstance(per_optimizer, Mapping) or not all(
-            name in OPTIMIZERS and isinstance(options, Mapping)
-            for name, options in per_optimizer.items()
-        ):
-            raise ValueError(
-                "Defaults.kfac_arm['kfac'] must map optimizer names "
-                f"({', '.join(OPTIMIZERS)}) to K-FAC keyword mappings; got {per_optimizer!r}"
-            )
-        arm_lr = self.kfac_arm.get("lr", {})
-        if not isinstance(arm_lr, Mapping) or not all(
-            name in OPTIMIZERS
-            and isinstance(v, int | float)
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-            and v > 0
-            for name, v in arm_lr.items()
-        ):
-            raise ValueError(
-                "Defaults.kfac_arm['lr'] must map optimizer names "
-                f"({', '.join(OPTIMIZERS)}) to positive learning rates; got {arm_lr!r}"
-            )
-
-    def lr_tuned(self, optimizer: str) -> bool:
-        """Whether the task names an lr for ``optimizer`` (else the library's is used)."""
-        return optimizer in self.lr
 
     def base_lr(self, optimizer: str) -> float:
-        """The first-order lr of ``optimizer``: the task's, else its library's."""
+        """The prior lr of ``optimizer``: the task's, else its library's."""
         return float(self.lr[optimizer] if optimizer in self.lr else BASELINE_LR[optimizer])
 
     def decay(self, optimizer: str) -> float:
         """The weight decay of ``optimizer``: the task's, else the task's AdamW one."""
         return float(self.weight_decay.get(optimizer, self.weight_decay["adamw"]))
-
-    def kfac_for(self, optimizer: str) -> dict[str, Any]:
-        """The K-FAC keywords of the K-FAC arm on ``optimizer``: the task's
-        ``kfac``, updated by ``kfac_arm['kfac'][optimizer]`` where the task tuned
-        K-FAC on that optimizer apart (e.g. longer intervals under Muon)."""
-        return {**self.kfac, **self.kfac_arm.get("kfac", {}).get(optimizer, {})}
-
-    def arm(self, kfac: bool, optimizer: str) -> tuple[float, str, float]:
-        """``(lr, schedule, warmup_epochs)`` of the K-FAC arm or of the
-        first-order arm, with ``optimizer``."""
-        own = self.kfac_arm if kfac else {}
-        lr = own.get("lr", {}).get(optimizer, self.base_lr(optimizer))
-        schedule = own.get("schedule", self.schedule)
-        warmup = self.warmup_by_optimizer.get(optimizer, self.warmup_epochs)
-        return float(lr), schedule, float(own.get("warmup_epochs", warmup))
 
 
 @dataclass
@@ -290,6 +226,29 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def build_model(self) -> nn.Module:
         """A freshly initialised model (seed the global RNG first for reproducibility)."""
+
+    def tuned(self, arm: str) -> Selection | None:
+        """The benchmark suite's selection for ``arm`` (``adamw``, ``adamw+kfac``, ...)."""
+        return selection(self.name, arm)
+
+    def lr_tuned(self, optimizer: str, kfac: bool = False) -> bool:
+        """Whether the suite selected this arm's lr from runs (else it runs at the prior)."""
+        return self.tuned(arm_name(optimizer, kfac)) is not None
+
+    def arm(self, kfac: bool, optimizer: str) -> tuple[float, str, float]:
+        """``(lr, schedule, warmup_epochs)`` of the arm: the suite's selection, else the
+        prior lr at the task's schedule and warm-up."""
+        chosen = self.tuned(arm_name(optimizer, kfac))
+        if chosen is not None:
+            return chosen.lr, chosen.schedule, chosen.warmup_epochs
+        d = self.defaults
+        return d.base_lr(optimizer), d.schedule, float(d.warmup_epochs)
+
+    def kfac_for(self, optimizer: str) -> dict[str, Any]:
+        """K-FAC's keywords for the K-FAC arm on ``optimizer`` besides the library's
+        defaults: those the suite selected for it (none at the library's defaults)."""
+        chosen = self.tuned(arm_name(optimizer, True))
+        return dict(chosen.kfac) if chosen is not None else {}
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over every sample (and token)."""

@@ -100,13 +100,6 @@ class Cifar10Task(Task):
         lr={"sgd": 0.1, "adam": 0.001, "adamw": 0.001},
         weight_decay={"sgd": 5e-4, "adam": 0.0, "adamw": 0.05},
         eval_batch_size=1000,
-        # the eigen method, as before the library's default became the inverse one
-        kfac={
-            "factor_update_steps": 10,
-            "inv_update_steps": 100,
-            "damping": 0.003,
-            "compute_method": "eigen",
-        },
     )
 
     widths = (32, 64, 128)

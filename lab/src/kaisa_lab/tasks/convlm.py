@@ -1,9 +1,6 @@
 """A causal dilated convolutional network for character-level language modelling.
 
-The second family written after the library's K-FAC defaults were chosen
-(issue 10; the first, digits-ae, is too small for K-FAC to pay at its batch
-size on a CPU: its products alone cost most of an SGD step).  Here every
-weight is shared by all 64 positions of a window, so a batch of 32 gives each
+Every weight is shared by all 64 positions of a window, so a batch of 32 gives each
 layer 2,048 rows, as in the Transformer: the forward and backward grow with
 the rows, the preconditioning products do not.  ByteNet/WaveNet-style
 blocks: a causal convolution of width 3 at dilations 1, 2, 4, 8 (receptive

@@ -64,8 +64,6 @@ class DigitsMLPTask(Task):
     description = "MLP 64-128-128-10 on scikit-learn digits, scored by test accuracy"
     metric = Metric("accuracy", higher_is_better=True)
     target = 0.95
-    # The held-out family of issue 10 (docs/results.md): K-FAC runs with the
-    # library's defaults, which were chosen on the ResNet and the Transformer.
     defaults = Defaults(
         epochs=10,
         batch_size=64,
@@ -98,15 +96,8 @@ class DigitsCNNTask(Task):
     description = "small ResNet on 1x8x8 scikit-learn digits, scored by test accuracy"
     metric = Metric("accuracy", higher_is_better=True)
     target = 0.97
-    # Both arms tuned (docs/results.md, issue 10), so `make demo-digits` compares
-    # K-FAC with the fastest SGD found: lr 0.1, half an epoch of warm-up and a
-    # cosine that ends at epoch 2 (5 lrs x 6 schedules; 43 steps to 0.97 on
-    # seeds 0-4).  K-FAC on that schedule: the inverse method at damping 0.1
-    # takes 30 steps [25-41] over seeds 0-9; refreshing the curvature every
-    # step takes no fewer, so factors and inverses are refreshed every 20
-    # steps (a factor step costs 1.5-2 SGD steps here: the convolutions'
-    # patch Grams).  The metric is read after every step (23 an epoch, off
-    # the clock): at epoch ends the runs' difference is rounded away.
+    # Two epochs, a cosine after an optional warm-up; the metric is read after
+    # every step (23 an epoch, off the clock).
     defaults = Defaults(
         epochs=2,
         batch_size=64,
@@ -114,12 +105,6 @@ class DigitsCNNTask(Task):
         lr={"sgd": 0.1, "adam": 0.003, "adamw": 0.003},
         schedule="cosine",
         warmup_epochs=0.5,
-        kfac={
-            "factor_update_steps": 20,
-            "inv_update_steps": 20,
-            "damping": 0.1,
-            "compute_method": "inverse",
-        },
     )
 
     widths = (32, 64)
