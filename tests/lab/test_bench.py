@@ -352,3 +352,53 @@ def test_an_arm_with_knobs_must_have_kfac() -> None:
     with pytest.raises(ValueError, match="K-FAC does not run on soap"):
         Arm("soap", kfac=True)
     assert math.isfinite(get_case("text-lm").prior_lr("shampoo"))
+
+
+def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> None:
+    from kaisa_lab.bench.report import markdown_summary, verdict
+
+    campaign = Campaign(get_case("quick"), RecordStore(tmp_path))
+    work(campaign, QUIET, wait_s=0)
+    campaign.refresh()
+    rows = {r.arm.name: r for r in heldout_rows(campaign)}
+    table = markdown_summary([campaign])
+    (line,) = [row for row in table.splitlines() if row.startswith("| quick | sgd |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    base, kfac = rows["sgd"].median_time_s, rows["sgd+kfac"].median_time_s
+    expected = "-" if math.isinf(base) or math.isinf(kfac) else f"{kfac / base:.2f}×"
+    assert cells[3] == expected
+    assert verdict(0.8) == "add K-FAC" and verdict(1.2) == "keep the optimizer alone"
+    assert verdict(1.03) == "a tie" and verdict(math.nan) == "neither reaches the target"
+    assert verdict(0.0) == "add K-FAC" and "misses" in verdict(math.inf)
+
+
+def test_non_finite_outcomes_survive_the_record_file(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path)
+    record = {
+        "kind": "train", "case": "c", "arm": "sgd", "key": "k", "seed": 0,
+        "result": {"final_metric": math.nan, "steps": 3}, "curve": [{"metric": math.inf}],
+        "config": {"name": "inf"},
+    }  # fmt: skip
+    path = store.write(record)
+    assert '"nan"' in path.read_text()  # valid JSON: no bare NaN
+    (back,) = store.read("c")
+    assert math.isnan(back["result"]["final_metric"]) and back["curve"][0]["metric"] == math.inf
+    assert back["config"]["name"] == "inf"  # only outcomes are numbers
+
+
+def test_every_arm_spends_its_whole_budget() -> None:
+    """A refined best's half steps are grid points already tried: the next follow-up is a
+    quarter step, not an early end; an arm whose knobs are spent refines its lr."""
+    p = Protocol()
+    settings = grid(p, 0.01, (0.0, 0.25), "cosine")
+    refined = Setting(0.01414, 0.0, "cosine")
+    # the refined point is the best; 0.02 and 0.01 (its half steps) were tried
+    assert followup(p, [*settings, refined], refined, ()) == Setting(0.01682, 0.0, "cosine")
+    inner, tried = settings[2], list(settings)
+    for _ in KFAC_KNOBS:
+        knob = followup(p, tried, inner, KFAC_KNOBS)
+        assert knob is not None and knob.kfac and knob.lr == inner.lr
+        tried.append(knob)
+    assert followup(p, tried, inner, KFAC_KNOBS) is None  # 12 of 12 spent
+    longer = Protocol(budget=13)  # the knobs spent, the rest goes to the lr
+    assert followup(longer, tried, inner, KFAC_KNOBS) == Setting(0.01414, 0.0, "cosine")

@@ -31,7 +31,14 @@ from kaisa_lab.bench.ab import ab, markdown_ab
 from kaisa_lab.bench.campaign import Campaign, selections, work
 from kaisa_lab.bench.cases import CASES, get_case
 from kaisa_lab.bench.records import RecordStore
-from kaisa_lab.bench.report import FairnessError, markdown_heldout, markdown_tuning, plot
+from kaisa_lab.bench.report import (
+    FairnessError,
+    markdown_heldout,
+    markdown_machine,
+    markdown_summary,
+    markdown_tuning,
+    plot,
+)
 from kaisa_lab.bench.timing import TIMING_CASES, TimingCase, latest, run_timing
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.tasks import tuned
@@ -42,7 +49,7 @@ del _costs
 
 #: where records are read and written unless ``--records`` says otherwise
 DEFAULT_RECORDS = Path("benchmarks/records")
-TABLES = ("heldout", "tuning")
+TABLES = ("heldout", "tuning", "machine")
 STAGES = ("grid", "followup", "heldout")
 
 
@@ -61,6 +68,13 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a case's protocol until it is done (resumable)")
     status = sub.add_parser("status", help="where each arm of a case stands")
     report = sub.add_parser("report", help="a case's tables (markdown) and plot, from its records")
+    summary = sub.add_parser(
+        "summary",
+        help="which K-FAC to use when: every family's held-out medians, K-FAC against its base",
+    )
+    summary.add_argument(
+        "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
+    )
     select = sub.add_parser(
         "select",
         help="the settings a case's protocol selected; --write puts them in the task's defaults",
@@ -161,6 +175,15 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
             tables = ", ".join(timing.tables) or "-"
             print(f"  {timing.name}{where}: {timing.description}\n      tables: {tables}")
         return 0
+    if args.bench_command == "summary":
+        store = RecordStore(args.records)
+        families = [Campaign(c, store) for c in CASES.values() if c.name == c.task]
+        try:
+            print(markdown_summary(families), end="")
+        except FairnessError as err:
+            print(f"kaisa bench summary: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.bench_command == "ab":
         if args.case not in TIMING_CASES:
             error(f"argument CASE: ab times a cost case ({', '.join(TIMING_CASES)})")
@@ -199,7 +222,8 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         if args.table not in (None, *TABLES):
             error(f"argument --table: choose from {', '.join(TABLES)}; got {args.table!r}")
         try:
-            table = markdown_tuning if args.table == "tuning" else markdown_heldout
+            tables = {"tuning": markdown_tuning, "machine": markdown_machine}
+            table = tables.get(args.table, markdown_heldout)
             print(table(campaign), end="")
             if args.plot is not None:
                 plot(campaign, args.plot)
@@ -259,8 +283,11 @@ def _run_cost(case: TimingCase, args: argparse.Namespace, error: Any) -> int:
         if args.plot is not None and case.plot is not None:
             case.plot(records, args.plot)
         return 0
+    given = _parse_options(args.option, error)
+    if "device" in case.options and "device" not in given:
+        given["device"] = args.device  # a case that can measure on either takes --device
     try:
-        options = case.resolve(_parse_options(args.option, error), args.quick)
+        options = case.resolve(given, args.quick)
     except KeyError as err:
         error(f"argument --option: {err.args[0]}")
     if case.device == "cuda" and args.device != "cuda":

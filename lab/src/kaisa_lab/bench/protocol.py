@@ -10,8 +10,9 @@ seeds, over the same axes:
 2. **follow-ups**, the rest of the budget, one at a time: while the best
    setting so far sits at an edge of the lrs tried at its warm-up, the next lr
    beyond that edge; otherwise the arm's own knobs at the best lr and warm-up
-   (a tuned K-FAC arm: damping, intervals), or, for an arm without knobs, the
-   lrs half a grid step either side of the best;
+   (a tuned K-FAC arm: damping, intervals), then (or, for an arm without
+   knobs, at once) the lrs half a grid step either side of the best, then a
+   quarter step, so that every arm spends its whole budget;
 3. **selection**: the setting with the lowest median time to target over the
    selection seeds (a run that misses the target counts as infinitely slow;
    ties go to fewer median steps); where no setting reaches the target on
@@ -142,15 +143,24 @@ def followup(
     if chosen.lr == same[0] or chosen.lr == same[-1]:
         factor = protocol.lr_step if chosen.lr == same[-1] else 1 / protocol.lr_step
         return _replace(chosen, lr=_round(chosen.lr * factor))
-    candidates = (
-        [_with_kfac(chosen, knob) for knob in knobs]
-        if knobs
-        else [_replace(chosen, lr=_round(chosen.lr * protocol.lr_step**f)) for f in (0.5, -0.5)]
-    )
-    for candidate in candidates:
-        if candidate not in tried:
+    knob_variants = [_with_kfac(chosen, knob) for knob in knobs]
+    refinements = [
+        _replace(chosen, lr=_round(chosen.lr * protocol.lr_step**f)) for f in REFINE_STEPS
+    ]
+    for candidate in [*knob_variants, *refinements]:
+        if not any(_close(candidate, s) for s in tried):
             return candidate
     return None
+
+
+def _close(a: Setting, b: Setting) -> bool:
+    """The same setting, lrs equal to within rounding (0.009998 is the grid's 0.01)."""
+    return _same_but_lr(a, b) and a.kfac == b.kfac and math.isclose(a.lr, b.lr, rel_tol=1e-2)
+
+
+#: the lrs a refinement tries around the best, in grid steps: half a step either
+#: side, then a quarter (a refined best's half steps are grid points already tried)
+REFINE_STEPS = (0.5, -0.5, 0.25, -0.25)
 
 
 def _same_but_lr(a: Setting, b: Setting) -> bool:

@@ -135,6 +135,20 @@ def environment(
     }
 
 
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _numbers(value: Any) -> Any:
+    """The inverse of :func:`_canonical` on outcomes: ``"nan"``/``"inf"`` back to floats."""
+    if isinstance(value, str):
+        return _NON_FINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+
 def _canonical(value: Any) -> Any:
     """JSON-ready and deterministic: non-finite floats as strings, mappings sorted."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -253,9 +267,13 @@ class RecordStore:
         return path
 
     def read(self, case: str) -> Iterator[dict[str, Any]]:
-        """Every record of ``case``, in path order."""
+        """Every record of ``case``, in path order (non-finite numbers restored)."""
         for path in sorted((self.root / case).glob("*/*.json")):
-            yield json.loads(path.read_text())
+            record = json.loads(path.read_text())
+            for field in ("result", "curve"):
+                if field in record:
+                    record[field] = _numbers(record[field])
+            yield record
 
     def cases(self) -> list[str]:
         return (

@@ -25,7 +25,17 @@ from typing import Any
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
 
-__all__ = ["ArmRow", "FairnessError", "heldout_rows", "markdown_heldout", "markdown_tuning", "plot"]
+__all__ = [
+    "ArmRow",
+    "FairnessError",
+    "heldout_rows",
+    "markdown_heldout",
+    "markdown_machine",
+    "markdown_summary",
+    "markdown_tuning",
+    "plot",
+    "verdict",
+]
 
 
 class FairnessError(ValueError):
@@ -144,6 +154,104 @@ def markdown_heldout(campaign: Campaign) -> str:
             f"| {vs_peer} | {vs_base} |"
         )
     return "\n".join(lines) + "\n"
+
+
+#: a ratio of median times within this band of 1 is called a tie
+TIE = 0.05
+
+
+def verdict(ratio: float) -> str:
+    """What a user reads from a ratio of median times to target (K-FAC arm / its base)."""
+    if math.isnan(ratio):
+        return "neither reaches the target"
+    if math.isinf(ratio):
+        return "keep the optimizer alone (K-FAC misses the target)"
+    if ratio < 1 - TIE:
+        return "add K-FAC"
+    if ratio > 1 + TIE:
+        return "keep the optimizer alone"
+    return "a tie"
+
+
+def markdown_summary(campaigns: Sequence[Campaign]) -> str:
+    """Which K-FAC to use when: per family and base optimizer, held-out medians.
+
+    Each row: the base optimizer's median time to target, K-FAC at the library's
+    defaults and tuned as ratios of it, the best first-order arm of the family
+    and the defaults arm against it, and the verdict at the library's
+    defaults. Families without held-out records are left out."""
+    lines = [
+        "| family | base optimizer | base: time to target (s) | + K-FAC, library defaults "
+        "| + K-FAC, tuned | best first-order | defaults vs best | at the defaults |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for campaign in campaigns:
+        rows = heldout_rows(campaign)
+        first = {r.arm.optimizer: r for r in rows if not r.arm.kfac}
+        if not first:
+            continue
+        peer = min(first.values(), key=lambda r: r.median_time_s)
+        for optimizer, base in first.items():
+            defaults = next(
+                (
+                    r
+                    for r in rows
+                    if r.arm.kfac and not r.arm.knobs and r.arm.optimizer == optimizer
+                ),
+                None,
+            )
+            if defaults is None:
+                continue
+            tuned = next((r for r in rows if r.arm.knobs and r.arm.optimizer == optimizer), None)
+            ratio = _quotient(defaults.median_time_s, base.median_time_s)
+            lines.append(
+                f"| {campaign.case.name} | {optimizer} | {_time(base.median_time_s)} "
+                f"| {_times(defaults, base)} | {_times(tuned, base)} "
+                f"| {peer.arm.optimizer} ({_time(peer.median_time_s)} s) "
+                f"| {_times(defaults, peer)} | {verdict(ratio)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _times(row: ArmRow | None, base: ArmRow) -> str:
+    """``row``'s median time to target over ``base``'s, as ``0.83×`` (``-`` where undefined)."""
+    if row is None:
+        return "-"
+    text = _ratio(row.median_time_s, base.median_time_s)
+    return text if text == "-" else f"{text}×"
+
+
+def _quotient(a: float, b: float) -> float:
+    if math.isinf(a) and math.isinf(b):
+        return math.nan
+    if math.isinf(b):
+        return 0.0 if math.isfinite(a) else math.nan
+    return a / b if b > 0 else math.nan
+
+
+def _time(value: float) -> str:
+    return "not reached" if math.isinf(value) else f"{value:.3g}"
+
+
+def markdown_machine(campaign: Campaign) -> str:
+    """Where and when the held-out runs were made, read from their records."""
+    rows = heldout_rows(campaign)
+    envs = [r["environment"] for row in rows for r in row.records]
+    if not envs:
+        return "_No held-out records yet._\n"
+    machines = sorted({f"{e['machine']['gpu'] or e['machine']['cpu']} ({e['machine']['cpus']} CPUs)"
+                       for e in envs})  # fmt: skip
+    threads = sorted({e["threads"] for e in envs})
+    torch_versions = sorted({e["versions"]["torch"] for e in envs})
+    commits = sorted({(e["git_commit"] or "?")[:10] for e in envs})
+    dates = sorted(e["date"][:10] for e in envs)
+    loads = [v for e in envs for v in e["load_1min"].values() if v is not None]
+    load = f"; 1-minute load {min(loads):.1f}–{max(loads):.1f}" if loads else ""
+    return (
+        f"Held-out runs: {len(envs)} on {', '.join(machines)}, {'/'.join(map(str, threads))} "
+        f"torch thread(s), torch {', '.join(torch_versions)}, commit {', '.join(commits)}, "
+        f"{dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}{load}.\n"
+    )
 
 
 def markdown_tuning(campaign: Campaign) -> str:
