@@ -480,10 +480,11 @@ class AlgorithmConfig:
 
     Four defaults differ from kfac-pytorch's (:data:`KFAC_PYTORCH_DEFAULTS`
     restores them): they were chosen from time-to-target sweeps on a ResNet
-    and a Transformer and checked on an MLP (docs/results.md).  The inverse
-    method with factored damping reached the target on every family and
-    seed with one damping; the eigen method needed a damping per family and
-    diverged without a KL clip.  Factors every 10 steps and inverses every
+    and a Transformer and checked on an MLP; the benchmark suite measures
+    them against every tuned baseline (docs/reports/time-to-target.md).  The
+    inverse method with factored damping reached the target on every family
+    and seed with one damping; the eigen method needed a damping per family
+    and diverged without a KL clip.  Factors every 10 steps and inverses every
     100 cost a few percent of a step; updating every step (kfac-pytorch's
     default) makes a step 2-10x dearer for no fewer steps.  Damping 0.3 is on
     the scale of kaisa's factors, the Fisher of the *mean* loss.

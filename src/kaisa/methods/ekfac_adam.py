@@ -16,10 +16,9 @@ moment of the mini-batch gradient, as in SOAP).  Every step, per layer::
 with one basis per factor in general (any number of dense, block-diagonal or
 diagonal factors; a diagonal factor's basis is the identity).
 
-Measured on text-lm (docs/results.md, issue 23): as its own optimizer it
-needs fresh bases — factors every 5 steps with ``factor_decay=0.8`` and bases
-every 10 took 160 steps to the target where the task's 10/50 intervals took
-220, as many as AdamW + the inverse method.
+As its own optimizer it needs fresh bases: on the text-lm task, factors
+every 5 steps with ``factor_decay=0.8`` and bases every 10 reached the target
+in fewer steps than 10/50 intervals did.
 
 Choices, and why:
 

@@ -7,7 +7,7 @@ module adds what a reader otherwise works out by hand:
 - **step cost**: training time over optimizer steps (median over seeds), so the
   time to target splits into "fewer steps" and "dearer steps";
 - **time against the baseline** (the first arm) **and against the fastest
-  first-order arm** (the best optimizer without K-FAC, the bar issue 23 sets);
+  first-order arm** (the best optimizer without K-FAC: the bar a user compares with);
 - **one verdict per K-FAC arm against its own base optimizer** (Muon+K-FAC
   against Muon): the ratio of steps, of step cost and of time, and whether that
   is faster, slower or a tie.

@@ -27,7 +27,7 @@ into the natural-gradient direction before the base optimizer's step, so it
 composes with an optimizer that consumes a gradient without estimating
 curvature of its own: SGD, Adam, AdamW, LAMB (the KAISA paper trained BERT
 with LAMB + K-FAC) and Muon (which orthogonalises the momentum of whatever
-direction it is given; issue 23 measured Muon + kaisa). SOAP and Shampoo
+direction it is given). SOAP and Shampoo
 build their own Kronecker-factored preconditioner from the gradients they
 receive; feeding them K-FAC's already-preconditioned gradient would stack
 two curvature estimates of the same layer, neither of which then means what
