@@ -10,33 +10,39 @@ TORCH ?= torch==2.13.0
 .PHONY: demo demo-digits test lint venv bench clean docs-check docs-update docs
 
 # The library (.) and the experiment harness kaisa-lab (./lab: the `kaisa`
-# command, tasks, zoo) are installed editable in one call, so the resolver
-# takes lab's `kaisa` requirement from this tree and torch stays pinned; lab's
-# extra `baselines` (heavyball, pytorch-optimizer: SOAP, Shampoo, LAMB for
-# kaisa compare) comes in the same call.
-$(VENV)/.installed: pyproject.toml lab/pyproject.toml
+# command, tasks, zoo, benchmark suite) are installed editable in one call, so
+# the resolver takes lab's `kaisa` requirement from this tree and torch stays
+# pinned; lab's extra `baselines` (heavyball, pytorch-optimizer: SOAP,
+# Shampoo, LAMB) comes in the same call.  That is all the demo needs
+# ($(VENV)/.base); the tests add the `dev` extra (the frameworks kaisa
+# integrates with, the docs tools, lint) to the same environment.
+$(VENV)/.base: pyproject.toml lab/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e . -e "./lab[baselines]" "$(TORCH)"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PIP) install --quiet -e ".[dev]" -e "./lab[baselines]" "$(TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed
 
 ## What a user should see: the text-lm character Transformer (2 blocks, width 128,
-## 431k parameters) trained by AdamW, AdamW+K-FAC, Muon and Muon+K-FAC, each at
-## the task's tuned lr, seed 0, each stopped at 2.5 validation bits/char (read every
-## 20 steps, off the clock), one after the other in one process on one thread.
-## Prints steps, time, step cost and the ratios to AdamW and to Muon, and K-FAC's
-## verdict against each base; writes runs/demo/results.{json,png}.  3.5-4.5
-## minutes on 2 cores at load 11-12, about 2.3 expected idle (README.md, "What
-## make demo shows").
-demo: venv
+## 431k parameters) trained by AdamW, AdamW+K-FAC, Muon and Muon+K-FAC (K-FAC at
+## the library's defaults), each at the lr the benchmark suite selected for it
+## (the task's prior, and a note saying so, where it has none), seed 0, each
+## stopped at 2.5 validation bits/char (read every 20 steps, off the clock), the
+## four in lockstep in one process on one thread.  Prints steps, time, step cost,
+## the ratios to AdamW and to Muon and K-FAC's verdict against each base; writes
+## runs/demo/results.{json,png}.  A few minutes on 2 cores.
+demo: $(VENV)/.base
 	$(VENV)/bin/kaisa compare --task text-lm --optimizers adamw,muon --seed 0 \
 		--evals-per-epoch 10 --stop-at-target --threads 1 --out runs/demo
 
-## The former demo, a second long: SGD and SGD+K-FAC on the digits CNN.
-demo-digits: venv
+## A smaller comparison, seconds long: SGD and SGD+K-FAC on the digits CNN.
+demo-digits: $(VENV)/.base
 	$(VENV)/bin/kaisa compare --task digits-cnn --out runs/demo-digits
 
 ## The whole test suite (unit, distributed on gloo, integration) plus lint.
@@ -63,19 +69,17 @@ docs-update: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-## Step-time and communication benchmarks (tables + JSON + PNG under runs/bench).
+## The benchmark suite's quick cases (seconds each): the tuning protocol end to end on a
+## small case, and every cost case with its quick options.  Records go to runs/bench, not
+## to benchmarks/records (the docs render the newest records there).  A full case runs by
+## name: kaisa bench list; kaisa bench run CASE (docs/benchmarks.md).
+BENCH := OMP_NUM_THREADS=1 $(VENV)/bin/kaisa bench run
 bench: venv
-	$(PY) benchmarks/step_time.py --out runs/bench
-	$(PY) benchmarks/stages.py --out runs/bench
-	$(PY) benchmarks/task_steps.py --out runs/bench
-	$(PY) benchmarks/gram.py --out runs/bench
-	$(PY) benchmarks/precision.py --out runs/bench
-	$(PY) benchmarks/conv_capture.py --out runs/bench
-	$(PY) benchmarks/plan_scale.py --out runs/bench
-	$(PY) benchmarks/plan_paper.py --models resnet50 --out runs/bench
-	for w in 1 2 4; do OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone \
-		--nproc_per_node=$$w benchmarks/strategies.py --out runs/bench || exit 1; done
-	OMP_NUM_THREADS=1 $(PY) benchmarks/tensor_parallel_comm.py --out runs/bench
+	$(BENCH) quick --records runs/bench --no-wait
+	for c in gram step-cost task-step-cost precision conv-capture compile-step plan-scale \
+		plan-paper strategies tensor-parallel-comm stages step-launches step-breakdown \
+		plan-accuracy; do \
+		$(BENCH) $$c --quick --records runs/bench || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache .mypy_cache .ruff_cache

@@ -10,6 +10,7 @@ or a config sees the pinned value.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from kaisa.config import CONCERNS, KFAC_PYTORCH_DEFAULTS, KFACConfig
 from kaisa.preconditioner import KFACPreconditioner
 
 #: every function whose keyword defaults are options
-_SIGNATURES: tuple[Callable[..., Any], ...] = (KFACPreconditioner.__init__,)
+_SIGNATURES: tuple[Callable[..., Any], ...] = (inspect.unwrap(KFACPreconditioner.__init__),)
 
 
 class Defaults(dict[str, object]):

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The checks that need a GPU (issue 24), as one short command for a lent
+# The checks that need a GPU, as one short command for a lent
 # device machine (its python3 holds a CUDA torch and pytest):
 #     bash tools/device_check.sh          # $OUT: where the results go
 # 1. tests/cuda (the compiled path under inductor, CUDA graphs of the stacked
 #    groups, a non-factor step without host synchronisation, ...);
-# 2. benchmarks/step_launches.py --device cuda: the issue's GPU goal, a
+# 2. the step-launches cost case on CUDA (kaisa bench run step-launches): a
 #    non-factor step <= 1.15x the first-order step at factor/inverse
 #    intervals 10/100 (its second table).  The arms take turns step by step
-#    (--rounds 100 --block 1): the pool's machines drift within minutes, and
+#    (rounds=100, block=1): the pool's machines drift within minutes, and
 #    blocks of 20 steps moved the ratio by up to 0.1 (lm-2x128 on one H100,
 #    the same code: 1.19 in blocks, 1.09 step by step).
 set -u
@@ -20,5 +20,6 @@ mkdir -p "$OUT"
 } 2>&1 | tee "$OUT/device.txt"
 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -p no:randomly -rsfP tests/cuda \
   2>&1 | tail -80 | tee "$OUT/cuda_tests.txt"
-timeout "${BENCH_S:-240}" python3 benchmarks/step_launches.py --device cuda --rounds 100 --block 1 \
-  --out "$OUT" 2>&1 | tee "$OUT/step_launches.txt" | grep -E '^\||Error'
+timeout "${BENCH_S:-240}" python3 -m kaisa_lab bench run step-launches --device cuda \
+  --option device=cuda --option rounds=100 --option block=1 --records "$OUT/records" \
+  2>&1 | tee "$OUT/step_launches.txt" | grep -E '^\||Error'

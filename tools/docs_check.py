@@ -32,8 +32,10 @@ commands read).
 
 Outputs are cached under ``.cache/docs-check`` by command and a digest of the
 sources that could change them (``src/``, ``lab/src/``, ``benchmarks/``, this
-file, the files the command names, the torch version): a re-run without a
-change to those is instant, and any change to them runs the command again.
+file, the files the command names, the records under ``benchmarks/records/`` of
+every case the command names, e.g. ``kaisa bench report plan-paper``, the torch
+version): a re-run without a change to those is instant, and any change to
+them runs the command again.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: README and every page of the documentation site, in any folder under docs/
 DOCS = ("README.md", "docs/**/*.md")
 #: whole files a command prints, relative to the root
-FILES = {"docs/plan-paper-costs.json": "python benchmarks/plan_paper.py --print-costs"}
+FILES = {"docs/plan-paper-costs.json": "kaisa bench report plan-paper --table costs"}
 MARKER = re.compile(r"^<!-- generated(?P<flags>(?: [a-z]+)*): (?P<command>.+?) -->\s*$")
 END = "<!-- end generated -->"
 FLAGS = {"code", "slow"}
@@ -67,6 +69,9 @@ RUNNERS = {"kaisa": [sys.executable, "-m", "kaisa_lab"], "python": [sys.executab
 PATHS = ("src", "lab/src")
 #: what the digest of the sources covers (besides the files a command names)
 SOURCES = (*PATHS, "benchmarks")
+#: the benchmark suite's records (one folder per case): a command that names a
+#: case (``kaisa bench report CASE``) renders its JSON records, so they are digested too
+RECORDS = "benchmarks/records"
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,13 @@ class Runner:
         digest.update(self._sources().encode())
         for path in named:
             digest.update(path.read_bytes())
+        records = self.root / RECORDS
+        for word in dict.fromkeys(shlex.split(command)):
+            case = records / word
+            if word.strip(".") and "/" not in word and case.is_dir():
+                for path in sorted(case.rglob("*.json")):
+                    digest.update(str(path.relative_to(self.root)).encode())
+                    digest.update(path.read_bytes())
         return digest.hexdigest()[:32]
 
     def _sources(self) -> str:

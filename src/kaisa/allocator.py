@@ -5,11 +5,12 @@ allocation with ``mmap`` and gives it back on ``free`` (its threshold adapts
 upwards as it goes), and trims the top of its heap whenever more than a
 threshold is free there.  A training step frees and reallocates the same
 large temporaries every time, so every page of them is faulted in again,
-every step.  Measured on this project's machine (2 cores, batch 128,
-``benchmarks/step_time.py``'s CNN): 5,000–29,000 page faults per plain SGD
-step, and a step time that wanders between 120 and 195 ms from one run to
-the next with them; with both thresholds raised, 0–1,000 faults and a steady
-118 ms — for SGD and K-FAC alike (``docs/benchmarks.md``).
+every step: thousands of page faults per step on a small CNN, and a step
+time that wanders from one run to the next with them.  With both thresholds
+raised the faults all but vanish and the step time holds still, for SGD and
+K-FAC alike (the step-cost case counts the faults per step:
+``kaisa bench run step-cost --option allocator=default``,
+``docs/reports/step-cost.md``).
 
 Raising the thresholds means memory freed by one step stays with the process
 for the next (its peak is reached every step anyway).  It changes the whole

@@ -7,9 +7,10 @@ parts, :mod:`kaisa.step.pipeline` runs ``step()`` phase by phase,
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from typing import Any
@@ -42,9 +43,11 @@ from kaisa.layers.registry import SkippedModule
 from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.step.diagnostics import StepDiagnostics
-from kaisa.step.graphed import CUDA_GRAPH_MODES, GraphedApplication
+from kaisa.step.graphed import CUDA_GRAPH_MODES, GraphedApplication, Recorder
+from kaisa.step.nonfinite import NonFiniteSteps
+from kaisa.step.profile import StepProfile
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
-from kaisa.wiring import build, check_runtime_arguments, configure
+from kaisa.wiring import build, check_runtime_arguments, configure, explained_call
 
 __all__ = ["KFACPreconditioner"]
 
@@ -112,6 +115,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
             (:mod:`kaisa.methods.grafted`); None (default): no grafting.
     """
 
+    @explained_call
     def __init__(
         self,
         model: nn.Module,
@@ -176,14 +180,30 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         self._attached = (
             engine.attach(self.step, self.paused) if isinstance(engine, OwnsTheLoop) else None
         )
+        # a step skipped for non-finite gradients takes them from the optimizer it
+        # was given (its next step then skips every parameter); an engine that owns
+        # the loop steps its own optimizer and skips by its own rule
+        self._takes_gradients = optimizer is not None and self._attached is None
+        if self._takes_gradients:
+            self._parts.pipeline.nonfinite.gradients = NonFiniteSteps.TAKEN
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
         )
         self._warn_memory_opt_without_colocation()
 
     # -- the step ------------------------------------------------------------------
-    def step(self) -> None:
-        """Precondition the gradients of every registered layer in place."""
+    def step(self) -> bool:
+        """Precondition the gradients of every registered layer in place.
+
+        Returns False where the step was skipped: a ``GradScaler`` found an
+        overflow, or a registered layer's gradient held a NaN or Inf. A
+        skipped step leaves kaisa's state as it was; for non-finite
+        gradients, with ``optimizer=`` given, it also sets every gradient of
+        the optimizer's parameters to None, so that the optimizer's next
+        step changes no weight and no state (torch's optimizers skip a
+        parameter without a gradient); without it, skip ``optimizer.step()``
+        yourself when this returns False.
+        """
         if not self._parts.capture.active:
             raise RuntimeError("step() called after remove_hooks(); create a new preconditioner")
         # torch.no_grad() without its decorator's per-call objects (a
@@ -191,11 +211,18 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            self._parts.pipeline.step()
+            pipeline = self._parts.pipeline
+            applied = pipeline.step()
+            if not applied and pipeline.skipped_nonfinite and self._takes_gradients:
+                assert self.optimizer is not None
+                for group in self.optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
         finally:
             torch._C._set_grad_enabled(enabled)
+        return applied
 
-    def compile(self, **options: Any) -> None:
+    def compile(self, *, recorder: Callable[[], Recorder] | None = None, **options: Any) -> None:
         """Compile the preconditioning of the stacked layers
         (``torch.compile(**options)``, whole graph; like ``nn.Module.compile``).
 
@@ -211,15 +238,30 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         again after each inverse update (:mod:`kaisa.step.graphed`); the
         groups' kernel inside it is compiled without graphs of its own.  The
         rest of ``step()`` runs as before: ``torch.compile(precond.step)``
-        also works, with graph breaks at every collective and decision."""
+        also works, with graph breaks at every collective and decision.
+
+        ``recorder`` makes the object that records and replays a non-factor
+        step's application in place of a CUDA graph, on any device (a
+        :class:`kaisa.step.graphed.Recorder`): one whose replay does nothing
+        leaves the host's own part of a replayed step, which can then be
+        timed on a CPU.  Given alone (no ``options``), it leaves the groups'
+        kernel as it is."""
         pipeline = self._parts.pipeline
         graphs = options.get("mode") in CUDA_GRAPH_MODES
-        if graphs and any(la.adapter.device.type == "cuda" for la in self._parts.layers.values()):
-            options["mode"] = CUDA_GRAPH_MODES[options["mode"]]
-            pipeline.graphed = GraphedApplication(pipeline.application)
+        on_cuda = any(la.adapter.device.type == "cuda" for la in self._parts.layers.values())
+        if recorder is not None or (graphs and on_cuda):
+            if graphs:
+                options["mode"] = CUDA_GRAPH_MODES[options["mode"]]
+            application = pipeline.application
+            pipeline.graphed = (
+                GraphedApplication(application)
+                if recorder is None
+                else GraphedApplication(application, recorder)
+            )
         else:  # compiled again without graphs: no replay from now on
             pipeline.graphed = None
-        pipeline.application.groups.compile(**options)
+        if recorder is None or options:
+            pipeline.application.groups.compile(**options)
 
     # -- configuration and state views --------------------------------------------
     @property
@@ -240,6 +282,51 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
                 f"got {value!r}"
             )
         self._parts.pipeline.application.diagnostics = value
+
+    @property
+    def profile(self) -> StepProfile | None:
+        """A :class:`kaisa.step.profile.StepProfile` the step fills with the
+        wall time of each of its phases (and the capture hooks') while set;
+        None (default): nothing timed, and no clock read."""
+        return self._parts.pipeline.profile
+
+    @profile.setter
+    def profile(self, value: StepProfile | None) -> None:
+        if value is not None and not isinstance(value, StepProfile):
+            raise TypeError(
+                f"profile must be a kaisa.step.profile.StepProfile or None; got {value!r}"
+            )
+        self._parts.pipeline.profile = value
+
+    @property
+    def read_scalars(self) -> bool | None:
+        """Whether the step reads its scalars (the KL clip's terms, the
+        gradients' finiteness verdict) back to the host as numbers.  None
+        (default): where that is free, on a CPU; False keeps them on the
+        device, as on an accelerator, so what an accelerator's step launches
+        and reads can be counted on a CPU; True reads them everywhere."""
+        return self._parts.pipeline.application.read_scalars
+
+    @read_scalars.setter
+    def read_scalars(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"read_scalars must be a bool or None; got {value!r}")
+        self._parts.pipeline.application.read_scalars = value
+
+    @property
+    def stacking(self) -> bool:
+        """Whether layers of one shape are preconditioned stacked, one
+        product per group (:mod:`kaisa.step.batched`; True by default, for the
+        methods that can).  False preconditions every layer on its own (the
+        result equal to rounding), to measure what stacking saves."""
+        return self._parts.pipeline.application.groups.enabled
+
+    @stacking.setter
+    def stacking(self, value: bool) -> None:
+        pipeline = self._parts.pipeline
+        pipeline.application.groups.allowed = bool(value)
+        if pipeline.graphed is not None:
+            pipeline.graphed.invalidate()  # recorded with the other path
 
     @property
     def steps(self) -> int:
@@ -307,6 +394,27 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         self.remove_hooks()
 
     @contextmanager
+    def hooks_off(self) -> Iterator[None]:
+        """Take kaisa's capture hooks off the model inside, and put them back
+        on exit: the model's forward and backward run as without kaisa, and
+        capture nothing (unlike :meth:`paused`, whose hooks still run and
+        return at once), while :meth:`step` preconditions as before.  To
+        measure what the idle hooks cost a non-factor step; a factor step
+        inside has no new statistics to fold.  An engine's own capture hooks
+        (tensor parallelism) stay."""
+        capture = self._parts.capture
+        if not capture.active:
+            raise RuntimeError("hooks_off() after remove_hooks(): the hooks are gone")
+        if capture.suspended:  # nested: the outer one puts them back
+            yield
+            return
+        capture.suspend()
+        try:
+            yield
+        finally:
+            capture.resume()
+
+    @contextmanager
     def paused(self) -> Iterator[None]:
         """Capture nothing inside (e.g., for an extra training-mode forward)."""
         capture = self._parts.capture
@@ -352,7 +460,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
 
 def _signature_default(name: str) -> Any:
     """The constructor's current default of ``name`` (the tests may pin it)."""
-    return (KFACPreconditioner.__init__.__kwdefaults__ or {})[name]
+    return (inspect.unwrap(KFACPreconditioner.__init__).__kwdefaults__ or {})[name]
 
 
 def _method_argument(

@@ -10,9 +10,14 @@ and hands them to :class:`kaisa.step.pipeline.StepPipeline`.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import logging
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 from torch import nn
@@ -30,7 +35,7 @@ from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
 from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine, GradientAccess, ModelParallelLayers, OwnsTheLoop, select_engine
-from kaisa.layers.registry import SkippedModule, register_layers
+from kaisa.layers.registry import SkippedModule, register_layers, supported_layers
 from kaisa.methods import CurvatureMethod, method_for
 from kaisa.methods.grafted import GraftedMethod
 from kaisa.planner.forecast import auto_fraction
@@ -111,6 +116,14 @@ def configure(
     if "lr" not in options and optimizer is None and given.lr is not None:
         options["lr"] = given.lr
     config = KFACConfig.from_options(**options)
+    if "lr" not in options and optimizer is None and config.kl_clip is not None:
+        warnings.warn(
+            f"kaisa: the KL clip assumes a learning rate of {config.lr:g}, kfac-pytorch's "
+            "default, because neither optimizer= nor lr= was given; pass optimizer=your "
+            "optimizer (its lr is then read at every step, schedules included) or lr=, or "
+            "kl_clip=None to turn the clip off",
+            stacklevel=4,
+        )
     topology = topology or given.topology
     if isinstance(engine, OwnsTheLoop):
         engine.check_topology(topology)
@@ -122,8 +135,59 @@ def configure(
     )
 
 
+P = ParamSpec("P")
+
 #: options whose None means "not given": the engine's value, else the default
 _ENGINE_OWNED = ("lr", "accumulation_steps")
+
+
+def explained_call(init: Callable[P, None]) -> Callable[P, None]:
+    """``init``, whose calls it cannot take raise a ``TypeError`` that says how to fix them.
+
+    Python's own (``unexpected keyword argument``, ``takes 2 positional
+    arguments but 3 were given``) names neither the nearest option nor the way
+    out; a user moving from another library meets both first. The signature
+    stays ``init``'s for type checkers, IDEs and ``inspect``."""
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            inspect.signature(init).bind(*args, **kwargs)
+        except TypeError:
+            check_call(init, args[1:], kwargs)
+            raise
+        init(*args, **kwargs)
+
+    return checked
+
+
+def check_call(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise the ``TypeError`` that explains why ``init(self, *args, **kwargs)`` fails."""
+    signature = inspect.signature(init)
+    options = [name for name in signature.parameters if name not in ("self", "model")]
+    unknown = [name for name in kwargs if name not in signature.parameters]
+    if unknown:
+        hints = []
+        for name in unknown:
+            near = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+            hints.append(
+                f"{name!r}" + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else "")
+            )
+        raise TypeError(
+            f"KFACPreconditioner got unknown option(s) {', '.join(hints)}; its options: "
+            f"{', '.join(options)}"
+        )
+    if len(args) > 1:
+        second = args[1]
+        what = "the optimizer" if isinstance(second, torch.optim.Optimizer) else "every option"
+        raise TypeError(
+            "KFACPreconditioner takes the model positionally and every option by keyword: "
+            f"pass {what} as "
+            + ("optimizer=..." if what == "the optimizer" else "name=value")
+            + f" (got {len(args)} positional arguments)"
+        )
+    if not args and "model" not in kwargs:
+        raise TypeError("KFACPreconditioner needs the model: KFACPreconditioner(model, ...)")
 
 
 def check_runtime_arguments(
@@ -252,9 +316,8 @@ def _register(
     if not adapters:
         reasons = "; ".join(f"{s.name or '<root>'}: {s.reason}" for s in skipped)
         raise ValueError(
-            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Embedding, "
-            "nn.Conv1d and nn.Conv2d with groups=1, Hugging Face Conv1D; parameters not tied "
-            f"to another module). Skipped: "
+            f"model has no layer K-FAC can precondition (supported: {supported_layers()}; "
+            "convolutions with groups=1; parameters not tied to another module). Skipped: "
             f"{reasons or 'nothing'}"
         )
     for adapter in adapters:

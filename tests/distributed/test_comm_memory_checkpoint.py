@@ -172,7 +172,7 @@ def take_checkpoints(rank: int, world: int) -> dict[str, Any]:
     }
     steps(model, opt, precond, rank, world, 3, 4, record)
     factors_only = {
-        "kfac": precond.state_dict(),
+        "kfac": precond.state_dict(include_second_order=False),
         "model": copy.deepcopy(model.state_dict()),
         "opt": copy.deepcopy(opt.state_dict()),
     }

@@ -1,9 +1,8 @@
 """The docs' generated regions equal what their commands print (tools/docs_check.py),
 and the documentation site builds with no warning (mkdocs.yml, ``make docs``).
 
-The quick regions run in the fast suite, the slow ones (BERT-Large, every
-link scenario, the benchmarks' bytes and memory tables: strategies.py under
-torchrun on 4 ranks, tensor_parallel_comm.py, precision.py) under ``slow``,
+The quick regions run in the fast suite, the slow ones (commands that take
+more than a few seconds) under ``slow``,
 so ``make test`` checks every region; outputs
 are cached by a digest of the sources, so a re-run without a change is quick.
 A region whose numbers were edited by hand, or whose command now prints
@@ -67,19 +66,21 @@ def test_the_slow_regions_match_their_commands() -> None:
     assert code == 0, f"docs drifted from their commands (make docs-update):\n{diff}"
 
 
-#: the first line of every table a command prints: a plan, plan_paper.py's
-#: tables, and the bytes and memory tables of strategies.py,
-#: tensor_parallel_comm.py and precision.py (``--markdown``)
+#: the first line of every table a command prints: a plan, the plan-paper
+#: case's tables, the bytes and memory tables of the strategies and
+#: tensor-parallel-comm cases, the precision case's memory table and the
+#: compile-step case's graph counts
 GENERATED_TABLE = re.compile(
     r"^(\s+W\s+fraction workers|\| W \| (MiB|ms) 1/W|\| f \| capture"
     r"|\| grad_worker_fraction \| workers/layer \| K-FAC bytes"
     r"|\| dp × tp \| model \| configuration \| tp bytes"
-    r"|\| model \| products in \| second-order bytes)"
+    r"|\| model \| products in \| second-order bytes"
+    r"|\| model \| graphs/forward plain \| with kaisa)"
 )
 
 
 def test_every_plan_and_bytes_table_in_the_docs_is_generated() -> None:
-    """A ``kaisa plan`` table, a table of plan_paper.py or a benchmark's
+    """A ``kaisa plan`` table, a table of the plan-paper case or a benchmark's
     bytes or memory table pasted by hand would not be checked: each must
     sit inside a region."""
     for path in docs_check.doc_paths(ROOT):
@@ -95,9 +96,9 @@ def test_every_plan_and_bytes_table_in_the_docs_is_generated() -> None:
     regions = [r for p in docs_check.doc_paths(ROOT) for r in docs_check.find_regions(p)]
     planning = docs_check.find_regions(ROOT / "docs" / "planning.md")
     assert any("kaisa plan" in r.command for r in planning)  # the README's moved there
-    benchmarks = ("strategies.py", "tensor_parallel_comm.py", "precision.py")
-    for name in benchmarks:  # docs/benchmarks.md
-        assert any(name in r.command and "--markdown" in r.command for r in regions), name
+    cases = ("plan-paper", "strategies", "tensor-parallel-comm", "precision", "compile-step")
+    for name in cases:  # docs/planning.md, docs/benchmarks.md: from the committed records
+        assert any(f"kaisa bench report {name} --table" in r.command for r in regions), name
 
 
 def small_tree(tmp_path: Path, body: str) -> Path:

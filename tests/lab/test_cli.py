@@ -178,8 +178,17 @@ def test_wall_time_excludes_evaluation(tmp_path: Path, monkeypatch: pytest.Monke
     assert run["time_to_target_s"] is not None and run["time_to_target_s"] < 1.0
 
 
-def test_progress_bars_unless_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bars_on_a_terminal_unless_quiet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kaisa_lab.cli import progress
+
     args = ["train", "--no-kfac", "--task", "digits-mlp", "--max-steps-per-epoch", "3"]
+    main([*args, "--epochs", "1", "--out", str(tmp_path)])  # captured: not a terminal
+    redirected = capsys.readouterr().out
+    assert "100%" not in redirected and "\r" not in redirected
+    assert "[sgd] epoch 1/1 step 3 train_loss" in redirected  # a plain line per epoch
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: True)
     main([*args, "--epochs", "1", "--out", str(tmp_path)])
     bars = capsys.readouterr().out
     assert "[sgd] epoch 1/1: 100%" in bars and "3/3" in bars and "loss=" in bars

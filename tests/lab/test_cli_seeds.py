@@ -133,7 +133,12 @@ def test_missed_targets_count_as_infinitely_slow(
     assert_valid_png(tmp_path / "results.png")
 
 
-def test_bars_count_runs_across_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bars_count_runs_across_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kaisa_lab.cli import progress
+
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: True)
     quick = [a for a in QUICK if a != "--quiet"]
     run_cli(tmp_path, "train", "--no-kfac", *quick, "--epochs", "1", "--seeds", "2")
     text = capsys.readouterr().out

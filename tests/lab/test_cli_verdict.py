@@ -58,7 +58,7 @@ def compared(*arms: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def demo_like() -> list[dict[str, Any]]:
-    """docs/results.md's text-lm medians: AdamW 360 steps, +K-FAC 220, Muon 160, +K-FAC 140."""
+    """Medians like text-lm's: AdamW 360 steps, +K-FAC 220, Muon 160, +K-FAC 140."""
     return compared(
         arm("adamw", False, 360, 36.0),
         arm("adamw", True, 220, 24.2),
@@ -146,3 +146,26 @@ def test_seed_table_carries_the_verdicts() -> None:
     text = format_seed_table(arms)
     assert "K-FAC on muon: 140 steps against 160 (0.88x)" in text and "K-FAC is faster" in text
     assert "One seed" not in text
+
+
+def test_a_changing_load_is_named_and_a_steady_one_is_not() -> None:
+    """The verdict says when the step times spread (the machine's load moved), since the
+    time ratios are then uncertain while the steps are not."""
+    from kaisa_lab.cli.verdict import LOAD_BAND, verdict_lines
+
+    def with_spread(arms: list[dict[str, Any]], spread: float) -> list[dict[str, Any]]:
+        for a in arms:
+            for record in a["seeds"]:
+                record["step_times"] = {
+                    "median_ms": 100.0,
+                    "q1_ms": 100.0,
+                    "q3_ms": 100 + 100 * spread,
+                }
+        return arms
+
+    steady = verdict_lines(with_spread(demo_like(), LOAD_BAND / 2))
+    assert not any("load changed" in line for line in steady)
+    busy = verdict_lines(with_spread(demo_like(), 0.4))
+    (said,) = [line for line in busy if "load changed" in line]
+    assert "spread by up to 40%" in said and "read the steps first" in said
+    assert verdict_lines(demo_like()) == steady  # records without step times: nothing said

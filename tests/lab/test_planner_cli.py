@@ -133,3 +133,33 @@ def test_layer_costs_on_another_device() -> None:
     assert [la.reuses_workspace for la in layer_costs(model)] == [True, False]
     assert [la.reuses_workspace for la in layer_costs(model, device="cuda")] == [False, False]
     assert [la.reuses_workspace for la in layer_costs(model, device="cpu")] == [True, False]
+
+
+def test_plan_writes_files_only_when_given_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--task", "digits-mlp", "--world-size", "1", "2"]) == 0
+    assert list(tmp_path.iterdir()) == []  # printed only
+    assert "wrote" not in capsys.readouterr().out
+    assert main(["plan", "--task", "digits-mlp", "--world-size", "2", "--out", "here"]) == 0
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == ["plan.json", "plan.png"]
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    import argparse
+
+    from kaisa_lab.cli.main import build_parser
+
+    missing: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}")
+            elif action.option_strings and action.dest != "help" and not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings)}")
+
+    walk(build_parser()[0], "kaisa")
+    assert not missing

@@ -311,7 +311,7 @@ def test_mem_opt_without_colocation_warns_and_is_honoured() -> None:
     assert p.colocate_factors is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        KFACPreconditioner(mlp(), colocate_factors=False)  # COMM-OPT: nothing to say
+        KFACPreconditioner(mlp(), colocate_factors=False, lr=0.1)  # COMM-OPT: nothing to say
 
 
 def test_one_log_record_per_registered_layer(caplog: pytest.LogCaptureFixture) -> None:

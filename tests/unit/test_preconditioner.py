@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import warnings
 
 import pytest
 import torch
@@ -113,7 +115,11 @@ def test_model_without_supported_layers_is_refused() -> None:
         (dict(factor_dtype=torch.int32), ValueError, "factor_dtype"),
         (dict(symmetry_aware="yes"), TypeError, "symmetry_aware"),
         (dict(skip_layers=[1]), TypeError, "skip_layers"),
-        (dict(dampning=0.1), TypeError, "keyword argument 'dampning'"),
+        (
+            dict(dampning=0.1),
+            TypeError,
+            r"unknown option\(s\) 'dampning' \(did you mean 'damping'\?\)",
+        ),
         (dict(pg_timeout_s=0), ValueError, "pg_timeout_s"),
         (dict(optimizer="sgd"), TypeError, "optimizer"),
     ],
@@ -289,7 +295,9 @@ def test_state_dict_contents_and_validation() -> None:
     precond = KFACPreconditioner(model, optimizer=opt, damping=lambda s: 0.01)
     assert precond.state_dict()["layers"] == {"0": {}, "2": {}}  # nothing captured yet
     train(model, precond, opt, 1)
-    state = precond.state_dict()
+    # the default holds what an exact resume needs: the factors and the second order
+    assert set(precond.state_dict()["layers"]["0"]) == {"A", "G", "qa", "qg", "inv_outer"}
+    state = precond.state_dict(include_second_order=False)
     assert set(state["layers"]["0"]) == {"A", "G"}
     assert state["layers"]["0"]["A"].shape == (7, 7)
     assert "damping" not in state["hyperparameters"]  # callables are not saved
@@ -605,3 +613,37 @@ def test_a_layer_first_captured_late_is_decomposed_at_once() -> None:
         precond.step()
         late = precond.layers["late"]
         assert late.decomposed == (s >= 4), s
+
+
+def test_a_call_it_cannot_take_says_how_to_fix_it() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"'factor_update_step' \(did you mean 'factor_update_steps'"
+    ):
+        KFACPreconditioner(model, factor_update_step=5)
+    with pytest.raises(TypeError, match=r"pass the optimizer as optimizer=\.\.\."):
+        KFACPreconditioner(model, opt)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="every option by keyword"):
+        KFACPreconditioner(model, 10)  # type: ignore[misc]
+    # the signature stays the constructor's for inspect (and IDEs, type checkers)
+    params = inspect.signature(KFACPreconditioner).parameters
+    assert "factor_update_steps" in params and "args" not in params
+
+
+def test_the_kl_clips_assumed_lr_is_a_warning_once_per_preconditioner() -> None:
+    with pytest.warns(UserWarning, match="the KL clip assumes a learning rate of 0.1"):
+        KFACPreconditioner(mlp())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KFACPreconditioner(mlp(), lr=0.1)
+        KFACPreconditioner(mlp(), kl_clip=None)
+        model = mlp()
+        KFACPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_no_layer_error_names_every_supported_type() -> None:
+    with pytest.raises(ValueError, match="no layer K-FAC can precondition") as err:
+        KFACPreconditioner(nn.Sequential(nn.ReLU()), lr=0.1)
+    for name in ("nn.Linear", "nn.Conv1d", "nn.Conv2d", "nn.Embedding", "nn.MultiheadAttention"):
+        assert name in str(err.value)

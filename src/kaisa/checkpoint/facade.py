@@ -29,17 +29,25 @@ class Checkpoints(PreconditionerView):
     def state_dict(
         self,
         include_factors: bool = True,
-        include_second_order: bool = False,
+        include_second_order: bool | None = None,
         *,
         timeout_s: float = 10.0,
     ) -> dict[str, Any]:
-        """Steps, non-callable hyperparameters and (by default) the running factors.
+        """Steps, non-callable hyperparameters, the running factors and the
+        eigenbases/inverses: everything an exact resume needs, as torch.optim's
+        ``state_dict`` holds.
 
         When every rank of the data-parallel group calls it, every rank gets
         the whole state (a collective), so that a checkpoint taken at any
         world size and fraction loads into any other.
-        ``include_second_order`` also stores the eigenbases/inverses, which
-        makes a resume exact at any step without recomputing them.
+        ``include_second_order`` defaults to ``include_factors`` (so
+        kfac-pytorch's ``state_dict(include_factors=False)`` still holds only
+        the steps and hyperparameters); ``include_second_order=False`` leaves
+        the eigenbases/inverses out: a
+        smaller checkpoint (the factors' size again, roughly), whose resume
+        recomputes them from the saved factors at the next step — so a run
+        resumed between two inverse updates differs from the uninterrupted
+        one (in the last digits at first; more as training goes on).
 
         Called on some ranks only (kfac-pytorch's examples save on rank 0
         only; kfac-pytorch keeps every factor on every rank, kaisa each on its
@@ -53,6 +61,8 @@ class Checkpoints(PreconditionerView):
             "steps": self.steps,
             "hyperparameters": self.config.hyperparameters(),
         }
+        if include_second_order is None:
+            include_second_order = include_factors
         if not (include_factors or include_second_order):
             return state
         state["layers"], partial = self._parts.checkpointer.save(

@@ -34,7 +34,7 @@ class DecompositionError(RuntimeError):
 # symmetric Gram (to rounding), so the factor is handed over as it is: a
 # symmetrising pass ``(F + Fᵀ)/2`` read the transpose with a stride of a
 # whole row and cost 9% of an MLP's Cholesky inverses (0.56 ms for a
-# 512 x 512 factor; docs/benchmarks.md).
+# 512 x 512 factor).
 
 
 def symmetric_eigh(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -135,7 +135,7 @@ def gram(flat: Tensor, alpha: float = 1.0) -> Tensor:
     products, the 3 below are their transposes (measured here, one thread:
     1.2–1.4× faster than one product for a convolution's patch chunks of
     1,800–8,000 rows of 257–577 columns; no faster with fewer rows than
-    ``2d``, as an MLP's 128-row batches; docs/benchmarks.md).  Other Grams,
+    ``2d``, as an MLP's 128-row batches; ``kaisa bench run gram``).  Other Grams,
     every Gram off the CPU and every Gram inside a compiled graph are one
     product.  The sums are the same, to
     rounding.

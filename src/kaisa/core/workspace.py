@@ -6,7 +6,7 @@ intermediate products of ``G⁻¹ ∇ A⁻¹`` or ``Q_G[(Q_Gᵀ ∇ Q_A)/D]Q_A�
 CPU a fresh allocation of that size is served by the C allocator from memory
 it has just handed back to the system, so every page is faulted in again:
 about 700 page faults and 1 ms per step on the MLP 784-512-512-10
-(``docs/benchmarks.md``), 10% of its preconditioning products.  On CUDA the
+(``docs/reports/step-cost.md``), 10% of its preconditioning products.  On CUDA the
 caching allocator already reuses blocks, and holding buffers would only cost
 memory, so there is no workspace there.
 

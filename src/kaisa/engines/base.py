@@ -246,7 +246,7 @@ class OwnsTheLoop(Protocol):
     which accept everything."""
 
     def attach(
-        self, step: Callable[[], None], paused: Callable[[], AbstractContextManager[None]]
+        self, step: Callable[[], object], paused: Callable[[], AbstractContextManager[None]]
     ) -> Any:
         """Hook kaisa into the engine's own loop: run ``step`` where the user
         cannot call it (DeepSpeed's pipeline engine), and run the engine's

@@ -141,7 +141,7 @@ class DeepSpeedEngine(Engine, ShardedReads, OwnsTheLoop):
         )
 
     def attach(
-        self, step: Callable[[], None], paused: Callable[[], AbstractContextManager[None]]
+        self, step: Callable[[], object], paused: Callable[[], AbstractContextManager[None]]
     ) -> Any:
         """The pipeline engine runs forward, backward, the gradient all-reduce
         and the optimizer step inside ``train_batch()``; the one point between

@@ -239,7 +239,7 @@ class PipeliningEngine(Engine, ShardedReads, OwnsTheLoop):
             )
 
     def attach(
-        self, step: Callable[[], None], paused: Callable[[], AbstractContextManager[None]]
+        self, step: Callable[[], object], paused: Callable[[], AbstractContextManager[None]]
     ) -> Any:
         return _Guard(self.stage, paused)
 

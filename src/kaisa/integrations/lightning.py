@@ -11,12 +11,13 @@ belongs::
 ``accumulation_steps`` is taken from ``accumulate_grad_batches``, the KL
 clip's learning rate from the (first) optimizer, and the grad scaler from
 the precision plugin, unless given.  The preconditioner's state is saved in
-and restored from Lightning checkpoints: the running factors and the step
-count, and with ``include_second_order=True`` the eigenbases/inverses too.
-Only then is a resume exact at any step; without them they are recomputed
-at the first step after the resume, from factors that already hold that
-step's batch, so the resumed run equals the uninterrupted one only where
-that step is an inverse update step anyway (see docs/engines.md, "Checkpoints").
+and restored from Lightning checkpoints: the running factors, the step
+count and the eigenbases/inverses, so a resume is exact at any step.  With
+``include_second_order=False`` the eigenbases/inverses are left out and
+recomputed at the first step after the resume, from factors that already
+hold that step's batch, so the resumed run equals the uninterrupted one only
+where that step is an inverse update step anyway (see docs/engines.md,
+"Checkpoints").
 The second-order state costs about as much again as the factors (eigen: the
 eigenbases, as large as the factors, plus their eigenvalues).
 """
@@ -38,12 +39,13 @@ class KFACCallback(Callback):
     """Runs a :class:`~kaisa.KFACPreconditioner` inside ``Trainer.fit``.
 
     Args:
-        include_second_order: save the eigenbases/inverses in checkpoints
-            (about the factors' size again), so a resume is exact at any step.
+        include_second_order: save the eigenbases/inverses in checkpoints, so a
+            resume is exact at any step (the default); False saves about half
+            the bytes and recomputes them from the factors on resume.
         **kwargs: keyword arguments of :class:`~kaisa.KFACPreconditioner`.
     """
 
-    def __init__(self, include_second_order: bool = False, **kwargs: Any) -> None:
+    def __init__(self, include_second_order: bool = True, **kwargs: Any) -> None:
         super().__init__()
         if not isinstance(include_second_order, bool):
             raise TypeError(

@@ -28,6 +28,7 @@ __all__ = [
     "adapter_for",
     "register_layer_type",
     "register_layers",
+    "supported_layers",
 ]
 
 AdapterFactory = Callable[[str, nn.Module], LayerAdapter]
@@ -63,6 +64,16 @@ def register_layer_type(module_type: type[nn.Module], factory: AdapterFactory) -
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be an nn.Module subclass; got {module_type!r}")
     _ADAPTERS[module_type] = factory
+
+
+def supported_layers() -> str:
+    """The module types kaisa registers, as a user reads them (the registry's own
+    list, so a type added with :func:`register_layer_type` shows too)."""
+    names = [f"nn.{t.__name__}" if t.__module__.startswith("torch.") else t.__name__
+             for t in _ADAPTERS]  # fmt: skip
+    names.append("nn.MultiheadAttention")
+    names += sorted({f"{cls} ({module.split('.')[0]})" for module, cls in _ADAPTERS_BY_NAME})
+    return ", ".join(names)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ __all__ = ["probe_rows"]
 def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
     """Rows each layer's input factor counts in one forward/backward of
     ``model(*example)`` (times ``scale``, e.g. batch size / example batch)."""
-    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, kl_clip=None)
     try:
         out = model(*example)
         first = out if isinstance(out, torch.Tensor) else next(iter(_tensors(out)))

@@ -39,6 +39,7 @@ from kaisa.step.batched import ShapeGroups
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.in_place import InPlaceWrites
 from kaisa.step.participation import Participation
+from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["GradientApplication"]
@@ -84,6 +85,8 @@ class GradientApplication:
         )
         #: filled with each step's ν only while set (:mod:`kaisa.step.diagnostics`)
         self.diagnostics: StepDiagnostics | None = None
+        #: the products' wall times, while attached (:mod:`kaisa.step.profile`)
+        self.profile: StepProfile | None = None
         #: read scalars (ν's terms, the finiteness verdict) as numbers: None
         #: where that is free, on CPU; False keeps them on the device
         self.read_scalars: bool | None = None
@@ -125,7 +128,10 @@ class GradientApplication:
             grouped = {la.name for group in groups for la in group}
             own = [la for la in own if la.name not in grouped]
             held = [la for la in held if la.name not in grouped]
-        dots = self.writes.write_each(own, work, damping) if work is not None and own else {}
+        profile = self.profile
+        dots = (
+            self.writes.write_each(own, work, damping, profile) if work is not None and own else {}
+        )
         results = self._precondition(held, damping) if held else {}
         results.update(self._precondition_stacked(groups, damping))
         held = held + [la for group in groups for la in group]
@@ -209,7 +215,9 @@ class GradientApplication:
             for layer in group:
                 self._fill_missing(layer, self.plan.layer(layer.name), damping)
         own = self.writes.own if self._in_place is not None else frozenset()
-        return self.groups.precondition(groups, self.engine, self._in_place, own, damping)
+        return self.groups.precondition(
+            groups, self.engine, self._in_place, own, damping, self.profile
+        )
 
     def _fill_missing(self, layer: KFACLayer, lp: LayerPlan, damping: float) -> None:
         """Damping-only stand-ins for what was never decomposed."""
@@ -222,7 +230,14 @@ class GradientApplication:
     ) -> Tensor:
         """``V`` of one layer on a gradient worker."""
         self._fill_missing(layer, lp, damping)
-        return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+        profile = self.profile
+        if profile is None:
+            return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+        since = profile.start()
+        v = self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+        profile.stop(PRODUCTS, since)
+        profile.record(PRODUCTS, "products", grad.shape, factor_sizes(layer.factors))
+        return v
 
     def _precondition(
         self, layers: list[KFACLayer], damping: float

@@ -33,6 +33,7 @@ from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorKind
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["MAX_OPERAND_NUMEL", "ShapeGroups", "read_stacked"]
 
@@ -71,6 +72,8 @@ class ShapeGroups:
         self._stacks: dict[tuple[str, ...], _Stack] = {}
         self._kernel: Kernel = group_kernel
         self._cuda_graphs = False
+        #: False: every layer on its own (``precond.stacking``)
+        self.allowed = True
 
     def compile(self, **options: Any) -> None:
         """Run each group's kernel compiled (``torch.compile(**options)``,
@@ -88,7 +91,7 @@ class ShapeGroups:
 
     @property
     def enabled(self) -> bool:
-        return bool(getattr(self.method, "stacks", False))
+        return self.allowed and bool(getattr(self.method, "stacks", False))
 
     def split(self, layers: Sequence[KFACLayer]) -> list[list[KFACLayer]]:
         """The groups (two layers or more) among ``layers``, in their order."""
@@ -137,8 +140,10 @@ class ShapeGroups:
         in_place: InPlaceGradients | None,
         own: frozenset[str],
         damping: float,
+        profile: StepProfile | None = None,
     ) -> dict[str, tuple[Tensor, Tensor]]:
-        """``(V, ⟨V, ∇⟩)`` by layer name for every group (their operands ready)."""
+        """``(V, ⟨V, ∇⟩)`` by layer name for every group (their operands
+        ready); ``profile``: each group's products and inner product are timed."""
         results: dict[str, tuple[Tensor, Tensor]] = {}
         if self._cuda_graphs and groups:
             torch.compiler.cudagraph_mark_step_begin()
@@ -146,7 +151,12 @@ class ShapeGroups:
             stacked = read_stacked(
                 group, engine, in_place if all(la.name in own for la in group) else None
             )
-            for layer, result in zip(group, self.apply(group, stacked, damping), strict=True):
+            since = profile.start() if profile is not None else 0.0
+            found = self.apply(group, stacked, damping)
+            if profile is not None:
+                profile.stop(PRODUCTS, since)
+                profile.record(PRODUCTS, "products", stacked.shape, factor_sizes(group[0].factors))
+            for layer, result in zip(group, found, strict=True):
                 results[layer.name] = result
         return results
 

@@ -1,7 +1,7 @@
 """What the step decided, recorded only when asked (read-only diagnostics).
 
 The KL clip's scale ``ν`` is formed inside the step and applied at once; a
-study of *what sets the step* (docs/results.md, issue 23) needs it per step.
+study of *what sets the step* needs it per step.
 :class:`StepDiagnostics` is filled by the step only while it is attached
 (``precond.diagnostics = StepDiagnostics()``): off, the step pays one
 attribute test.  On, it keeps ``ν`` as the step formed it — a Python number

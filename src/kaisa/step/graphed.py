@@ -330,7 +330,13 @@ class GraphedApplication:
             if verdict is not None:
                 tally.add(verdict)
             clip = None if no_clip else kl_clip_t
-            app.run(layers, damping_t, lr_t, clip, False)  # type: ignore[arg-type]
+            # no clock inside a recording (a graph holds no host work; a
+            # synchronisation would end it): the step's profile times it whole
+            profile, app.profile = app.profile, None
+            try:
+                app.run(layers, damping_t, lr_t, clip, False)  # type: ignore[arg-type]
+            finally:
+                app.profile = profile
 
         recorder = self._new_recorder()
         try:

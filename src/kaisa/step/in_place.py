@@ -22,6 +22,7 @@ from kaisa.core.workspace import Workspace, uses_workspace
 from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["InPlaceWrites"]
 
@@ -92,12 +93,17 @@ class InPlaceWrites:
         return self._work
 
     def write_each(
-        self, layers: list[KFACLayer], work: Workspace, damping: float
+        self,
+        layers: list[KFACLayer],
+        work: Workspace,
+        damping: float,
+        profile: StepProfile | None = None,
     ) -> dict[str, Tensor]:
         """Precondition and write back one layer after the other; the
         products of the layers the workspace serves reuse it, and read and
         write those layers' own gradients where the method can
-        (:meth:`_write_in_place`).  Returns the counted layers' ``⟨V, ∇⟩`` by name."""
+        (:meth:`_write_in_place`).  Returns the counted layers' ``⟨V, ∇⟩`` by
+        name.  ``profile``: the in-place products are timed."""
         engine = self.in_place
         assert engine is not None  # only rescalable layers are written one by one
         dots = {}
@@ -105,7 +111,7 @@ class InPlaceWrites:
             counted = self._counted(layer)
             lw = work if layer.name in self._served else None
             if lw is not None:
-                done, dot = self._write_in_place(layer, lw, damping, counted)
+                done, dot = self._write_in_place(layer, lw, damping, counted, profile)
                 if done:
                     if dot is not None:
                         dots[layer.name] = dot
@@ -120,7 +126,12 @@ class InPlaceWrites:
         return dots
 
     def _write_in_place(
-        self, layer: KFACLayer, work: Workspace, damping: float, counted: bool
+        self,
+        layer: KFACLayer,
+        work: Workspace,
+        damping: float,
+        counted: bool,
+        profile: StepProfile | None = None,
     ) -> tuple[bool, Tensor | None]:
         """``V`` computed from the layer's own gradients and written over
         them: the first product reads ``∇W`` and ``∇b`` where they lie and
@@ -139,7 +150,12 @@ class InPlaceWrites:
             return False, None
         work.prepare(blocks[0].dtype, blocks[0].dtype)  # the memory held: all three, always
         kept = work.keep(blocks) if counted and not self.method.forms_kl_term else None
+        since = profile.start() if profile is not None else 0.0
         dot = self.method.apply_blocks(layer.factors, state, blocks, damping, work, blocks, counted)
+        if profile is not None:
+            profile.stop(PRODUCTS, since)
+            shape = (blocks[0].shape[0], sum(int(b.shape[1]) for b in blocks))
+            profile.record(PRODUCTS, "products", shape, factor_sizes(layer.factors))
         if kept is not None:
             dot = sum_kl_terms(blocks, kept)
         return True, dot

@@ -129,8 +129,20 @@ class NonFiniteSteps:
     1st, 2nd, 4th, 8th … skip, so a run that keeps producing them is told
     how many without a warning per step."""
 
+    #: what happens to a skipped step's gradients, as the skip report says it
+    #: (set by the preconditioner: it knows whether it holds the optimizer)
+    TAKEN = (
+        "every gradient of the optimizer's parameters was taken away (set to None), so "
+        "its next step changes no weight and no state"
+    )
+    LEFT = (
+        "the gradients were left as they are: step() returned False, so skip "
+        "optimizer.step() for this batch (or pass optimizer= and kaisa takes them away)"
+    )
+
     def __init__(self) -> None:
         self.count = 0
+        self.gradients = self.LEFT
         #: (step, verdict on device) of steps run without reading it (:meth:`defer`)
         self.pending: list[tuple[int, Tensor]] = []
         #: verdicts of replayed steps, counted on the device (:meth:`defer_tally`)
@@ -186,8 +198,8 @@ class NonFiniteSteps:
             return
         warnings.warn(
             f"kaisa: skipped {self.count} step(s) with non-finite gradients so far (the latest "
-            f"at step {step}): their statistics were dropped, the factors, decompositions and "
-            "step count left as they were, and the gradients left unchanged. A NaN or Inf "
-            f"loss is the usual cause; the next report comes at {2 * self.count} skips",
+            f"at call {step} of step()): their statistics were dropped, the factors, "
+            f"decompositions and step count left as they were, and {self.gradients}. A NaN "
+            f"or Inf loss is the usual cause; the next report comes at {2 * self.count} skips",
             stacklevel=5,
         )

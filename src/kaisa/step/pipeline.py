@@ -29,6 +29,17 @@ from kaisa.step.capture.calls import Capture
 from kaisa.step.graphed import GraphedApplication
 from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.nonfinite import NonFiniteSteps, finite_verdict, gradients_finite
+from kaisa.step.profile import (
+    APPLY,
+    DECOMPOSE,
+    FACTOR,
+    FOLD,
+    NON_FACTOR,
+    REDUCE,
+    REPLAYED,
+    SKIPPED,
+    StepProfile,
+)
 from kaisa.step.reduce import FactorReduction
 from kaisa.step.reports import StepReports
 from kaisa.step.schedule import FixedValues, Schedule
@@ -72,6 +83,10 @@ class StepPipeline:
         #: the engine, where it has a step boundary of its own to check (asked once)
         self._loop = self.engine if isinstance(self.engine, OwnsTheLoop) else None
         self.nonfinite = NonFiniteSteps()
+        #: calls of :meth:`step`, skipped ones included (what a skip report names)
+        self.calls = 0
+        #: whether the last call skipped its step for non-finite gradients
+        self.skipped_nonfinite = False
         #: each layer's gradient presence, agreed on with the finiteness check
         self._presence: dict[str, bool] | None = None
         #: a non-factor step's finiteness verdict is formed on the device (defer_verdict)
@@ -89,39 +104,80 @@ class StepPipeline:
             or (self.comm.distributed and not self.engine.gradients_agree())
         )
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
+        #: the phases' wall times, while attached (:mod:`kaisa.step.profile`)
+        self._profile: StepProfile | None = None
         if self.in_hook and self.comm.distributed:
             self.capture.on_layer_complete = self.reduction.layer_complete
 
-    def step(self) -> None:
+    @property
+    def profile(self) -> StepProfile | None:
+        return self._profile
+
+    @profile.setter
+    def profile(self, value: StepProfile | None) -> None:
+        """Attach (or detach) a profile to every part that times a phase."""
+        self._profile = value
+        self.capture.profile = value
+        self.reduction.profile = value
+        self.second_order.profile = value
+        self.application.profile = value
+
+    def step(self) -> bool:
+        """One step; False where it was skipped (a scaler's skip, or non-finite gradients)."""
+        profile = self._profile  # a boundary below costs one test of it while detached
+        started = profile.start() if profile is not None else 0.0
         step = self.steps
+        self.calls += 1
+        self.skipped_nonfinite = False
         if self._loop is not None:
             self._loop.check_step()
         self.check_new_backward()
         self.scaling.check_unscaled()
         if self._fast is not None and self._replay_settled(step, self._fast):
             self._end_step((step + 1) % self._fast.factor_every == 0, True)
-            return
+            if profile is not None:
+                profile.end_step(REPLAYED, started)
+            return True
         factor_step = self.schedule.is_factor_step(step)
         # the reductions backward started come first: any other collective
         # (the validity verdict) issued before them would cross them
-        counts = self.reduce_factors() if factor_step else None
+        counts = None
+        if factor_step:
+            since = profile.start() if profile is not None else 0.0
+            counts = self.reduce_factors()
+            if profile is not None:
+                profile.stop(REDUCE, since)
         deferred = not factor_step and self.defer_verdict()
         if not deferred:
             self.nonfinite.settle()
             if not self.gradients_valid():
                 self.skip(counts is not None)
-                return
+                if profile is not None:
+                    profile.end_step(SKIPPED, started)
+                return False
         if counts is not None and self.drop_statistics:
             self.reduction.discard()
             counts = None
         self.drop_statistics = False
         damping = self.schedule.damping(step)
         if counts is not None:
+            since = profile.start() if profile is not None else 0.0
             self.reduction.fold(counts, self.schedule.factor_decay(step))
+            if profile is not None:
+                profile.stop(FOLD, since)
             self._settled = False  # layers may be captured for the first time
+        since = profile.start() if profile is not None else 0.0
         self.update_second_order(step, damping)
+        if profile is not None:
+            since = profile.stop(DECOMPOSE, since)
         replayed = self.apply(step, damping, factor_step, deferred)
+        if profile is not None:
+            profile.stop(APPLY, since)
         self._end_step(self.schedule.is_factor_step(step + 1), replayed)
+        if profile is not None:
+            path = REPLAYED if replayed else FACTOR if factor_step else NON_FACTOR
+            profile.end_step(path, started)
+        return True
 
     def _end_step(self, factor_next: bool, replayed: bool) -> None:
         """Count the step; mark the gradients it leaves (a replay's own stamp
@@ -158,9 +214,13 @@ class StepPipeline:
         self._presence = None
         self._verdict_owed = True
         lr = fixed.lr if fixed.lr is not None else self.lr_operand(step)
+        profile = self._profile
+        since = profile.start() if profile is not None else 0.0
         replayed, tally = graphed.run(
             self.layers, fixed.damping, lr, fixed.kl_clip, self._verdict, step
         )
+        if profile is not None:
+            profile.stop(APPLY, since)
         if not replayed:
             return False
         if tally is not None:
@@ -175,6 +235,8 @@ class StepPipeline:
         self.steps = steps
         self._settled = False
         self.capture.enabled = self.schedule.is_factor_step(steps)
+        if self.graphed is not None:
+            self.graphed.invalidate()  # the load replaced the operands it recorded
 
     # -- phases --------------------------------------------------------------------
     def check_new_backward(self) -> None:
@@ -250,7 +312,8 @@ class StepPipeline:
             self._presence = {la.name: ok for la, ok in zip(self.layers, agreed[1:])}
         finite = self.comm.agree_model_parallel(finite, device)
         if not finite:
-            self.nonfinite.record(self.steps)
+            self.skipped_nonfinite = True
+            self.nonfinite.record(self.calls)
         return finite
 
     def skip(self, reduced: bool) -> None:

@@ -36,6 +36,7 @@ from kaisa.core.specs import ReducedTo
 from kaisa.core.statistics import fold_averages_
 from kaisa.distributed.communicator import Communicator, MessagePart, message_numel, pack, unpack
 from kaisa.distributed.plan import WorkPlan
+from kaisa.step.profile import FOLD, StepProfile
 
 __all__ = ["EVERY_RANK", "FactorReduction"]
 
@@ -97,6 +98,8 @@ class FactorReduction:
         self.plan = plan
         self.comm = comm
         self.rank = comm.rank
+        #: told what is folded while a profile is attached (:mod:`kaisa.step.profile`)
+        self.profile: StepProfile | None = None
         self._slots: dict[str, list[tuple[_Bucket, _Slot]]] = {la.name: [] for la in layers}
         self._buckets = self._layout(int(bucket_cap_mb * 1024 * 1024), symmetry_aware)
         self._next = 0  # the next bucket to send
@@ -250,6 +253,9 @@ class FactorReduction:
                 divisors.append(count)
             layer.batch.reset()
         self._reduced.clear()
+        if self.profile is not None:
+            for batch in batches:
+                self.profile.record(FOLD, "fold", batch.shape)
         verdicts = fold_averages_(runnings, batches, divisors, decay) if batches else []
         for (layer, index), batch, finite in zip(owners, batches, verdicts, strict=True):
             if index is not None:

@@ -20,9 +20,11 @@ from torch import Tensor
 
 from kaisa.core.decompose import DecompositionError
 from kaisa.core.layer_state import KFACLayer
+from kaisa.core.specs import FactorKind
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.methods.base import CurvatureMethod, HeldTensor, Transfer
+from kaisa.step.profile import DECOMPOSE, StepProfile
 
 __all__ = ["SecondOrderUpdate"]
 
@@ -37,6 +39,8 @@ class SecondOrderUpdate:
         self.comm = comm
         self.method = method
         self.rank = comm.rank
+        #: told what is decomposed while a profile is attached (:mod:`kaisa.step.profile`)
+        self.profile: StepProfile | None = None
 
     def run(self, layers: list[KFACLayer], damping: float) -> None:
         """Update ``layers`` (the same list, in the same order, on every rank)."""
@@ -87,6 +91,11 @@ class SecondOrderUpdate:
             # every batch so far was non-finite: nothing to decompose yet
             self.fill_missing(layer, transfer.tensors, damping)
             return
+        if self.profile is not None:
+            for i in transfer.factors:
+                spec = layer.factors[i]
+                if spec.kind is FactorKind.DENSE:
+                    self.profile.record(DECOMPOSE, self.method.kernel, (spec.dim, spec.dim))
         try:
             new = self.method.decompose(
                 layer.factors,
@@ -101,6 +110,11 @@ class SecondOrderUpdate:
             logger.warning(
                 "decomposition of %s failed (%s); keeping the previous one", layer.name, exc
             )
+        # row-major, as a broadcast delivers them to the other workers: LAPACK
+        # returns column-major results, and a product with another layout rounds
+        # differently, so the layer's workers (and a resumed run, whose tensors
+        # come from a checkpoint) would differ in the last bits
+        new = {key: value.contiguous() for key, value in new.items()}
         self.method.receive(layer.factors, layer.state, new)
         self.fill_missing(layer, transfer.tensors, damping)
 
@@ -128,7 +142,11 @@ class SecondOrderUpdate:
         keys = [t.key for t in transfer.tensors]
 
         def store(received: list[Tensor]) -> None:
-            self.method.receive(layer.factors, layer.state, dict(zip(keys, received)))
+            # each its own allocation, as on the decomposer and after a checkpoint's
+            # load: a view into the bucket may sit unaligned, and a product over
+            # unaligned memory can round differently
+            owned = [t.clone() if t.storage_offset() else t for t in received]
+            self.method.receive(layer.factors, layer.state, dict(zip(keys, owned)))
 
         self.comm.broadcast(
             tensors,

@@ -188,7 +188,7 @@ def test_duplicate_names_refused() -> None:
 def test_plan_at_4096_ranks_is_compact_and_constant_time() -> None:
     """At L=1000, W=4096 layers share their worker tuple, receiver groups are
     derived, lookups are arithmetic and describe() summarises (timings:
-    benchmarks/plan_scale.py)."""
+    ``kaisa bench run plan-scale``)."""
     specs = [LayerSpec.kfac(f"l{i}", 64 + i % 50, 32 + i % 20) for i in range(1000)]
     for fraction in (1.0, 0.5, 1 / 4096):
         plan = make_plan(specs, 4096, fraction)

@@ -167,9 +167,9 @@ def _lm_run(mode: str, monkeypatch) -> tuple[dict, list[torch.Tensor], int]:
     calls = [0]
     original = capture._input_terms
 
-    def counting(layer, x, memo=None):
+    def counting(layer, x, memo=None, *rest):
         calls[0] += 1
-        return original(layer, x, memo)
+        return original(layer, x, memo, *rest)
 
     monkeypatch.setattr(capture, "_input_terms", counting)
     model = TinyLM(mode)

@@ -13,6 +13,8 @@ reduction, the plan check and the facade read the declaration.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,7 +164,7 @@ def test_method_argument_takes_an_object_or_a_name() -> None:
     assert by_name.config.compute_method == "inverse"
     # the typed signature cannot tell a compute_method left at its default from
     # one passed equal to it: a compute_method other than the default is refused
-    default = KFACPreconditioner.__init__.__kwdefaults__["compute_method"]
+    default = inspect.unwrap(KFACPreconditioner.__init__).__kwdefaults__["compute_method"]
     other = "inverse" if default == "eigen" else "eigen"
     with pytest.raises(ValueError, match="method= or compute_method="):
         KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method=own, compute_method=other)

@@ -194,7 +194,7 @@ def test_checkpoint_round_trip_keeps_the_moments_with_their_bases() -> None:
         assert torch.equal(a, b)
     # without the second-order state the moments restart with the recomputed bases
     fresh = KFACPreconditioner(copy.deepcopy(twin), **options())
-    fresh.load_state_dict(precond.state_dict())
+    fresh.load_state_dict(precond.state_dict(include_second_order=False))
     train(fresh.model, fresh, 7, 1)
     assert float(fresh.layers["0"].state["adam_t"]) == 1.0
 

@@ -76,7 +76,7 @@ def run(seeds: list[int], poisoned: dict[int, float]) -> dict[str, Any]:
                     "before": before,
                     "after": precond.state_dict(include_second_order=True),
                     "grads": grads,
-                    "grads_after": [p.grad.clone() for p in model.parameters()],
+                    "grads_after": [p.grad for p in model.parameters()],
                     "decomposed": sum(la.decompositions for la in precond.layers.values())
                     - decompositions,
                 }
@@ -97,9 +97,9 @@ def test_a_nonfinite_loss_is_skipped_and_leaves_kaisa_exactly_as_it_was(poison: 
     assert bad["before"]["steps"] == 2
     assert same_state(bad["before"], bad["after"])  # factors, second order, steps
     assert bad["decomposed"] == 0
-    for a, b in zip(bad["grads"], bad["grads_after"]):  # left for the optimizer to judge
-        assert not torch.isfinite(a).all()
-        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    # the optimizer was given: its gradients were taken away (tests/unit/step/test_skip.py)
+    assert all(not torch.isfinite(a).all() for a in bad["grads"])
+    assert all(b is None for b in bad["grads_after"])
     # the statistics of the bad step were dropped: the rest is bit-for-bit the clean run
     for a, b in zip(got["params"], clean["params"]):
         assert torch.equal(a, b)
@@ -201,7 +201,7 @@ def test_a_step_after_an_eval_forward_says_eval_mode_once() -> None:
 def test_an_eval_forward_that_is_not_backpropagated_is_ignored_silently() -> None:
     def run(evaluate: bool) -> dict:
         model = mlp()
-        precond = KFACPreconditioner(model, **KW)
+        precond = KFACPreconditioner(model, lr=0.1, **KW)
         for seed in range(3):
             if evaluate:  # a validation pass with gradients on, never backpropagated
                 model.eval()

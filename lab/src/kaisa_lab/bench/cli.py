@@ -164,83 +164,103 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace, error: Any) -> int:
     """Carry out ``kaisa bench ...``; usage problems go to ``error`` (exit 2)."""
     if args.bench_command == "list":
-        print("time to target (kaisa bench run CASE: the tuning protocol, resumable):")
-        for case in CASES.values():
-            quick = " (quick)" if case.quick else ""
-            arms = ", ".join(arm.name for arm in case.arms)
-            print(f"  {case.name}{quick}: {case.description}\n      arms: {arms}")
-        print("cost (kaisa bench run CASE [--quick]):")
-        for timing in TIMING_CASES.values():
-            where = "" if timing.device == "cpu" else f" [{timing.device}]"
-            tables = ", ".join(timing.tables) or "-"
-            print(f"  {timing.name}{where}: {timing.description}\n      tables: {tables}")
-        return 0
+        return _list()
     if args.bench_command == "summary":
         store = RecordStore(args.records)
         families = [Campaign(c, store) for c in CASES.values() if c.name == c.task]
-        try:
-            print(markdown_summary(families), end="")
-        except FairnessError as err:
-            print(f"kaisa bench summary: {err}", file=sys.stderr)
-            return 1
-        return 0
+        return _print_fair(lambda: markdown_summary(families), "summary")
     if args.bench_command == "ab":
-        if args.case not in TIMING_CASES:
-            error(f"argument CASE: ab times a cost case ({', '.join(TIMING_CASES)})")
-        if args.rounds < 1:
-            error(f"argument --rounds: expected a positive integer; got {args.rounds}")
-        extra = ["--quick"] * args.quick + [f"--option={o}" for o in args.option]
-        store = None if args.records is None else RecordStore(args.records)
-        records = ab(
-            args.case, args.before, after=args.after, rounds=args.rounds, arguments=extra,
-            store=store,
-        )  # fmt: skip
-        print(markdown_ab(records), end="")
-        return 0
+        return _run_ab(args, error)
     if args.case in TIMING_CASES:
         return _run_cost(TIMING_CASES[args.case], args, error)
-    case = get_case(args.case)
-    campaign = Campaign(case, RecordStore(args.records))
+    campaign = Campaign(get_case(args.case), RecordStore(args.records))
     if args.bench_command == "select":
-        if case.name != case.task:
-            error(f"argument CASE: {case.name} is not a task's own case; nothing to select")
-        chosen = selections(campaign)
-        for arm, picked in chosen.items():
-            knobs = "".join(f", {k} {v}" for k, v in picked.kfac.items())
-            print(
-                f"{arm}: lr {picked.lr:g}, warm-up {picked.warmup_epochs:g} ep, "
-                f"{picked.schedule}{knobs} ({picked.settings} settings, {picked.runs} runs)"
-            )
-        if args.write:
-            tuned.write({case.task: chosen})
-            print(f"wrote {len(chosen)} selection(s) for {case.task} to {tuned.PATH}")
-        return 0
+        return _select(campaign, args.write, error)
     if args.bench_command == "status":
         print("\n".join(campaign.status()))
         return 0
     if args.bench_command == "report":
         if args.table not in (None, *TABLES):
             error(f"argument --table: choose from {', '.join(TABLES)}; got {args.table!r}")
-        try:
-            tables = {"tuning": markdown_tuning, "machine": markdown_machine}
-            table = tables.get(args.table, markdown_heldout)
-            print(table(campaign), end="")
-            if args.plot is not None:
-                plot(campaign, args.plot)
-        except FairnessError as err:
-            print(f"kaisa bench report: {err}", file=sys.stderr)
-            return 1
-        return 0
+        render = {"tuning": markdown_tuning, "machine": markdown_machine}.get(
+            args.table, markdown_heldout
+        )
+        code = _print_fair(lambda: render(campaign), "report")
+        if code == 0 and args.plot is not None:
+            plot(campaign, args.plot)
+        return code
+    return _run_campaign(campaign, args, error)
+
+
+def _list() -> int:
+    print("time to target (kaisa bench run CASE: the tuning protocol, resumable):")
+    for case in CASES.values():
+        quick = " (quick)" if case.quick else ""
+        arms = ", ".join(arm.name for arm in case.arms)
+        print(f"  {case.name}{quick}: {case.description}\n      arms: {arms}")
+    print("cost (kaisa bench run CASE [--quick]):")
+    for timing in TIMING_CASES.values():
+        where = "" if timing.device == "cpu" else f" [{timing.device}]"
+        tables = ", ".join(timing.tables) or "-"
+        print(f"  {timing.name}{where}: {timing.description}\n      tables: {tables}")
+    return 0
+
+
+def _print_fair(render: Any, command: str) -> int:
+    """Print ``render()``; a comparison whose arms started apart is an error (exit 1)."""
+    try:
+        print(render(), end="")
+    except FairnessError as err:
+        print(f"kaisa bench {command}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_ab(args: argparse.Namespace, error: Any) -> int:
+    if args.case not in TIMING_CASES:
+        error(f"argument CASE: ab times a cost case ({', '.join(TIMING_CASES)})")
+    if args.rounds < 1:
+        error(f"argument --rounds: expected a positive integer; got {args.rounds}")
+    extra = ["--quick"] * args.quick + [f"--option={o}" for o in args.option]
+    records = ab(
+        args.case,
+        args.before,
+        after=args.after,
+        rounds=args.rounds,
+        arguments=extra,
+        store=None if args.records is None else RecordStore(args.records),
+    )
+    print(markdown_ab(records), end="")
+    return 0
+
+
+def _select(campaign: Campaign, write: bool, error: Any) -> int:
+    case = campaign.case
+    if case.name != case.task:
+        error(f"argument CASE: {case.name} is not a task's own case; nothing to select")
+    chosen = selections(campaign)
+    for arm, picked in chosen.items():
+        knobs = "".join(f", {k} {v}" for k, v in picked.kfac.items())
+        print(
+            f"{arm}: lr {picked.lr:g}, warm-up {picked.warmup_epochs:g} ep, "
+            f"{picked.schedule}{knobs} ({picked.settings} settings, {picked.runs} runs)"
+        )
+    if write:
+        tuned.write({case.task: chosen})
+        print(f"wrote {len(chosen)} selection(s) for {case.task} to {tuned.PATH}")
+    return 0
+
+
+def _run_campaign(campaign: Campaign, args: argparse.Namespace, error: Any) -> int:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if not stages or set(stages) - set(STAGES):
         error(f"argument --stages: choose from {', '.join(STAGES)}; got {args.stages!r}")
     if args.threads < 1:
         error(f"argument --threads: expected a positive integer; got {args.threads}")
     torch.set_num_threads(args.threads)
-    progress = Progress(enabled=True, bars=False)
     done = work(
         campaign,
-        progress,
+        Progress(enabled=True, bars=False),
         max_units=args.max_units,
         wait_s=0.0 if args.no_wait else 30.0,
         stages=stages,

@@ -289,6 +289,16 @@ def plot(campaign: Campaign, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = heldout_rows(campaign)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not rows:  # a figure that says so, so that a page can always show it
+        fig, ax = plt.subplots(figsize=(8, 1.6))
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"{campaign.case.name}: no held-out records yet "
+                "(kaisa bench status shows where the campaign stands)", ha="center",
+                va="center")  # fmt: skip
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [_label(r.arm) for r in rows]
     medians = [r.time_s[0] if r.time_s else 0.0 for r in rows]
@@ -315,6 +325,5 @@ def plot(campaign: Campaign, path: Path) -> None:
     curves.legend(fontsize=7)
     fig.suptitle(f"{campaign.case.name}: {campaign.case.description}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

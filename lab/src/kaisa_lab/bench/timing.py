@@ -66,6 +66,11 @@ class TimingCase:
     device: str = "cpu"
     #: whether ``make bench`` runs it (with its ``quick`` options)
     in_make_bench: bool = True
+    #: the ``result`` fields a re-run reproduces exactly, on any machine and under
+    #: any load (plans, bytes, memory, modelled times; never timings): the tests
+    #: compare them with the committed records, so docs rendered from those
+    #: records cannot go stale
+    deterministic: tuple[str, ...] = ()
 
     def resolve(self, given: Mapping[str, Any], quick: bool) -> dict[str, Any]:
         """The options of a run: defaults, then ``quick``'s (if asked), then ``given``."""

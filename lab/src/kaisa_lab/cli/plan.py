@@ -4,8 +4,9 @@ For a model (a built-in task or ``module:callable``), world sizes and a cost
 model, print per grad_worker_fraction the K-FAC memory per rank, the bytes
 each rank moves per step (averaged, and on factor and inverse steps), the
 predicted overhead per step, and which fraction to use under a memory
-budget.  Writes ``plan.json`` and ``plan.png`` (memory against bytes per
-step, one line per world size, as Fig. 6.3 of the SC'21 paper).
+budget.  With ``--out``, also writes ``plan.json`` and ``plan.png`` there
+(memory against bytes per step, one line per world size, as Fig. 6.3 of the
+SC'21 paper).
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         metavar="MODULE:CALLABLE",
         help="a callable returning a model, or (model, example inputs of batch 1)",
     )
-    plan.add_argument("--world-size", type=int, nargs="+", default=[1, 2, 4], metavar="W")
+    plan.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        metavar="W",
+        help="data-parallel world sizes to plan for, one or more (default: 1 2 4)",
+    )
     plan.add_argument(
         "--batch-size",
         type=int,
@@ -83,7 +91,12 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         "--latency-us", type=float, default=None, help="µs per collective hop (between nodes)"
     )
     _add_node_arguments(plan)
-    plan.add_argument("--out", type=Path, default=Path("runs/plan"))
+    plan.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="a folder to write plan.json and plan.png into (default: print only)",
+    )
     add_kfac_arguments(plan)
     return plan
 
@@ -230,10 +243,11 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
         given = {k: v for k, v in kfac.items() if k in fields}
         limit = KFACConfig.from_options(**given).max_factor_dim
         print(f"factors above max_factor_dim={limit}, not kept dense: {', '.join(limited)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report["plans"], args.out / "plan.png")
-    print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "plan.json").write_text(json.dumps(report, indent=2) + "\n")
+        _plot(report["plans"], args.out / "plan.png")
+        print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
     return 0
 
 
@@ -271,23 +285,40 @@ def _plot(plans: list[dict[str, Any]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for world in sorted({p["world_size"] for p in plans}):
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    worlds = sorted({p["world_size"] for p in plans})
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-")]
+    for k, world in enumerate(worlds):
         rows = [p for p in plans if p["world_size"] == world]
+        marker, line = styles[k % len(styles)]
+        points = [(p["memory_max_bytes"] / MIB, p["bytes_per_step"] / MIB) for p in rows]
+        # larger markers first, dashed lines: a line that coincides with another shows
         ax.plot(
-            [p["memory_max_bytes"] / MIB for p in rows],
-            [p["bytes_per_step"] / 1e6 for p in rows],
-            marker="o",
+            *zip(*points),
+            marker=marker,
+            linestyle=line,
+            markersize=9 - 1.5 * k,
+            markerfacecolor="none" if k % 2 else None,
             label=f"W={world}",
         )
-        for p in rows:
+        # one label per point, fractions at the same point joined; the lines'
+        # labels alternate above and below, apart by line, so lines that meet
+        # do not overprint
+        at: dict[tuple[float, float], list[str]] = {}
+        for (x, y), p in zip(points, rows):
+            at.setdefault((round(x, 6), round(y, 6)), []).append(f"{p['grad_worker_fraction']:.3g}")
+        for (x, y), fractions in at.items():
             ax.annotate(
-                f"{p['grad_worker_fraction']:.3g}",
-                (p["memory_max_bytes"] / MIB, p["bytes_per_step"] / 1e6),
+                ", ".join(fractions),
+                (x, y),
+                xytext=(5, 5 + 7 * (k // 2)) if k % 2 == 0 else (5, -11 - 7 * (k // 2)),
+                textcoords="offset points",
                 fontsize=6,
+                color=f"C{k % 10}",
             )
+    ax.margins(x=0.08, y=0.18)
     ax.set_xlabel("K-FAC memory per rank (MiB)")
-    ax.set_ylabel("MB per step per rank (averaged)")
+    ax.set_ylabel("MiB sent per step per rank (averaged)")
     ax.set_title("grad_worker_fraction: memory vs communication")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -1,7 +1,9 @@
 """What a run prints while it trains: tqdm bars, or one plain line per epoch.
 
-Bars suit a terminal; ``--quiet`` gives one line per epoch, which suits logs and
-CI. Ranks other than 0 print nothing, so a ``torchrun`` job shows one bar.
+Bars on a terminal only: written into a file or a pipe, a bar's carriage-return
+updates fill a log with thousands of half-lines, so there (and with
+``--quiet``) a run prints one plain line per epoch. Ranks other than 0 print
+nothing, so a ``torchrun`` job shows one bar.
 With several seeds a second bar counts finished runs (seeds x arms); the epoch
 bars then vanish when done and leave one summary line each, so the screen
 keeps the runs bar and a readable log instead of a stack of finished bars.
@@ -16,7 +18,13 @@ from typing import TextIO
 import torch
 from tqdm import tqdm
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "is_terminal"]
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (where a bar's in-place updates render)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty()) if callable(isatty) else False
 
 
 class Progress:
@@ -28,8 +36,8 @@ class Progress:
 
     def __init__(self, enabled: bool, bars: bool, stream: TextIO | None = None) -> None:
         self.enabled = enabled
-        self.bars = bars and enabled
         self.stream = stream if stream is not None else sys.stdout
+        self.bars = bars and enabled and is_terminal(self.stream)
         self._bar: tqdm[object] | None = None
         self._runs: tqdm[object] | None = None
         self._steps = 0

@@ -53,6 +53,22 @@ def step_cost_s(record: Mapping[str, Any]) -> float | None:
     return float(curve[-1]["wall_time_s"]) / float(curve[-1]["step"])
 
 
+#: step times spreading more than this (interquartile range over the median) mean
+#: the machine's load moved while the arms trained: time ratios are then uncertain
+LOAD_BAND = 0.10
+
+
+def step_time_spread(arm: Mapping[str, Any]) -> float | None:
+    """The widest spread of an arm's step times over its seeds (IQR / median), or None."""
+    spreads = []
+    for record in arm["seeds"]:
+        times = record.get("step_times")
+        # a few steps' spread says little about the machine: judge 20 or more
+        if times and times["median_ms"] > 0 and times.get("count", 0) >= 20:
+            spreads.append((times["q3_ms"] - times["q1_ms"]) / times["median_ms"])
+    return max(spreads) if spreads else None
+
+
 def _median_step_cost(arm: Mapping[str, Any]) -> float | None:
     costs = [c for c in (step_cost_s(s) for s in arm["seeds"]) if c is not None]
     return quantile(costs, 0.5) if costs else None
@@ -175,6 +191,14 @@ def verdict_lines(arms: Sequence[Mapping[str, Any]]) -> list[str]:
         )
     elif best is not None:
         lines.append(f"Fastest to the target: {best['name']}, without K-FAC.")
+    spreads = [v for v in (step_time_spread(a) for a in arms) if v is not None]
+    if lines and spreads and max(spreads) > LOAD_BAND:
+        lines.append(
+            f"The machine's load changed while the arms trained: their step times spread by "
+            f"up to {max(spreads):.0%} (the middle half of the steps), so time ratios "
+            f"within about ±{max(spreads):.0%} are uncertain; read the steps first, they are "
+            "not affected."
+        )
     if lines and arms[0]["summary"]["n_seeds"] == 1:
         # Steps to target move by a reading or two between seeds (Muon on text-lm:
         # 180 on seed 0, 160 on seeds 1-2), which is the size of these differences.

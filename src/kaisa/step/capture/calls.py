@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
 from kaisa.core.layer_state import KFACLayer
-from kaisa.core.specs import FactorSource
+from kaisa.core.specs import FactorSource, FactorSpec
 from kaisa.core.statistics import grad_multiplier
 from kaisa.layers.base import LayerAdapter
 from kaisa.methods.base import CurvatureMethod
@@ -62,6 +62,7 @@ from kaisa.step.capture.hooks import (
     _updates_gradients,
     input_term_key,
 )
+from kaisa.step.profile import CAPTURE, StepProfile
 
 __all__ = ["Capture"]
 
@@ -69,14 +70,15 @@ ScaleGetter = Callable[[], Tensor | float | None]
 
 
 def _input_terms(
-    layer: KFACLayer, x: Tensor, memo: TermMemo | None = None
+    layer: KFACLayer, x: Tensor, memo: TermMemo | None = None, profile: StepProfile | None = None
 ) -> list[tuple[int, Tensor, float]]:
     """(factor index, contribution, rows) of every input factor for one call.
 
     ``memo`` is shared by layers that read the same input in one call — the
     q, k and v rows of a self-attention's packed projection — so their common
     input factor is formed once, not three times; a reused term is copied,
-    since a layer's sums may start as the very tensor it is given."""
+    since a layer's sums may start as the very tensor it is given.
+    ``profile``: the terms are timed (:mod:`kaisa.step.profile`)."""
     out = []
     adapter = layer.adapter
     for i, stat in enumerate(layer.statistics):
@@ -89,11 +91,33 @@ def _input_terms(
         if found is not None:
             out.append((i, found[0].clone(), found[1]))
             continue
-        term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype)
+        if profile is None:
+            term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype)
+        else:
+            term, rows_count = _timed_term(profile, "A", layer, spec, x)
         if memo is not None:
             memo[key] = (term, rows_count)
         out.append((i, term, rows_count))
     return out
+
+
+def _timed_term(
+    profile: StepProfile,
+    source: str,
+    layer: KFACLayer,
+    spec: FactorSpec,
+    tensor: Tensor,
+    scale: float | Tensor = 1.0,
+) -> tuple[Tensor, float]:
+    """One factor term and its rows, its time charged to its layer type's phase
+    (:mod:`kaisa.step.profile`) and its rows kept."""
+    adapter = layer.adapter
+    since = profile.start()
+    term, rows = adapter.factor_term(spec, tensor, layer.factor_dtype, scale)
+    phase = profile.term(source, adapter.module)
+    profile.stop(phase, since)
+    profile.record(phase, spec.kind.value, (int(rows), spec.dim))
+    return term, rows
 
 
 PassKey = tuple[int, int]
@@ -114,13 +138,14 @@ def commit_call(
     pass_id: PassKey,
     x: Tensor | None = None,
     method: CurvatureMethod | None = None,
+    profile: StepProfile | None = None,
 ) -> None:
     """Add one call's terms to the layer's sums: the input terms formed at
     forward, then every statistic the method declared from the output
     gradient — through the adapter for a factor, through the method's
     :meth:`~kaisa.methods.base.CurvatureMethod.joint_term` (with the call's
     input ``x``) for a joint one.  Output-gradient and joint statistics count
-    the data points of each pass once."""
+    the data points of each pass once.  ``profile``: the G terms are timed."""
     stats = layer.batch
     for i, value, count in inputs:
         stats.add(i, value)
@@ -132,7 +157,10 @@ def commit_call(
         if stat.source is FactorSource.OUTPUT_GRAD:
             assert stat.factor is not None
             spec = layer.factors[stat.factor]
-            stats.add(i, adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
+            if profile is None:
+                stats.add(i, adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
+            else:
+                stats.add(i, _timed_term(profile, "G", layer, spec, g, scale)[0])
         elif stat.source is FactorSource.JOINT:
             if x is None or method is None:
                 raise RuntimeError(f"kaisa: layer {layer.name!r}: a joint statistic needs x")
@@ -148,7 +176,8 @@ def commit_call(
 
 
 class Capture:
-    """Owns every hook kaisa registers; :meth:`remove` takes them all off.
+    """Owns every hook kaisa registers; :meth:`remove` takes them all off,
+    :meth:`suspend` and :meth:`resume` take its own off and put them back.
 
     Args:
         model: the root module (forward passes are counted on it).
@@ -194,22 +223,32 @@ class Capture:
         self.graph = GraphCapture(
             layers, loss_average=loss_average, loss_divisor=self.loss_divisor, method=method
         )
-        self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(_Hook(self._count_pass, model))
-        ]
+        #: the phases' wall times, while attached (:mod:`kaisa.step.profile`)
+        self.profile: StepProfile | None = None
+        self._model = model
+        #: the hooks registered here (taken off and put back by :meth:`suspend`)
+        self._own: list[RemovableHandle] = self._register()
+        #: hooks an engine registered (:meth:`adopt`)
+        self._adopted: list[RemovableHandle] = []
+        self._removed = False
+
+    def _register(self) -> list[RemovableHandle]:
+        """Put capture's hooks on the model: a pass counter on the root, a
+        forward hook per layer (the functional ones' on their module)."""
+        model = self._model
+        handles = [model.register_forward_pre_hook(_Hook(self._count_pass, model))]
         functional: list[KFACLayer] = []
-        for layer in layers:
+        for layer in self.layers:
             if layer.adapter.captured_by_engine:
                 continue  # the engine calls observe() itself (ModelParallelLayers.connect)
             if not layer.adapter.captured_by_module_hooks:
                 functional.append(layer)
                 continue
             module = layer.adapter.module
-            self._handles.append(
-                module.register_forward_hook(_Hook(self._forward_hook(layer), module))
-            )
+            handles.append(module.register_forward_hook(_Hook(self._forward_hook(layer), module)))
         if functional:
-            self._handles.extend(capture_functional(self, functional))
+            handles.extend(capture_functional(self, functional))
+        return handles
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:
@@ -268,7 +307,7 @@ class Capture:
 
     def adopt(self, handles: list[RemovableHandle]) -> None:
         """Take hooks registered elsewhere (by an engine), so :meth:`remove` removes them."""
-        self._handles.extend(handles)
+        self._adopted.extend(handles)
 
     def observe(
         self,
@@ -294,13 +333,17 @@ class Capture:
                 "parallelised after KFACPreconditioner was built. Construct the preconditioner "
                 "after parallelize_module"
             )
+        profile = self.profile
+        since = profile.start() if profile is not None else 0.0
         recomputed = _in_backward()
         batch = layer.adapter.batch_size(x)
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()
-        terms = _input_terms(layer, x, memo) if self.in_hook else []
+        terms = _input_terms(layer, x, memo, profile) if self.in_hook else []
         output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed, grad_view))
+        if profile is not None:
+            profile.stop(CAPTURE, since)
 
     def _grad_hook(
         self,
@@ -318,6 +361,8 @@ class Capture:
         def hook(grad: Tensor) -> None:
             if not _updates_gradients(layer.adapter.parameters()):
                 return  # not this layer's training gradient: the forward stays pending
+            profile = self.profile
+            since = profile.start() if profile is not None else 0.0
             key = (pass_id, _graph_task())
             g = grad.detach() if grad_view is None else grad_view(grad.detach())
             multiplier = self._multiplier(layer, g, batch)
@@ -325,12 +370,14 @@ class Capture:
                 layer.batch.pending_forwards -= 1
             if keep is not None:
                 layer.pending.calls.append((keep, g, batch, multiplier, key))
-                return
-            commit_call(layer, terms, g, batch, multiplier, key, joint_x, self.method)
-            stats = layer.batch
-            complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
-            if complete and self.on_layer_complete is not None:
-                self.on_layer_complete(layer)
+            else:
+                commit_call(layer, terms, g, batch, multiplier, key, joint_x, self.method, profile)
+                stats = layer.batch
+                complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
+                if complete and self.on_layer_complete is not None:
+                    self.on_layer_complete(layer)
+            if profile is not None:
+                profile.stop(CAPTURE, since)
 
         return hook
 
@@ -370,10 +417,28 @@ class Capture:
         layer.pending.calls.clear()
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in (*self._own, *self._adopted):
             handle.remove()
-        self._handles.clear()
+        self._own.clear()
+        self._adopted.clear()
+        self._removed = True
+
+    def suspend(self) -> None:
+        """Take the hooks registered here off the model (an engine's stay):
+        the forward runs as if kaisa were not attached, and captures nothing."""
+        for handle in self._own:
+            handle.remove()
+        self._own.clear()
+
+    def resume(self) -> None:
+        """Put the hooks :meth:`suspend` took off back (nothing after :meth:`remove`)."""
+        if not self._own and not self._removed:
+            self._own = self._register()
+
+    @property
+    def suspended(self) -> bool:
+        return not self._own and not self._removed
 
     @property
     def active(self) -> bool:
-        return bool(self._handles)
+        return not self._removed

@@ -4,6 +4,36 @@ Importing this package registers every case in
 :data:`kaisa_lab.bench.timing.TIMING_CASES`.
 """
 
-from kaisa_lab.bench.costs import gram
+from kaisa_lab.bench.costs import (
+    breakdown,
+    compile_step,
+    conv_capture,
+    gram,
+    launches,
+    plan_accuracy,
+    plan_paper,
+    plan_scale,
+    precision,
+    stages,
+    steps,
+    strategies,
+    task_steps,
+    tensor_parallel,
+)
 
-__all__ = ["gram"]
+__all__ = [
+    "breakdown",
+    "compile_step",
+    "conv_capture",
+    "gram",
+    "launches",
+    "plan_accuracy",
+    "plan_paper",
+    "plan_scale",
+    "precision",
+    "stages",
+    "steps",
+    "strategies",
+    "task_steps",
+    "tensor_parallel",
+]

@@ -1,0 +1,351 @@
+"""The per-step cost of each arm (an optimizer, ± K-FAC) on a built-in task's own
+model and batches.
+
+For each task, every arm is built in one process — the task's model, the
+arm's optimizer at the task's learning rate, and for an ``opt+kfac`` arm the
+preconditioner at the task's K-FAC settings for that arm (``kfac="task"``:
+the suite's selection, the library's defaults where it selected none) or at
+the library's defaults (``kfac="defaults"``), either updated by
+``kfac_kwargs`` — and the arms step in turns
+(:func:`~kaisa_lab.bench.timer.interleave`: ``block`` steps of each, ``rounds``
+times) on the same batches of the task's training split, so every arm sees
+the same load. A block of 10 holds one factor step at the library's
+defaults, and 10 rounds one inverse update, so the mean is the amortised
+cost of training. ``loss_average`` is always the task's: it says what the
+loss is, it is not a tuning choice.
+
+Per arm: wall ms per step (median and mean), CPU ms per step
+(``time.process_time``; with one thread close to what the step costs on an
+idle core), and for a K-FAC arm ``precond.step()`` alone — its mean, and its
+median on the steps that update neither factors nor inverses (9 in 10 at the
+defaults). With ``floor``, one more arm in the same turns: the bare kernels
+such a plain ``step()`` cannot avoid, each registered layer's ``G⁻¹ ∇ A⁻¹``
+and ``⟨V, ∇⟩`` on random tensors of the preconditioner's own factor sizes
+(a diagonal factor, an embedding's A, is a vector: a scaling).
+
+On the digits tasks' tiny models (3–8 layers of 8–256 units, batch 64) what
+costs is not a kernel but ``step()``'s fixed work per layer (reading,
+preconditioning, clipping and writing each gradient): their plain ``step()``
+sits at 2–3× its floor, where the text tasks' 2,048 rows per layer bring it
+within 1.2–1.35× of its floor and leave the factor steps as the overhead.
+
+    kaisa bench run task-step-cost
+    kaisa bench run task-step-cost --option tasks='["text-lm-large"]' \\
+        --option arms='["adamw", "muon", "adamw+kfac", "muon+kfac"]' --option block=10
+    kaisa bench run task-step-cost --option kfac=defaults --option kfac_kwargs=damping=0.3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kaisa import KFACPreconditioner
+from kaisa.core.specs import FactorKind
+from kaisa_lab.bench.timer import interleave
+from kaisa_lab.bench.timing import Row, TimingCase, register
+
+__all__ = ["TaskArm", "floor_blocks", "kfac_keywords", "parse_kfac_kwargs"]
+
+#: at most this many distinct batches, cycled (each arm sees them in the same order)
+MAX_BATCHES = 256
+
+
+def parse_kfac_kwargs(given: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """K-FAC keywords from a mapping or ``key=value,key=value``: each text value
+    parsed as ``kaisa train``'s ``--kfac-<key>`` parses it (``none``, booleans,
+    enums), so a typo fails before any step is taken."""
+    from kaisa_lab.cli.options import kfac_options
+
+    options = {o.field: o for o in kfac_options() if o.nargs is None}
+    if not given:
+        return {}
+    if isinstance(given, str):
+        pairs = []
+        for item in filter(None, (part.strip() for part in given.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"kfac_kwargs: expected KEY=VALUE; got {item!r}")
+            pairs.append((key.strip(), value.strip()))
+    else:
+        pairs = list(given.items())
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key not in options:
+            raise ValueError(
+                f"kfac_kwargs: {key!r} is not a K-FAC keyword; one of {', '.join(sorted(options))}"
+            )
+        out[key] = options[key].parse(value) if isinstance(value, str) else value
+    return out
+
+
+def kfac_keywords(task: Any, optimizer: str, kfac: str, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The preconditioner's keywords: the task's for the K-FAC arm on ``optimizer``
+    (``kfac="task"``) or none (``"defaults"``: the library's), then ``extra``;
+    ``loss_average`` the task's."""
+    if kfac not in ("task", "defaults"):
+        raise ValueError(f"kfac: 'task' or 'defaults'; got {kfac!r}")
+    base = task.kfac_for(optimizer) if kfac == "task" else {}
+    return {"loss_average": task.loss_average, **base, **extra}
+
+
+def _updates(value: Any, step: int) -> bool:
+    """Whether an interval option (a number or a callable of the step) updates at ``step``."""
+    every = value(step) if callable(value) else value
+    return step % int(every) == 0
+
+
+class TaskArm:
+    """One arm on a task: a training step per call, on the next shared batch;
+    times ``precond.step()`` and the process's CPU time as it goes."""
+
+    def __init__(
+        self, task: Any, name: str, keywords: Mapping[str, Any] | None, batches: list[Any]
+    ):
+        from kaisa_lab.optim.build import build_optimizer
+
+        optimizer, _, kfac = name.partition("+")
+        if kfac not in ("", "kfac"):
+            raise ValueError(f"arm {name!r}: an optimizer, or an optimizer + 'kfac'")
+        d = task.defaults
+        torch.manual_seed(0)
+        self.task = task
+        self.model = task.build_model()
+        self.opt = build_optimizer(
+            optimizer,
+            self.model,
+            lr=task.arm(bool(kfac), optimizer)[0],
+            weight_decay=d.decay(optimizer),
+            momentum=d.momentum,
+            adamw_lr=d.base_lr("adamw"),
+            adamw_weight_decay=d.decay("adamw"),
+        )
+        self.precond: KFACPreconditioner | None = None
+        if kfac:
+            self.precond = KFACPreconditioner(self.model, optimizer=self.opt, **(keywords or {}))
+        self.batches = batches
+        self.index = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cpu_s = 0.0
+        self.calls = 0
+        self.step_ms: list[float] = []
+        self.plain_ms: list[float] = []
+
+    def __call__(self) -> None:
+        cpu = time.process_time()
+        x, y = self.batches[self.index % len(self.batches)]
+        self.index += 1
+        self.opt.zero_grad(set_to_none=True)
+        self.task.loss(self.model(x), y).backward()
+        if self.precond is not None:
+            precond = self.precond
+            k, config = precond.steps, precond.config
+            plain = not (
+                _updates(config.factor_update_steps, k) or _updates(config.inv_update_steps, k)
+            )
+            start = time.perf_counter()
+            precond.step()
+            ms = 1e3 * (time.perf_counter() - start)
+            self.step_ms.append(ms)
+            if plain:
+                self.plain_ms.append(ms)
+        self.opt.step()
+        self.cpu_s += time.process_time() - cpu
+        self.calls += 1
+
+    def kfac_config(self) -> dict[str, Any] | None:
+        """The preconditioner's configuration as built (what was timed), JSON-ready."""
+        if self.precond is None:
+            return None
+        config = dataclasses.asdict(self.precond.config)
+        out: dict[str, Any] = json.loads(json.dumps(config, default=str))
+        return out
+
+
+def floor_blocks(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(G⁻¹, A⁻¹, ∇)`` stand-ins for every layer K-FAC registers on ``model``,
+    at the preconditioner's own factor sizes (Conv1d, attention's q/k/v rows
+    and embeddings as well as Linear and Conv2d); a diagonal factor is a vector."""
+    precond = KFACPreconditioner(model)
+    blocks = []
+    for layer in precond.layers.values():
+        by_axis = {spec.axis: spec for spec in layer.factors}
+        rows, cols = by_axis[0], by_axis[1]
+        g_inv, a_inv = (
+            torch.randn(spec.dim, spec.dim)
+            if spec.kind is FactorKind.DENSE
+            else torch.randn(spec.dim)
+            for spec in (rows, cols)
+        )
+        blocks.append((g_inv, a_inv, torch.randn(rows.dim, cols.dim)))
+    precond.remove_hooks()
+    return blocks
+
+
+def floor_kernels(blocks: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Callable[[], None]:
+    """One plain step's unavoidable products over ``blocks``: ``G⁻¹ ∇ A⁻¹`` and ``⟨V, ∇⟩``."""
+
+    def run() -> None:
+        for g_inv, a_inv, grad in blocks:
+            v = g_inv @ grad if g_inv.dim() == 2 else grad * g_inv[:, None]
+            v = v @ a_inv if a_inv.dim() == 2 else v * a_inv
+            torch.vdot(v.reshape(-1), grad.reshape(-1))
+
+    return run
+
+
+def measure(options: Mapping[str, Any]) -> list[Row]:
+    from kaisa_lab.tasks import get_task
+
+    extra = parse_kfac_kwargs(options["kfac_kwargs"])
+    rows = []
+    for task_name in options["tasks"]:
+        task = get_task(task_name)
+        data = task.load()
+        bs = task.defaults.batch_size
+        order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
+        count = min(MAX_BATCHES, (options["rounds"] + 1) * options["block"], len(order) // bs)
+        batches = [data.train.get_batch(order[i * bs : (i + 1) * bs]) for i in range(count)]
+        names = options["arms"] or [task.defaults.optimizer, f"{task.defaults.optimizer}+kfac"]
+        arms: dict[str, Callable[[], object]] = {}
+        built: dict[str, TaskArm] = {}
+        for name in names:
+            optimizer, kfac, _ = name.partition("+")
+            keywords = kfac_keywords(task, optimizer, options["kfac"], extra) if kfac else None
+            built[name] = TaskArm(task, name, keywords, batches)
+            arms[name] = built[name]
+        if options["floor"] and any(arm.precond is not None for arm in built.values()):
+            torch.manual_seed(0)
+            arms["floor"] = floor_kernels(floor_blocks(task.build_model()))
+        for _ in range(options["block"]):  # a warm turn (lazy set-up, first decompositions)
+            for step in arms.values():
+                step()
+        for each in built.values():
+            each.reset()
+        timed = interleave(arms, rounds=options["rounds"], block=options["block"], warmup=0)
+        first = names[0]
+        for position, (name, timing) in enumerate(timed.items()):
+            config: dict[str, Any] = {"task": task_name, "arm": name, "batch": bs, "first": first}
+            result: dict[str, Any] = {**timing.summary(), "position": position}
+            arm = built.get(name)
+            if arm is not None:
+                config["kfac"] = arm.kfac_config()
+                result["cpu_ms"] = 1e3 * arm.cpu_s / max(1, arm.calls)
+                if arm.precond is not None:
+                    result["step_call_mean_ms"] = statistics.fmean(arm.step_ms)
+                    result["step_call_plain_ms"] = (
+                        statistics.median(arm.plain_ms) if arm.plain_ms else None
+                    )
+            rows.append(Row(f"{task_name} {name}", config, result))
+    return rows
+
+
+def _ordered(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Records in the order measured: the tasks as given, each task's arms as given."""
+    tasks = list(records[0]["config"]["options"]["tasks"]) if records else []
+
+    def key(r: Mapping[str, Any]) -> tuple[int, int]:
+        task = r["config"]["task"]
+        return tasks.index(task) if task in tasks else len(tasks), r["result"]["position"]
+
+    return sorted(records, key=key)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def cost_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """Per task and arm: wall and CPU ms per step (means) and both against the
+    task's first arm; ``step()`` alone (mean, and on a plain step); the floor."""
+    first: dict[str, Mapping[str, Any]] = {
+        r["config"]["task"]: r["result"]
+        for r in records
+        if r["config"]["arm"] == r["config"]["first"]
+    }
+    lines = [
+        "| task | arm | step, mean (ms) | step, median (ms) | vs first arm | CPU ms / step "
+        "| vs first arm | `step()`, mean (ms) | `step()` on a plain step (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in _ordered(records):
+        c, res = r["config"], r["result"]
+        base = first.get(c["task"], {})
+        wall_vs = res["mean_ms"] / base["mean_ms"] if base.get("mean_ms") else None
+        cpu = res.get("cpu_ms")
+        cpu_vs = cpu / base["cpu_ms"] if cpu is not None and base.get("cpu_ms") else None
+        arm = c["arm"] if c["arm"] != "floor" else "floor (`G⁻¹ ∇ A⁻¹`, `⟨V, ∇⟩` per layer)"
+        lines.append(
+            f"| {c['task']} ({c['batch']}) | {arm} | {res['mean_ms']:.2f} | "
+            f"{res['median_ms']:.2f} | {_fmt(wall_vs)} | {_fmt(cpu)} | {_fmt(cpu_vs)} | "
+            f"{_fmt(res.get('step_call_mean_ms'), 3)} | {_fmt(res.get('step_call_plain_ms'), 3)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+#: the K-FAC settings the ``kfac`` table shows
+SHOWN = ("compute_method", "factor_update_steps", "inv_update_steps", "damping", "kl_clip")
+
+
+def kfac_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """Each K-FAC arm's settings as built (what was timed)."""
+    lines = ["| task | arm | " + " | ".join(SHOWN) + " |", "|---|---|" + "---|" * len(SHOWN)]
+    for r in _ordered(records):
+        config = r["config"].get("kfac")
+        if config:
+            cells = " | ".join(str(config.get(k)) for k in SHOWN)
+            lines.append(f"| {r['config']['task']} | {r['config']['arm']} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Per task, each arm's mean step (ms), the floor among them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = _ordered(records)
+    tasks = list(dict.fromkeys(r["config"]["task"] for r in ordered))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        mine = [r for r in ordered if r["config"]["task"] == task]
+        ax.bar(range(len(mine)), [r["result"]["mean_ms"] for r in mine])
+        ax.set_xticks(range(len(mine)), [r["config"]["arm"] for r in mine], rotation=30, ha="right")
+        ax.set_title(task)
+        ax.set_ylabel("ms per step (mean)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+CASE = register(
+    TimingCase(
+        name="task-step-cost",
+        description="each arm's step (optimizer ± K-FAC) on a task's own model and batches, "
+        "interleaved, with step() alone and the floor of its products",
+        measure=measure,
+        options={
+            "tasks": ["digits-mlp", "digits-cnn", "digits-ae"],
+            "arms": None,  # the task's optimizer, then it + kfac
+            "kfac": "task",
+            "kfac_kwargs": {},
+            "rounds": 10,
+            "block": 10,
+            "floor": True,
+        },
+        quick={"tasks": ["digits-mlp"], "rounds": 2, "block": 2},
+        tables={"cost": cost_table, "kfac": kfac_table},
+        plot=plot,
+    )
+)
