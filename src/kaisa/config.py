@@ -600,7 +600,8 @@ class PrecisionConfig:
 class PlannerConfig:
     """What ``grad_worker_fraction='auto'`` chooses with (:mod:`kaisa.planner.forecast`)."""
 
-    #: K-FAC memory per rank the chosen fraction must fit in; None: no limit
+    #: K-FAC memory per rank the chosen fraction must fit in, in MiB (2**20 bytes);
+    #: None: no limit
     memory_budget_mb: float | None = None
     #: the cost model ``grad_worker_fraction='auto'`` predicts with: a JSON file
     #: written by ``kaisa plan --save-costs`` (e.g. measured on one of the

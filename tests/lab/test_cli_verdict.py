@@ -160,6 +160,7 @@ def test_a_changing_load_is_named_and_a_steady_one_is_not() -> None:
                     "median_ms": 100.0,
                     "q1_ms": 100.0,
                     "q3_ms": 100 + 100 * spread,
+                    "count": 50,  # a spread over a few steps says nothing: 20 at least
                 }
         return arms
 
@@ -169,3 +170,8 @@ def test_a_changing_load_is_named_and_a_steady_one_is_not() -> None:
     (said,) = [line for line in busy if "load changed" in line]
     assert "spread by up to 40%" in said and "read the steps first" in said
     assert verdict_lines(demo_like()) == steady  # records without step times: nothing said
+    short = with_spread(demo_like(), 0.4)
+    for a in short:
+        for record in a["seeds"]:
+            record["step_times"]["count"] = 5
+    assert verdict_lines(short) == steady  # five steps' spread: nothing said

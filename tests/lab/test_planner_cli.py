@@ -163,3 +163,19 @@ def test_every_option_of_every_command_has_help() -> None:
 
     walk(build_parser()[0], "kaisa")
     assert not missing
+
+
+def test_memory_is_given_in_mib_on_every_command() -> None:
+    from kaisa_lab.cli.main import build_parser
+
+    parser, commands = build_parser()
+    flags = {
+        flag
+        for sub in ("train", "compare", "plan")
+        for action in commands[sub]._actions
+        for flag in action.option_strings
+        if "memory" in flag and "budget" in flag
+    }
+    assert flags == {"--kfac-memory-budget-mib", "--memory-budget-mib"}
+    args = parser.parse_args(["train", "--kfac-memory-budget-mib", "64"])
+    assert args.kfac_memory_budget_mb == 64.0  # the option counts MiB

@@ -55,7 +55,7 @@ _HELP: dict[str, str] = {
     "('none': the decompositions' dtype)",
     "skip_layers": "regexes of module names or types that K-FAC leaves alone",
     "update_factors_in_hook": "accumulate factors inside the hooks rather than in step()",
-    "memory_budget_mb": "K-FAC memory per rank grad_worker_fraction='auto' must fit in",
+    "memory_budget_mb": "K-FAC memory per rank (MiB) grad_worker_fraction='auto' must fit in",
     "plan_costs": "cost model JSON (kaisa plan --save-costs) grad_worker_fraction='auto' uses",
     "loss_average": "what the training loss is averaged over (unset: the task's)",
     "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
@@ -67,6 +67,9 @@ _HELP: dict[str, str] = {
     "large_factor": "a factor above --kfac-max-factor-dim: 'diagonal' or 'block' "
     "(diagonal blocks of at most that size)",
 }
+
+#: flags named otherwise than their option: memory_budget_mb counts MiB
+FLAG_NAMES: dict[str, str] = {"memory_budget_mb": "memory_budget_mib"}
 
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
@@ -94,8 +97,9 @@ class KFACOption:
 
     @property
     def flag(self) -> str:
-        # kfac_approx is --kfac-approx, not --kfac-kfac-approx
-        name = self.field.removeprefix(PREFIX)
+        # kfac_approx is --kfac-approx, not --kfac-kfac-approx; memory is in MiB
+        # everywhere on the command line (the option counts 2**20 bytes)
+        name = FLAG_NAMES.get(self.field, self.field.removeprefix(PREFIX))
         return "--kfac-" + name.replace("_", "-")
 
     @property

@@ -58,7 +58,7 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
         help="per-rank (micro-)batch (default: the task's; 32)",
     )
     plan.add_argument(
-        "--memory-budget-mib", type=float, default=None, help="K-FAC memory allowed per rank"
+        "--memory-budget-mib", type=float, default=None, help="K-FAC memory allowed per rank (MiB)"
     )
     costs = plan.add_mutually_exclusive_group()
     costs.add_argument("--costs", type=Path, help="a cost model JSON (from --save-costs)")
