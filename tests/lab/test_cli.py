@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import math
@@ -127,8 +126,13 @@ def test_compare_runs_share_hyperparameters_and_record_kfac_config(
     compared: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     _, (sgd, kfac) = compared
-    shared = ("batch_size", "lr", "momentum", "weight_decay", "seed", "epochs")
+    shared = ("batch_size", "momentum", "weight_decay", "seed", "epochs")
     assert {k: sgd["config"][k] for k in shared} == {k: kfac["config"][k] for k in shared}
+    task = get_task("digits-mlp")  # each arm at its own lr: the suite's selection, else the prior
+    assert (sgd["config"]["lr"], kfac["config"]["lr"]) == (
+        task.arm(False, "sgd")[0],
+        task.arm(True, "sgd")[0],
+    )
     assert sgd["config"]["kfac"] is None
     kfac_config = kfac["config"]["kfac"]
     assert set(KFACConfig.field_names()) <= set(kfac_config)
@@ -306,8 +310,8 @@ def test_missing_cifar_data_is_a_clear_usage_error(
 def test_every_kfac_config_field_has_a_typed_option() -> None:
     parser, commands = build_parser()
     help_text = commands["train"].format_help()
-    for f in dataclasses.fields(KFACConfig):
-        assert "--kfac-" + f.name.removeprefix("kfac_").replace("_", "-") in help_text
+    for option in kfac_options():
+        assert option.flag in help_text
     assert [o.field for o in kfac_options()] == list(KFACConfig.field_names())
     args = parser.parse_args(
         [
@@ -426,10 +430,11 @@ def test_cosine_schedule_sets_the_lr_of_both_runs_every_step(
 ) -> None:
     """3 epochs x 5 steps, 1 warm-up epoch: lr = base (s+1)/5, then cosine to 0 over 10 steps."""
     seen = _record_lrs(monkeypatch)
-    base = get_task("digits-mlp").defaults.lr["sgd"]
+    base = 0.1  # given: the arms' own (selected) lrs are another test's subject
     sgd, kfac = run_cli(
-        tmp_path, "compare", *QUICK, "--epochs", "3", "--schedule", "cosine", "--warmup-epochs", "1"
-    )
+        tmp_path, "compare", *QUICK, "--epochs", "3", "--schedule", "cosine", "--warmup-epochs",
+        "1", "--lr", str(base),
+    )  # fmt: skip
     expected = [base * (s + 1) / 5 for s in range(5)]
     expected += [base * 0.5 * (1 + math.cos(math.pi * (s - 5) / 10)) for s in range(5, 15)]
     # The first steps of each kind are compare's untimed warm-up at the base lr.
@@ -449,9 +454,9 @@ def test_the_kfac_arm_takes_its_own_lr_and_schedule(
 ) -> None:
     """--kfac-arm-*: SGD warms up for 5 steps then decays; K-FAC starts at its own lr."""
     seen = _record_lrs(monkeypatch)
-    base = get_task("digits-mlp").defaults.lr["sgd"]
+    base = 0.1
     sgd, kfac = run_cli(
-        tmp_path, "compare", *QUICK, "--epochs", "3", "--schedule", "cosine",
+        tmp_path, "compare", *QUICK, "--epochs", "3", "--schedule", "cosine", "--lr", str(base),
         "--warmup-epochs", "1", "--kfac-arm-warmup-epochs", "0", "--kfac-arm-lr", "0.05",
     )  # fmt: skip
     warm = [base * (s + 1) / 5 for s in range(5)]
@@ -536,10 +541,11 @@ def test_constant_schedule_never_writes_the_lr(
 
     seen = _record_lrs(monkeypatch)
     monkeypatch.setattr(trainer.Trainer, "set_lr", refuse)
-    args = ("train", *QUICK, "--epochs", "2")
+    base = 0.1
+    # digits-mlp's schedule is constant; no warm-up given: the lr is never written
+    args = ("train", *QUICK, "--epochs", "2", "--lr", str(base), "--warmup-epochs", "0")
     (default,) = run_cli(tmp_path / "a", *args)
-    (explicit,) = run_cli(tmp_path / "b", *args, "--schedule", "constant", "--warmup-epochs", "0")
-    base = get_task("digits-mlp").defaults.lr["sgd"]
+    (explicit,) = run_cli(tmp_path / "b", *args, "--schedule", "constant")
     assert {lr for _, lr, _ in seen} == {base}
     assert default["config"]["schedule"] == "constant" and default["config"]["warmup_epochs"] == 0
     strip = [{k: v for k, v in p.items() if k != "wall_time_s"} for p in default["curve"]]
@@ -550,8 +556,11 @@ def test_constant_schedule_with_warmup_ramps_then_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = _record_lrs(monkeypatch)
-    base = get_task("digits-mlp").defaults.lr["sgd"]
-    run_cli(tmp_path, "train", "--no-kfac", *QUICK, "--epochs", "2", "--warmup-epochs", "0.8")
+    base = 0.1
+    run_cli(
+        tmp_path, "train", "--no-kfac", *QUICK, "--epochs", "2", "--warmup-epochs", "0.8",
+        "--lr", str(base),
+    )  # fmt: skip
     lrs = [lr for _, lr, _ in seen][-10:]
     assert lrs == pytest.approx([base * (s + 1) / 4 for s in range(4)] + [base] * 6, rel=1e-12)
 
