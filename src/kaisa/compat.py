@@ -12,7 +12,7 @@ and this module is the one place the compatibility surface is kept.
 
 kfac-pytorch is never imported: its enum members are recognised by name
 (:func:`kaisa.config._as_enum`) and kaisa's members compare equal to them
-(:class:`kaisa.config._SameNameEquality`).
+(:class:`kaisa.core.options.SameNameEquality`).
 """
 
 from __future__ import annotations

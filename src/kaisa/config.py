@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from kaisa.core.options import AssignmentStrategy, LargeFactor, LossAverage, SameNameEquality
+
 __all__ = [
     "KFAC_PYTORCH_DEFAULTS",
     "AlgorithmConfig",
@@ -55,27 +57,7 @@ IntOrSchedule = int | Callable[[int], int]
 FloatOrSchedule = float | Callable[[int], float]
 
 
-class _SameNameEquality:
-    """Enum mixin: a member also equals another library's member of the same
-    enum class name and member name, so a script that switched only its
-    import can keep comparing against ``kfac.enums`` members
-    (``precond.compute_method == kfac.enums.ComputeMethod.EIGEN``)."""
-
-    name: str
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, enum.Enum) and not isinstance(other, type(self)):
-            return type(other).__name__ == type(self).__name__ and other.name == self.name
-        return bool(super().__eq__(other))
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
-
-    def __hash__(self) -> int:
-        return super().__hash__()
-
-
-class ComputeMethod(_SameNameEquality, str, enum.Enum):
+class ComputeMethod(SameNameEquality, str, enum.Enum):
     """How the damped factor inverses are represented.
 
     ``EIGEN`` eigendecomposes A and G and applies ``(A⊗G + γI)⁻¹`` exactly;
@@ -96,14 +78,7 @@ class ComputeMethod(_SameNameEquality, str, enum.Enum):
     EKFAC_ADAM = "ekfac_adam"
 
 
-class AssignmentStrategy(_SameNameEquality, str, enum.Enum):
-    """Cost model used to balance decompositions over ranks: n³ or n²."""
-
-    COMPUTE = "compute"
-    MEMORY = "memory"
-
-
-class DistributedStrategy(_SameNameEquality, enum.Enum):
+class DistributedStrategy(SameNameEquality, enum.Enum):
     """Named gradient-worker fractions of the KAISA paper."""
 
     COMM_OPT = "comm-opt"  #: f = 1
@@ -114,7 +89,7 @@ class DistributedStrategy(_SameNameEquality, enum.Enum):
     AUTO = "auto"
 
 
-class AllreduceMethod(_SameNameEquality, enum.Enum):
+class AllreduceMethod(SameNameEquality, enum.Enum):
     """How factors travel (kfac-pytorch's ``allreduce_method`` attribute):
     bucketed when ``allreduce_bucket_cap_mb`` > 0, one tensor per call at 0."""
 
@@ -154,20 +129,6 @@ class TensorParallelMode(str, enum.Enum):
     BLOCK = "block"
 
 
-class LargeFactor(str, enum.Enum):
-    """What a dense factor larger than ``max_factor_dim`` becomes (:mod:`kaisa.core.blocks`).
-
-    * ``DIAGONAL``: its diagonal, ``d`` entries (kfac-jax's diagonal factor;
-      kaisa's tied head's ``G``).  Memory does not grow with ``d`` squared.
-    * ``BLOCK``: its diagonal blocks of at most ``max_factor_dim`` rows
-      (Distributed Shampoo's ``max_preconditioner_dim``), each decomposed on
-      its own: ``≈ d · max_factor_dim`` entries.
-    """
-
-    DIAGONAL = "diagonal"
-    BLOCK = "block"
-
-
 #: the largest dense factor by default: 8192 rows are 256 MiB in float32 and
 #: about 1.5 GiB with its batch sums, eigenbasis and eigh's workspace, measured
 #: (docs/architecture.md, "Large factors"); ResNet-50's 4608-wide and a
@@ -191,29 +152,6 @@ class Grafting(str, enum.Enum):
 
     SGD = "sgd"
     ADAM = "adam"
-
-
-class LossAverage(str, enum.Enum):
-    """What the training loss was averaged over.
-
-    The output gradients seen by the hooks carry a factor 1/(terms averaged);
-    the G factor undoes it so that A⊗G approximates the Fisher of the
-    mean-reduced loss independently of the batch size.
-
-    * ``BATCH``: ``loss = mean_n ℓ_n`` (classification; the default).
-    * ``BATCH_AND_SEQUENCE``: ``loss = mean_{n,s} ℓ_{n,s}`` (language models
-      with ``reduction='mean'`` over all tokens).
-    * ``SUM``: ``loss = Σ ℓ``; gradients are used unscaled.
-    * ``ITEMS``: ``loss = Σ ℓ / N`` over the whole optimizer step (all its
-      micro-batches), with ``N`` — e.g. the number of non-ignored tokens —
-      set as ``precond.loss_items`` before the step's backward passes (the
-      Hugging Face callback sets it from the Trainer's ``num_items_in_batch``).
-    """
-
-    BATCH = "batch"
-    BATCH_AND_SEQUENCE = "batch_and_sequence"
-    SUM = "sum"
-    ITEMS = "items"
 
 
 _DTYPES = {

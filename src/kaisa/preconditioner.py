@@ -34,12 +34,12 @@ from kaisa.config import (
     LossAverage,
     TensorParallelMode,
 )
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine, GradientAccess, OwnsTheLoop
 from kaisa.layers.registry import SkippedModule
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.step.diagnostics import StepDiagnostics
@@ -323,10 +323,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
 
     @stacking.setter
     def stacking(self, value: bool) -> None:
-        pipeline = self._parts.pipeline
-        pipeline.application.groups.allowed = bool(value)
-        if pipeline.graphed is not None:
-            pipeline.graphed.invalidate()  # recorded with the other path
+        self._parts.pipeline.application.groups.allowed = bool(value)
 
     @property
     def steps(self) -> int:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
+from pathlib import Path
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.registry import SkippedModule
+from kaisa.layers.state import KFACLayer
 
-__all__ = ["describe", "log_registration", "memory_usage"]
+__all__ = ["changes", "describe", "log_registration", "memory_usage", "warn_user"]
+
+_PACKAGE = str(Path(__file__).resolve().parent) + "/"
 
 
 def memory_usage(layers: list[KFACLayer], workspace: int = 0, stacked: int = 0) -> dict[str, int]:
@@ -36,11 +41,7 @@ def describe(
         params = ", ".join(layer.adapter.param_names())
         owners = ", ".join(f"{s.name} on rank {o}" for s, o in zip(layer.factors, lp.owners))
         lines.append(f"  {layer.name:<30} {layer.adapter.describe():<40} [{params}] {owners}")
-    limited = [
-        f"{layer.name}.{spec.name} ({spec.label})"
-        for layer in layers
-        for spec in layer.adapter.limited_specs()
-    ]
+    limited = _limited(layers)
     if limited:
         limit = layers[0].adapter.max_factor_dim
         lines.append(f"Factors above max_factor_dim={limit}, not kept dense: {', '.join(limited)}")
@@ -76,3 +77,47 @@ def log_registration(
     for s in skipped:
         logger.log(level, 'Skipped name="%s" (%s): %s', s.name or "<root>", s.kind, s.reason)
     logger.log(level, "KFAC layer assignments: %s", plan.describe())
+
+
+def _limited(layers: list[KFACLayer]) -> list[str]:
+    """The factors ``max_factor_dim`` made diagonal or blocked, as ``layer.G (label)``."""
+    return [
+        f"{layer.name}.{spec.name} ({spec.label})"
+        for layer in layers
+        for spec in layer.adapter.limited_specs()
+    ]
+
+
+def changes(layers: list[KFACLayer], skipped: list[SkippedModule]) -> str | None:
+    """What kaisa changed about the user's model of its own accord, as one
+    message (None: nothing): supported layers it left out (tied, grouped,
+    sharded, ...; :attr:`SkippedModule.changed`) and factors it did not keep
+    dense (``max_factor_dim``).  Layers the user skipped, and types K-FAC has
+    no factors for, are not changes; :func:`describe` lists those too."""
+    parts = []
+    left = [s for s in skipped if s.changed]
+    if left:
+        parts.append(
+            "kaisa: not preconditioning "
+            + "; ".join(f"{s.name or '<root>'!r} ({s.kind}): {s.reason}" for s in left)
+        )
+    limited = _limited(layers)
+    if limited:
+        limit = layers[0].adapter.max_factor_dim
+        parts.append(
+            f"kaisa: factors above max_factor_dim={limit} are not kept dense: "
+            + ", ".join(limited)
+            + " (raise max_factor_dim, or choose large_factor, to change this)"
+        )
+    if not parts:
+        return None
+    return ". ".join(parts) + ". KFACPreconditioner.describe() lists every layer."
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside kaisa, so the
+    warning names the user's line however deep in kaisa it was raised."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn_user's caller
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, category, stacklevel=level)

@@ -29,16 +29,16 @@ from kaisa.config import (
     KFACConfig,
     layer_dtypes,
 )
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
 from kaisa.distributed.topology import Topology
 from kaisa.engines import Engine, GradientAccess, ModelParallelLayers, OwnsTheLoop, select_engine
 from kaisa.layers.registry import SkippedModule, register_layers, supported_layers
-from kaisa.methods import CurvatureMethod, method_for
-from kaisa.methods.grafted import GraftedMethod
+from kaisa.layers.state import KFACLayer
+from kaisa.methods import CurvatureMethod, resolve_method
 from kaisa.planner.forecast import auto_fraction
+from kaisa.report import changes, warn_user
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
 from kaisa.step.loss_scaling import LossScaling
@@ -55,7 +55,6 @@ __all__ = [
     "check_method_plan",
     "check_runtime_arguments",
     "configure",
-    "resolve_method",
 ]
 
 
@@ -238,17 +237,6 @@ def check_runtime_arguments(
         )
 
 
-def resolve_method(method: CurvatureMethod | None, config: KFACConfig) -> CurvatureMethod:
-    """The method object given (``method=``), else the one ``compute_method``
-    names; wrapped in :class:`kaisa.methods.grafted.GraftedMethod` when
-    ``grafting`` is set."""
-    if method is None:
-        method = method_for(config.compute_method, config.compute_eigenvalue_outer_product)
-    if config.grafting is not None:
-        method = GraftedMethod(method, config.grafting)
-    return method
-
-
 def check_method_options(method: CurvatureMethod, config: KFACConfig) -> None:
     """Refuse options a method cannot honour: a method whose :meth:`apply`
     updates its state every step (running moments,
@@ -342,16 +330,20 @@ def build(
     method: CurvatureMethod | None = None,
 ) -> Parts:
     config, engine, topology = setup.config, setup.engine, setup.topology
-    method = resolve_method(method, config)
+    given = method  # the planner resolves it as the run does (grafting applied once)
+    method = resolve_method(given, config)
     check_method_options(method, config)
     layers, skipped = _register(engine, model, config, method)
     ordered = list(layers.values())
+    changed = changes(ordered, skipped)
+    if changed is not None:
+        warn_user(changed)
     world = len(group_ranks(topology.dp if topology is not None else None))
     fraction = config.grad_worker_fraction
     if fraction is DistributedStrategy.AUTO:
         # a method whose statistics need every rank to be a worker runs COMM-OPT only
         every = _needs_every_worker(ordered) is not None
-        fraction = 1.0 if every else auto_fraction(ordered, world, config)
+        fraction = 1.0 if every else auto_fraction(ordered, world, config, given)
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in ordered],
         world,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
+from kaisa.methods import InverseMethod
 from kaisa.planner.forecast import forecast, layer_costs
 
 from harness import run_distributed
@@ -40,6 +41,10 @@ CONFIGS: list[dict[str, Any]] = [
     dict(grad_worker_fraction=1.0, colocate_factors=False, compute_eigenvalue_outer_product=False),
     dict(grad_worker_fraction=0.0, allreduce_bucket_cap_mb=0, factor_dtype=torch.float32),
     dict(grad_worker_fraction=0.5, precondition_dtype=torch.bfloat16),  # + the cast copies
+    # the method the preconditioner resolves: grafting's running moments, a user's method=
+    dict(grad_worker_fraction=0.5, grafting="adam"),
+    dict(grad_worker_fraction=0.0, grafting="sgd", method=InverseMethod()),
+    dict(grad_worker_fraction=1.0, grafting="adam", method=InverseMethod()),
 ]
 
 

@@ -240,3 +240,97 @@ def test_library_never_imports_the_lab() -> None:
         and name != "kaisa.__main__"
     ]
     assert not offenders
+
+
+# -- imports run one way ----------------------------------------------------------------
+
+
+def _top(name: str) -> str:
+    """The top-level package of a kaisa module (``kaisa.step.capture.hooks`` →
+    ``kaisa.step``); a module at the top is its own."""
+    return ".".join(name.split(".")[:2])
+
+
+def private_imports(path: Path, name: str, modules: dict[str, Path]) -> list[str]:
+    """``from kaisa.x import _name`` where ``kaisa.x`` lies in another
+    top-level package than ``name``: a private name crossing a boundary."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")
+            anchor = anchor[: len(anchor) - node.level + 1]
+            base = ".".join([*anchor, base]) if base else ".".join(anchor)
+        if not _within(base, "kaisa") or _top(base) == _top(name):
+            continue
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                found.append(f"{node.lineno}: from {base} import {alias.name}")
+    return found
+
+
+def test_the_private_reader_finds_a_crossing() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.py"
+        path.write_text("from kaisa.step.capture.hooks import _x, y\nfrom . import _z\n")
+        assert private_imports(path, "kaisa.engines.m", {}) == [
+            "1: from kaisa.step.capture.hooks import _x"
+        ]  # the relative import stays in kaisa.engines
+        assert private_imports(path, "kaisa.step.m", {}) == []
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    modules = _modules()
+    offenders = {
+        name: found
+        for name, path in modules.items()
+        if (found := private_imports(path, name, modules))
+    }
+    assert not offenders, (
+        "a private name imported from another package (make it public where it "
+        f"is declared, or move it): {offenders}"
+    )
+
+
+#: what a package must not import of kaisa (itself excepted): the layers run one way
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # tensor math only: no options, layers, processes or step
+    "kaisa.core": ("kaisa",),
+    # the planner reads the resolved method and the declared messages, never the step
+    "kaisa.planner": ("kaisa.step",),
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_below_them(package: str) -> None:
+    graph = _graph()
+    offenders = {
+        n: sorted(
+            m
+            for m in deps
+            if not _within(m, package) and any(_within(m, f) for f in FORBIDDEN[package])
+        )
+        for n, deps in graph.items()
+        if _within(n, package)
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"{package} imports against the layering: {offenders}"
+
+
+def test_the_step_knows_engines_only_through_their_base() -> None:
+    """The step reads an engine through :class:`kaisa.engines.base.Engine`
+    and its capability protocols, never a concrete engine."""
+    graph = _graph()
+    offenders = {
+        n: sorted(m for m in deps if _within(m, "kaisa.engines") and m != "kaisa.engines.base")
+        for n, deps in graph.items()
+        if _within(n, "kaisa.step")
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"the step imports concrete engines: {offenders}"

@@ -902,3 +902,35 @@ def test_autograd_grad_with_respect_to_the_parameters_still_counts() -> None:
         return factors(precond), grads(model)
 
     assert_same(run(True), run(False), "factors and preconditioned gradients")
+
+
+def test_a_backward_autograd_cannot_place_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where autograd's engine cannot say whether a backward fills ``.grad``
+    (here its query raises an unknown error), the backward's output
+    gradients stay out of G, with one warning: counting it could let a
+    gradient penalty into the factors."""
+    from kaisa.step.capture import hooks
+
+    def unknown(node: object) -> bool:
+        raise RuntimeError("engine state unavailable")
+
+    def run(unreadable: bool) -> dict:
+        model = mlp()
+        precond = KFACPreconditioner(model, factor_update_steps=1, damping=0.01, lr=0.1)
+        x, y = batch(seed=0)
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+        x, y = batch(seed=1)
+        model.zero_grad()
+        if unreadable:
+            with monkeypatch.context() as m:
+                m.setattr(torch._C, "_will_engine_execute_node", unknown)
+                F.cross_entropy(model(x), y).backward()
+        precond.step()
+        return factors(precond)
+
+    monkeypatch.setattr(hooks, "_WARNED_UNREADABLE", [])
+    with pytest.warns(RuntimeWarning, match="could not say whether this backward") as seen:
+        got = run(True)
+    assert sum("could not say" in str(w.message) for w in seen) == 1  # once, not per layer
+    assert_same(got, run(False), "factors: the unreadable backward left out")

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSpec
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
+from kaisa.layers.state import KFACLayer
 
 __all__ = ["FactorMirror"]
 

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from kaisa.checkpoint.state import STATE_VERSION
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.plan import WorkPlan
+from kaisa.layers.state import KFACLayer
 
 if TYPE_CHECKING:
     from kaisa.config import KFACConfig

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from kaisa.checkpoint.mirror import FactorMirror
 from kaisa.config import KFACConfig
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.step.second_order import SecondOrderUpdate
 

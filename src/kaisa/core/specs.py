@@ -22,8 +22,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from kaisa.config import AssignmentStrategy, LargeFactor
 from kaisa.core.blocks import BlockLayout
+from kaisa.core.options import AssignmentStrategy, LargeFactor
 
 __all__ = [
     "FactorKind",

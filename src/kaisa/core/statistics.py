@@ -34,8 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kaisa.config import LossAverage
 from kaisa.core.blocks import BlockLayout
+from kaisa.core.options import LossAverage
 from kaisa.core.specs import FactorKind
 
 __all__ = [

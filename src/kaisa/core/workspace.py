@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MAX_OPERAND_NUMEL",
     "MIN_BYTES",
     "Alternating",
     "Workspace",
@@ -53,6 +54,12 @@ _ROLES = ("gradient", "ping", "pong")
 #: (glibc's smallest threshold for handing memory back to the system is 128
 #: KiB), and a buffer would only add Python work to a small layer's step
 MIN_BYTES = 128 * 1024
+
+#: the largest operand (eigenbasis, inverse, divisor) a layer preconditioned
+#: stacked with others of its shape may hold (:mod:`kaisa.step.batched`):
+#: stacking copies the operands, which a large layer would pay for in memory
+#: and not win back in launches; :mod:`kaisa.planner.forecast` counts the copies
+MAX_OPERAND_NUMEL = 1 << 18
 
 
 def uses_workspace(device: torch.device, numel: int, itemsize: int) -> bool:

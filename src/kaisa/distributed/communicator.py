@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import datetime
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from kaisa.distributed.collectives import group_ranks
+from kaisa.distributed.messages import MessagePart, Part, message_numel, packed_numel
 from kaisa.distributed.topology import Topology
 
 __all__ = [
@@ -105,41 +106,6 @@ def pack(t: Tensor, symmetric: bool) -> Tensor:
         idx = torch.triu_indices(n, n, device=t.device)
         return t[idx[0], idx[1]]
     return t.reshape(-1)
-
-
-def packed_numel(shape: torch.Size, symmetric: bool) -> int:
-    if symmetric:
-        n = shape[0]
-        return n * (n + 1) // 2
-    return int(torch.Size(shape).numel())
-
-
-class MessagePart(Protocol):
-    """One tensor of a message, as declared before it exists: a method's
-    :class:`~kaisa.methods.base.HeldTensor`, a layer's
-    :class:`~kaisa.core.specs.StatisticSpec`, or a :class:`Part`."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def symmetric(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class Part:
-    """A tensor of a message the step builds itself (a gradient, an inner product)."""
-
-    shape: tuple[int, ...]
-    symmetric: bool = False
-
-
-def message_numel(parts: Iterable[MessagePart], symmetry_aware: bool) -> int:
-    """Elements one message of ``parts`` puts on the wire: what the step's
-    collectives send (:meth:`Communicator.broadcast` packs a symmetric part's
-    upper triangle when ``symmetry_aware``) and what the planner forecasts —
-    the one rule both read."""
-    return sum(packed_numel(torch.Size(p.shape), symmetry_aware and p.symmetric) for p in parts)
 
 
 def unpack(flat: Tensor, shape: torch.Size, symmetric: bool) -> Tensor:

@@ -17,6 +17,7 @@ from kaisa.engines.base import (
     InPlaceGradients,
     ModelParallelLayers,
     OwnsTheLoop,
+    ReplayableGradients,
     ShardedReads,
 )
 from kaisa.engines.pytorch import GradientAccess, ParamGradAccess, TorchEngine, unwrap_model
@@ -30,6 +31,7 @@ __all__ = [
     "ModelParallelLayers",
     "OwnsTheLoop",
     "ParamGradAccess",
+    "ReplayableGradients",
     "ShardedReads",
     "TorchEngine",
     "select_engine",

@@ -29,10 +29,10 @@ from kaisa.layers.base import LayerAdapter
 
 if TYPE_CHECKING:
     from kaisa.config import KFACConfig
-    from kaisa.core.layer_state import KFACLayer
     from kaisa.core.workspace import Workspace
     from kaisa.distributed.communicator import Communicator
     from kaisa.layers.registry import SkippedModule
+    from kaisa.layers.state import KFACLayer
     from kaisa.step.capture.calls import Capture
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "MarksStamp",
     "ModelParallelLayers",
     "OwnsTheLoop",
+    "ReplayableGradients",
     "ShardedReads",
     "assemble_by_workers",
     "unique_parameters",
@@ -234,6 +235,17 @@ class ModelParallelLayers(Protocol):
     def after_write(self) -> None:
         """Called on every rank once :meth:`Engine.write` has run for every
         layer of the step (the scatter of preconditioned shards)."""
+        ...
+
+
+@runtime_checkable
+class ReplayableGradients(Protocol):
+    """Gradients a recorded CUDA graph may read and overwrite on replay
+    (:mod:`kaisa.step.graphed`): plain ``param.grad`` tensors, found where a
+    recording left them, with no engine code between the graph and them."""
+
+    def replayable(self) -> bool:
+        """Whether this engine's gradients are such tensors (asked once)."""
         ...
 
 

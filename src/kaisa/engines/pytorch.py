@@ -11,7 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.core.workspace import Workspace
-from kaisa.engines.base import Engine, GradientMarks, InPlaceGradients, unique_parameters
+from kaisa.engines.base import (
+    Engine,
+    GradientMarks,
+    InPlaceGradients,
+    ReplayableGradients,
+    unique_parameters,
+)
 from kaisa.layers.base import LayerAdapter, sole_owners
 
 __all__ = ["GradientAccess", "ParamGradAccess", "TorchEngine", "unwrap_model"]
@@ -59,7 +65,7 @@ class ParamGradAccess:
             grad.copy_(value)
 
 
-class TorchEngine(Engine, InPlaceGradients):
+class TorchEngine(Engine, InPlaceGradients, ReplayableGradients):
     """Gradients in ``param.grad`` (or behind a user-supplied :class:`GradientAccess`).
 
     Plain tensors, so it offers the in-place fast path
@@ -85,6 +91,10 @@ class TorchEngine(Engine, InPlaceGradients):
         # DDP averages every parameter's gradient on every rank (unused ones too,
         # with find_unused_parameters), so presence is the same everywhere
         return self._ddp and isinstance(self.access, ParamGradAccess)
+
+    def replayable(self) -> bool:
+        # a user-supplied GradientAccess may move or compute gradients in Python
+        return isinstance(self.access, ParamGradAccess)
 
     def present(self, adapter: LayerAdapter) -> bool:
         return self.access.read(adapter.weight) is not None

@@ -9,7 +9,6 @@ report can tell the user exactly which parameters the optimizer sees raw.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,12 +77,18 @@ def supported_layers() -> str:
 
 @dataclass(frozen=True)
 class SkippedModule:
-    """A module that owns parameters but is not preconditioned."""
+    """A module that owns parameters but is not preconditioned.
+
+    ``changed``: kaisa left it out of its own accord — a supported layer it
+    cannot precondition as configured (tied, grouped, sharded) — rather than
+    at the user's request (``skip_layers``) or because the type is one K-FAC
+    has no factors for (a LayerNorm); such layers are named in a warning."""
 
     name: str
     kind: str
     reason: str
     parameters: tuple[str, ...]
+    changed: bool = False
 
 
 def _unsupported_reason(module: nn.Module) -> str | None:
@@ -198,19 +203,20 @@ def register_layers(
                 f"weight tied to {heads[name]}.weight: preconditioned there, as the output "
                 "head (the embedding's own curvature term is left out)"
             )
+            # not a change to tell of: the weight is preconditioned, as the head
             skipped.append(SkippedModule(name, kind, why, params))
             continue
         if ties and _known_type(module):
             why = "tied parameter (" + "; ".join(ties) + "): left to the optimizer"
-            skipped.append(SkippedModule(name, kind, why, params))
+            skipped.append(SkippedModule(name, kind, why, params, changed=True))
             continue
         adapter, reason = adapter_for(name, module)
         if adapter is None:
-            if _known_type(module):  # a supported type, unsupported here
-                warnings.warn(f"kaisa: not preconditioning {name!r}: {reason}", stacklevel=3)
             if ties:
                 reason = f"{reason}; tied parameter (" + "; ".join(ties) + ")"
-            skipped.append(SkippedModule(name, kind, reason or "unsupported", params))
+            # a supported type unsupported here is a change the user is told of
+            changed = _known_type(module)
+            skipped.append(SkippedModule(name, kind, reason or "unsupported", params, changed))
             continue
         adapters.append(adapter)
     return adapters, skipped
@@ -238,7 +244,7 @@ def _attention(
     if extra:
         names = tuple(f"{name}.{n}" if name else n for n in extra)
         why = "bias_k/bias_v (add_bias_kv) are appended to the keys/values, not a projection"
-        skipped.append(SkippedModule(name, "MultiheadAttention", why, names))
+        skipped.append(SkippedModule(name, "MultiheadAttention", why, names, changed=True))
     return blocks
 
 

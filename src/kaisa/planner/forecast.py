@@ -30,8 +30,8 @@ from kaisa.config import (
     layer_dtypes,
 )
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, StatisticDtype, StatisticSpec
-from kaisa.core.workspace import uses_workspace, workspace_bytes
-from kaisa.distributed.communicator import message_numel
+from kaisa.core.workspace import MAX_OPERAND_NUMEL, uses_workspace, workspace_bytes
+from kaisa.distributed import messages
 from kaisa.distributed.plan import (
     LayerSpec,
     WorkPlan,
@@ -41,12 +41,9 @@ from kaisa.distributed.plan import (
 )
 from kaisa.layers.base import sole_owners
 from kaisa.layers.registry import register_layers
-from kaisa.methods import method_for
+from kaisa.methods import resolve_method
 from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.planner.costs import CostModel
-from kaisa.step import apply as apply_phase
-from kaisa.step import reduce as reduce_phase
-from kaisa.step.batched import MAX_OPERAND_NUMEL
 
 __all__ = [
     "STAGES",
@@ -207,7 +204,7 @@ def _total(table: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def _bytes(tensors: Sequence[HeldTensor], itemsize: int, symmetry_aware: bool) -> int:
     """A second-order broadcast: the transfer's tensors as the communicator packs them."""
-    return itemsize * message_numel(tensors, symmetry_aware)
+    return itemsize * messages.message_numel(tensors, symmetry_aware)
 
 
 def _product_flop(layer: LayerCost, method: CurvatureMethod) -> float:
@@ -248,12 +245,12 @@ def _add_statistics(
             if stat.dtype is StatisticDtype.SECOND_ORDER
             else (layer.factor_itemsize)
         )
-        nbytes = itemsize * reduce_phase.statistic_numel(stat, sym)
+        nbytes = itemsize * messages.statistic_numel(stat, sym)
         t.factor_step["statistic_allreduce"] += nbytes
         t.secs["factor_fold"] += cost.traffic(3.0 * stat.numel * itemsize)
         if layer.rows is not None:
             t.secs["capture"] += cost.compute(layer.rows * stat.flop_per_row)
-    t.factor_step["factor_counts"] += reduce_phase.COUNT_DTYPE.itemsize * len(statistics)
+    t.factor_step["factor_counts"] += messages.COUNT_DTYPE.itemsize * len(statistics)
 
 
 @dataclass
@@ -287,7 +284,7 @@ def _add_factors(
     there on factor steps, captured on every rank."""
     for spec, owner in zip(layer.factors, owners):
         t.memory["factors"][owner] += spec.numel * layer.factor_itemsize
-        t.factor_step["factor_reduce"] += layer.factor_itemsize * reduce_phase.statistic_numel(
+        t.factor_step["factor_reduce"] += layer.factor_itemsize * messages.statistic_numel(
             spec, sym
         )
         # the owner folds the reduced sum into the running average: the
@@ -302,7 +299,7 @@ def _add_factors(
             copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
             t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
             t.secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
-    t.factor_step["factor_counts"] += reduce_phase.COUNT_DTYPE.itemsize * len(layer.factors)
+    t.factor_step["factor_counts"] += messages.COUNT_DTYPE.itemsize * len(layer.factors)
 
 
 def _add_grad_broadcast(
@@ -335,9 +332,15 @@ def forecast(
     cost: CostModel | None = None,
     *,
     gradients_agree: bool = True,
+    method: CurvatureMethod | None = None,
     **kfac: Any,
 ) -> Forecast:
     """Predict one configuration (``**kfac``: KFACPreconditioner keywords).
+
+    ``method``: the preconditioner's ``method=`` when one is given; the
+    method forecast is resolved as the preconditioner resolves it
+    (:func:`kaisa.methods.resolve_method`: ``compute_method``, ``grafting``),
+    so the forecast counts the state the run holds.
 
     ``gradients_agree``: gradients are averaged by DDP or an engine (no
     per-step presence vote); False for hand-averaged gradients.  Each
@@ -354,7 +357,7 @@ def forecast(
         config.assignment_strategy,
         config.colocate_factors,
     )
-    method = method_for(config.compute_method, config.compute_eigenvalue_outer_product)
+    method = resolve_method(method, config)
     w, sym = world_size, config.symmetry_aware
     t = _Tally.zeros(w)
     exchange, grad_bytes = 0, 0
@@ -384,8 +387,8 @@ def forecast(
                 column = range(w)[workers]
                 t.secs["inverse_comm"][workers] += cost.collective(sent, column, 1)
         t.secs["precondition"][workers] += cost.compute(_product_flop(layer, method))
-        message = apply_phase.grad_message(layer.grad_shape)
-        grad_bytes += message_numel(message, False) * layer.grad_itemsize
+        message = messages.grad_message(layer.grad_shape)
+        grad_bytes += messages.message_numel(message, False) * layer.grad_itemsize
     if plan.grad_workers < w:
         _add_grad_broadcast(t, plan, grad_bytes, len(layers), cost)
     else:
@@ -535,14 +538,16 @@ def choose_fraction(
     world_size: int,
     cost: CostModel | None = None,
     memory_budget: float | None = None,
+    method: CurvatureMethod | None = None,
     **kfac: Any,
 ) -> tuple[float, list[Forecast]]:
     """The fraction with the least predicted overhead whose K-FAC memory fits
     ``memory_budget`` bytes per rank (MEM-OPT when none fits); ties go to the
-    one using less memory.  Deterministic, so every rank picks the same."""
+    one using less memory.  Deterministic, so every rank picks the same.
+    ``method``: as :func:`forecast`'s."""
     kfac.pop("grad_worker_fraction", None)
     options = [
-        forecast(layers, world_size, cost, grad_worker_fraction=f, **kfac)
+        forecast(layers, world_size, cost, grad_worker_fraction=f, method=method, **kfac)
         for f in fractions_for(world_size)
     ]
     fitting = [
@@ -560,10 +565,17 @@ def check_world(world_size: int) -> None:
     grad_workers_for(DistributedStrategy.COMM_OPT, world_size)
 
 
-def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) -> float:
+def auto_fraction(
+    layers: Sequence[Any],
+    world_size: int,
+    config: KFACConfig,
+    method: CurvatureMethod | None = None,
+) -> float:
     """``grad_worker_fraction='auto'``: :func:`choose_fraction` on the registered
-    layers with the cost model of ``config.plan_costs`` (the default figures
-    when None) and ``config.memory_budget_mb``.  Every input is the same on
+    layers, for ``method`` (the preconditioner's own ``method=``, grafting
+    applied by the forecast as by the run), with the cost model of
+    ``config.plan_costs`` (the default figures when None) and
+    ``config.memory_budget_mb``.  Every input is the same on
     every rank (the same file), so every rank picks the same fraction.  On
     the CPU the products' workspace counts against the budget, as
     :func:`layer_costs` counts it."""
@@ -589,5 +601,5 @@ def auto_fraction(layers: Sequence[Any], world_size: int, config: KFACConfig) ->
     kfac = {name: getattr(config, name) for name in KFACConfig.field_names()}
     budget = config.memory_budget_mb * 2**20 if config.memory_budget_mb is not None else None
     cost = CostModel.load(Path(config.plan_costs)) if config.plan_costs is not None else None
-    chosen, _ = choose_fraction(costs, world_size, cost, budget, **kfac)
+    chosen, _ = choose_fraction(costs, world_size, cost, budget, method, **kfac)
     return chosen

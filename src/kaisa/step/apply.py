@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from kaisa.core.kl_clip import kl_scale, kl_scale_value, kl_term
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.workspace import Workspace
-from kaisa.distributed.communicator import Communicator, Part
+from kaisa.distributed.communicator import Communicator
+from kaisa.distributed.messages import grad_message
 from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
 from kaisa.layers.base import LayerAdapter
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.batched import ShapeGroups
 from kaisa.step.diagnostics import StepDiagnostics
@@ -43,14 +44,6 @@ from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["GradientApplication"]
-
-
-def grad_message(matrix_shape: tuple[int, ...] | torch.Size) -> tuple[Part, Part]:
-    """What a layer's gradient worker sends its receivers every step when
-    ``grad_worker_fraction < 1``: the preconditioned gradient matrix and its
-    ``⟨V, ∇⟩`` (one element), so the receivers need not hold the gradient
-    for the KL clip.  :mod:`kaisa.planner.forecast` counts the same parts."""
-    return Part(tuple(matrix_shape)), Part((1,))
 
 
 class GradientApplication:

@@ -29,19 +29,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorKind
+from kaisa.core.workspace import MAX_OPERAND_NUMEL
 from kaisa.engines.base import Engine, InPlaceGradients
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
-__all__ = ["MAX_OPERAND_NUMEL", "ShapeGroups", "read_stacked"]
+__all__ = ["ShapeGroups", "read_stacked"]
 
 #: ``(method, factors, operands, stacked, damping) -> (V, ⟨V, ∇⟩ per layer)``
 Kernel = Callable[..., tuple[Tensor, Tensor]]
 
-#: the largest operand (eigenbasis, inverse, divisor) a stacked layer may hold
-MAX_OPERAND_NUMEL = 1 << 18
 
 GroupKey = tuple[object, ...]
 
@@ -72,8 +71,9 @@ class ShapeGroups:
         self._stacks: dict[tuple[str, ...], _Stack] = {}
         self._kernel: Kernel = group_kernel
         self._cuda_graphs = False
-        #: False: every layer on its own (``precond.stacking``)
-        self.allowed = True
+        self._allowed = True
+        #: moves when :attr:`allowed` changes (what a recording of the step reads)
+        self.revision = 0
 
     def compile(self, **options: Any) -> None:
         """Run each group's kernel compiled (``torch.compile(**options)``,
@@ -88,6 +88,17 @@ class ShapeGroups:
         options = {"fullgraph": True, **options}
         self._kernel = torch.compile(group_kernel, **options)
         self._cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
+
+    @property
+    def allowed(self) -> bool:
+        """False: every layer on its own (``precond.stacking``)."""
+        return self._allowed
+
+    @allowed.setter
+    def allowed(self, value: bool) -> None:
+        if value != self._allowed:
+            self._allowed = value
+            self.revision += 1
 
     @property
     def enabled(self) -> bool:

@@ -22,8 +22,12 @@ What may differ between replays, and how each is kept right:
   when a value changes (a schedule costs one fill, not a new recording; an
   optimizer's tensor learning rate is copied in every step, unread).
 * **the operands** (eigenbases, inverses, stacked groups): new at every
-  decomposition; the pipeline drops the graph then (:meth:`invalidate`) and
-  the next non-factor step records anew (once per inverse update).
+  decomposition or load.  Each layer's second-order state counts such
+  changes (:attr:`kaisa.layers.state.SecondOrderState.generation`), and the
+  stacking switch its own (:attr:`kaisa.step.batched.ShapeGroups.revision`):
+  a replay compares them with the recording's, and where one moved the
+  step records anew (once per inverse update).  Nobody has to tell the
+  graph that its operands changed.
 * **which layers take part** (which have a gradient): part of the key; a
   new set records anew.
 
@@ -55,9 +59,8 @@ from typing import Protocol, cast
 import torch
 from torch import Tensor, nn
 
-from kaisa.core.layer_state import KFACLayer
-from kaisa.engines.base import GradientMarks, unique_parameters
-from kaisa.engines.pytorch import ParamGradAccess, TorchEngine
+from kaisa.engines.base import GradientMarks, ReplayableGradients, unique_parameters
+from kaisa.layers.state import KFACLayer
 from kaisa.step.apply import GradientApplication
 from kaisa.step.nonfinite import VerdictTally
 
@@ -191,11 +194,14 @@ class GraphedApplication:
         self._params: list[nn.Parameter] = []
         #: the weights of the layers not recorded, and whether each had a gradient
         self._others: list[tuple[nn.Parameter, bool]] = []
+        #: the operands' generations when recorded (:meth:`_generation`)
+        self._recorded_at: tuple[int, int] = (-1, -1)
 
     def invalidate(self) -> None:
         """Drop the graph (the operands it reads were replaced)."""
         self._recorder = None
         self._key = NO_KEY
+        self._recorded_at = (-1, -1)
         self._grads = []
 
     def eligible(self) -> bool:
@@ -205,8 +211,8 @@ class GraphedApplication:
             app = self.application
             engine, plan = app.engine, app.plan
             self._fixed_ok = (
-                isinstance(engine, TorchEngine)
-                and isinstance(engine.access, ParamGradAccess)
+                isinstance(engine, ReplayableGradients)
+                and engine.replayable()
                 and not app.comm.model_parallel
                 and (
                     not app.comm.distributed
@@ -239,6 +245,8 @@ class GraphedApplication:
         if not self.eligible():
             self.invalidate()
             return False, None
+        if self._recorder is not None and self._recorded_at != self._generation(layers):
+            self.invalidate()  # a decomposition, a load or the stacking switch since
         if self._recorder is not None and (kl_clip is None, verdict_of is None) == self._key[1:]:
             grads = [p.grad for p in self._params]
             held = self._grads
@@ -264,6 +272,15 @@ class GraphedApplication:
             return False, None
         done = self._record(layers, key, damping, lr, kl_clip, verdict_of)
         return done, self._counted(done and verdict_of is not None, step)
+
+    def _generation(self, layers: list[KFACLayer]) -> tuple[int, int]:
+        """What moves when the operands the graph reads are replaced: the
+        layers' second-order generations (summed: each only grows) and the
+        stacking switch's revision."""
+        total = 0
+        for layer in layers:
+            total += layer.state.generation
+        return total, self.application.groups.revision
 
     def stamp(self) -> ReplayStamp | None:
         """The gradients as the last replay (or recording) left them; None
@@ -310,7 +327,6 @@ class GraphedApplication:
         """Record this step's work (running it); returns whether it ran."""
         self.invalidate()
         engine = self.application.engine
-        assert isinstance(engine, TorchEngine)
         taking = [la for la in layers if la.captured and engine.present(la.adapter)]
         params = unique_parameters([la.adapter for la in taking])
         grads = [p.grad for p in params if p.grad is not None]
@@ -352,6 +368,7 @@ class GraphedApplication:
             return True
         self._recorder = recorder
         self._key = key
+        self._recorded_at = self._generation(layers)
         self._params = params
         self._grads = grads
         self._others = [

@@ -17,10 +17,10 @@ import torch
 from torch import Tensor
 
 from kaisa.core.kl_clip import kl_term, sum_kl_terms
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.workspace import Workspace, uses_workspace
 from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 

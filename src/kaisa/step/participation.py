@@ -14,9 +14,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator
 from kaisa.engines.base import Engine
+from kaisa.layers.state import KFACLayer
 
 __all__ = ["Participation"]
 

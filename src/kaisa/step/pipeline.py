@@ -2,7 +2,7 @@
 
     capture (hooks, during forward/backward)      kaisa.step.capture.calls
     → batch statistics, reduced to their owner    kaisa.step.reduce
-    → running average (owners only)               kaisa.core.layer_state
+    → running average (owners only)               kaisa.layers.state
     → decompose (owners only)                     kaisa.step.second_order, kaisa.methods
     → broadcast to the layer's gradient workers   kaisa.step.second_order
     → precondition (gradient workers)             kaisa.step.apply, kaisa.methods
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import Engine, GradientMarks, OwnsTheLoop
+from kaisa.layers.state import KFACLayer
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
 from kaisa.step.graphed import GraphedApplication
@@ -235,8 +235,6 @@ class StepPipeline:
         self.steps = steps
         self._settled = False
         self.capture.enabled = self.schedule.is_factor_step(steps)
-        if self.graphed is not None:
-            self.graphed.invalidate()  # the load replaced the operands it recorded
 
     # -- phases --------------------------------------------------------------------
     def check_new_backward(self) -> None:
@@ -350,8 +348,6 @@ class StepPipeline:
         if every or not self._settled:
             due = [la for la in self.layers if la.captured and (every or not la.decomposed)]
             self.second_order.run(due, damping)
-            if due and self.graphed is not None:
-                self.graphed.invalidate()  # it reads the operands just replaced
             self._settled = all(la.decomposed for la in self.layers if la.captured)
         self.stale = False
         if inverse_step and self.on_inverse_step is not None:

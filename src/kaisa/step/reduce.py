@@ -31,27 +31,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import ReducedTo
 from kaisa.core.statistics import fold_averages_
-from kaisa.distributed.communicator import Communicator, MessagePart, message_numel, pack, unpack
+from kaisa.distributed.communicator import Communicator, pack, unpack
+from kaisa.distributed.messages import COUNT_DTYPE, statistic_numel
 from kaisa.distributed.plan import WorkPlan
+from kaisa.layers.state import KFACLayer
 from kaisa.step.profile import FOLD, StepProfile
 
 __all__ = ["EVERY_RANK", "FactorReduction"]
 
 #: the "owner" of a bucket summed onto every rank (statistics reduced to the workers)
 EVERY_RANK = -1
-
-
-#: the row counts travel beside the sums, one per statistic, in this dtype
-COUNT_DTYPE = torch.float64
-
-
-def statistic_numel(stat: MessagePart, symmetry_aware: bool) -> int:
-    """Elements one statistic's sums take in a reduction bucket (and on the
-    wire); :mod:`kaisa.planner.forecast` counts the same."""
-    return message_numel([stat], symmetry_aware)
 
 
 @dataclass

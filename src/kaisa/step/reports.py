@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import warnings
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource
 from kaisa.engines.base import Engine
+from kaisa.layers.state import KFACLayer
 
 __all__ = ["StepReports"]
 

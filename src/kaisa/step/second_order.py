@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from kaisa.core.decompose import DecompositionError
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorKind
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor, Transfer
 from kaisa.step.profile import DECOMPOSE, StepProfile
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import (
     FactorSource,
     ReducedTo,
@@ -32,6 +31,7 @@ from kaisa.core.specs import (
 )
 from kaisa.distributed.plan import LayerSpec, make_plan
 from kaisa.layers import LinearAdapter
+from kaisa.layers.state import KFACLayer
 from kaisa.methods import EigenMethod, InverseMethod
 from kaisa.methods.base import Factors, HeldTensor
 from kaisa.wiring import check_method_plan

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed.plan import LayerSpec, make_plan
 from kaisa.layers import LinearAdapter
+from kaisa.layers.state import KFACLayer
 from kaisa.methods import method_for
 from kaisa.methods.ekfac import EKFACMethod, second_moment
 from kaisa.planner.forecast import forecast, layer_costs

@@ -307,3 +307,44 @@ def test_auto_fraction_counts_the_cpu_workspace_against_the_budget(tmp_path: Pat
     assert expected < 1.0
     config = KFACConfig(memory_budget_mb=budget_mb, plan_costs=str(path), **kfac)
     assert auto_fraction(layers, 4, config) == expected
+
+
+def test_auto_fraction_sees_the_method_the_run_resolves(tmp_path: Path) -> None:
+    """'auto' forecasts the method the preconditioner runs: with grafting (its
+    running moments held, the stacked copies not) COMM-OPT's memory differs,
+    and a budget between the two memories gives different fractions; a
+    user's ``method=`` replaces ``compute_method``."""
+    from kaisa.config import KFACConfig
+    from kaisa.methods import InverseMethod
+    from kaisa.planner.forecast import auto_fraction
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    layers = list(KFACPreconditioner(model).layers.values())
+    kfac = dict(factor_update_steps=10, inv_update_steps=100)
+    costs = layer_costs(model, **kfac)
+    slow = CostModel(bandwidth=1e6)  # per-step gradient broadcasts dear: COMM-OPT wins
+    path = tmp_path / "costs.json"
+    slow.save(path)
+    plain = forecast(costs, 4, slow, grad_worker_fraction=1.0, **kfac)
+    grafted = forecast(costs, 4, slow, grad_worker_fraction=1.0, grafting="adam", **kfac)
+    assert grafted.config["compute_method"] == "eigen"
+    sizes = sorted([plain.memory["total"].max(), grafted.memory["total"].max()])
+    assert sizes[0] < sizes[1]
+    budget_mb = sum(sizes) / 2 / 2**20
+    picks = {}
+    for grafting in (None, "adam"):
+        config = KFACConfig.from_options(
+            memory_budget_mb=budget_mb, plan_costs=str(path), grafting=grafting, **kfac
+        )
+        extra = {} if grafting is None else {"grafting": grafting}
+        expected, _ = choose_fraction(costs, 4, slow, budget_mb * 2**20, **extra, **kfac)
+        picks[grafting] = auto_fraction(layers, 4, config)
+        assert picks[grafting] == expected
+    assert picks[None] != picks["adam"]  # the budget tells the two methods apart
+    # a user's method= is what is forecast, not compute_method's
+    inverse = forecast(costs, 4, method=InverseMethod(), grad_worker_fraction=1.0, **kfac)
+    assert inverse.config["compute_method"] == "inverse"
+    chosen, options = choose_fraction(costs, 4, None, None, InverseMethod(), **kfac)
+    assert {fc.config["compute_method"] for fc in options} == {"inverse"}
+    assert auto_fraction(layers, 4, KFACConfig(**kfac), InverseMethod()) == chosen

@@ -1,7 +1,7 @@
 """One model of traffic: the forecast reads the messages the step's phases declare.
 
-The reduction lays its buckets out with :func:`kaisa.step.reduce.statistic_numel`,
-the gradient broadcast sends :func:`kaisa.step.apply.grad_message`, a
+The reduction lays its buckets out with :func:`kaisa.distributed.messages.statistic_numel`,
+the gradient broadcast sends :func:`kaisa.distributed.messages.grad_message`, a
 second-order broadcast sends the method's declared transfer; the forecast
 counts exactly those, so a change to what the step sends moves the forecast
 with it (and ``tests/distributed/test_forecast_matches_runs.py`` checks both
@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-import kaisa.step.apply as apply_phase
-import kaisa.step.reduce as reduce_phase
 from kaisa import KFACPreconditioner
-from kaisa.distributed.communicator import Part
+from kaisa.distributed import messages
+from kaisa.distributed.messages import Part
 from kaisa.planner.forecast import forecast, layer_costs
 
 
@@ -37,7 +36,7 @@ def test_the_forecast_reduces_what_the_reduction_lays_out(symmetry_aware: bool) 
     assert laid == int(sent.max()) > 0
     n_statistics = sum(len(la.statistics) for la in precond.layers.values())
     counts = fc.bytes_factor_step["factor_counts"].max()
-    assert counts == n_statistics * reduce_phase.COUNT_DTYPE.itemsize
+    assert counts == n_statistics * messages.COUNT_DTYPE.itemsize
 
 
 def test_the_forecast_follows_the_step_when_a_message_changes(
@@ -45,13 +44,13 @@ def test_the_forecast_follows_the_step_when_a_message_changes(
 ) -> None:
     layers = layer_costs(model())
     before = forecast(layers, 4, grad_worker_fraction=0.25)
-    real = apply_phase.grad_message
+    real = messages.grad_message
 
     def with_extra(shape):  # a hypothetical third part of 7 elements
         return (*real(shape), Part((7,)))
 
-    monkeypatch.setattr(apply_phase, "grad_message", with_extra)
-    monkeypatch.setattr(reduce_phase, "statistic_numel", lambda stat, sym: 2)
+    monkeypatch.setattr(messages, "grad_message", with_extra)
+    monkeypatch.setattr(messages, "statistic_numel", lambda stat, sym: 2)
     after = forecast(layers, 4, grad_worker_fraction=0.25)
     grad = after.bytes_every_step["grad_broadcast"] - before.bytes_every_step["grad_broadcast"]
     assert grad.max() == 7 * 4 * len(layers)  # float32 gradients

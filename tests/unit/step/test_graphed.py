@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner
-from kaisa.core.layer_state import KFACLayer
+from kaisa.layers.state import KFACLayer
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.graphed import GraphedApplication, RecordingError
 
@@ -408,3 +408,36 @@ def test_compiling_again_without_graphs_stops_the_replays() -> None:
     pipeline.graphed = GraphedApplication(pipeline.application)
     precond.compile()
     assert pipeline.graphed is None
+
+
+def test_switching_stacking_records_anew() -> None:
+    """The graph holds one write path: switching ``precond.stacking`` between
+    two replays moves the groups' revision, and the next step records anew
+    (nothing has to tell the graph)."""
+
+    def before(precond: KFACPreconditioner, s: int) -> None:
+        if s == 8:  # a non-factor step between replays (intervals 3/6)
+            precond.stacking = False
+
+    _, plain, _ = train(True)
+    got, log, precond = train(True, before=before)
+    want, _, _ = train(False, before=before)
+    assert_same(got, want)
+    assert log.count("record") == plain.count("record") + 1
+    assert precond._parts.pipeline.application.groups.revision == 1
+
+
+def test_second_order_state_counts_each_new_tensor() -> None:
+    from kaisa.layers.state import SecondOrderState
+
+    state = SecondOrderState()
+    t = torch.zeros(2)
+    state["qa"] = t
+    state["qg"] = t
+    assert state.generation == 2
+    state["qa"].add_(1.0)  # in place: the address holds the current values
+    assert state.generation == 2
+    state.update(qa=torch.ones(2))
+    state.pop("qg")
+    state.clear()
+    assert state.generation == 5 and not state

@@ -15,11 +15,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.engines.tensor_parallel.group import TPGroup
+from kaisa.layers.state import KFACLayer
 from kaisa.layers.tensor_parallel import ExactShardedAdapter, Style, local
 from kaisa.step.capture.calls import Capture
-from kaisa.step.capture.hooks import _first_tensor, _Hook
+from kaisa.step.capture.hooks import ModuleHook, first_tensor
 
 __all__ = ["ExactCapture"]
 
@@ -40,7 +40,9 @@ class ExactCapture:
         self.layers = layers
 
     def install(self, adapters: list[ExactShardedAdapter]) -> list[Any]:
-        return [a.module.register_forward_hook(_Hook(self._hook(a), a.module)) for a in adapters]
+        return [
+            a.module.register_forward_hook(ModuleHook(self._hook(a), a.module)) for a in adapters
+        ]
 
     def _hook(self, adapter: ExactShardedAdapter) -> Callable[[nn.Module, Any, Any], None]:
         group, capture = self.group, self.capture
@@ -50,7 +52,7 @@ class ExactCapture:
             return lambda t: group.gather_last_dim(local(t).detach(), adapter.primary, full)
 
         def hook(module: nn.Module, inputs: Any, result: Any) -> None:
-            x = _first_tensor(inputs)
+            x = first_tensor(inputs)
             output = adapter.output_tensor(result)  # Megatron: the first of (output, bias)
             if x is None or output is None:
                 return

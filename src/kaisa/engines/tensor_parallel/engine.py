@@ -35,7 +35,6 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.config import KFACConfig, TensorParallelMode
-from kaisa.core.layer_state import KFACLayer
 from kaisa.distributed import collectives
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.topology import Topology
@@ -48,6 +47,7 @@ from kaisa.engines.tensor_parallel.shards import TPGroupOf, is_sharded, sharding
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.linear import LinearAdapter
 from kaisa.layers.registry import SkippedModule
+from kaisa.layers.state import KFACLayer
 from kaisa.layers.tensor_parallel import (
     ExactShardedAdapter,
     ReplicatedBiasAdapter,
@@ -137,7 +137,8 @@ class TensorParallelEngine(TorchEngine, ShardedReads, ModelParallelLayers):
             else:
                 kind = type(adapter.module).__name__
                 why = f"sharded {kind}: kaisa's tensor parallelism supports linear layers only"
-                skipped.append(SkippedModule(adapter.name, kind, why, tuple(adapter.param_names())))
+                params = tuple(adapter.param_names())
+                skipped.append(SkippedModule(adapter.name, kind, why, params, changed=True))
         if self.mode is TensorParallelMode.BLOCK:
             for adapter, sharding in sharded:
                 kept.append(ShardBlockAdapter(adapter, sharding, len(self.ranks), self.tp_rank))

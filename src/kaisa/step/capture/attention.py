@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.layers.attention import ProjectionAdapter
+from kaisa.layers.state import KFACLayer
 from kaisa.step.capture.attention_graph import attention_forward, forward_arguments
 from kaisa.step.capture.graph import GraphCapture, Parts, accepts_compiled
-from kaisa.step.capture.hooks import TermMemo, _Hook
+from kaisa.step.capture.hooks import ModuleHook, TermMemo
 
 __all__ = ["Capture", "capture_functional"]
 
@@ -220,11 +220,13 @@ def capture_functional(capture: Capture, layers: list[KFACLayer]) -> list[Remova
         attention = cast_adapter(group[0]).attention
         active = _AttentionCapture(capture, attention, group)
         handles.append(
-            attention.register_forward_pre_hook(_Hook(active.enter, attention), with_kwargs=True)
+            attention.register_forward_pre_hook(
+                ModuleHook(active.enter, attention), with_kwargs=True
+            )
         )
         handles.append(
             attention.register_forward_hook(
-                _Hook(active.exit, attention), with_kwargs=True, always_call=True
+                ModuleHook(active.exit, attention), with_kwargs=True, always_call=True
             )
         )
     return handles

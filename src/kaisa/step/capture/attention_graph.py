@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kaisa.core.layer_state import KFACLayer
+from kaisa.layers.state import KFACLayer
 from kaisa.step.capture.graph import Parts
 
 __all__ = ["attention_forward", "forward_arguments"]

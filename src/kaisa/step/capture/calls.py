@@ -44,22 +44,22 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource, FactorSpec
 from kaisa.core.statistics import grad_multiplier
 from kaisa.layers.base import LayerAdapter
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture.attention import capture_functional
 from kaisa.step.capture.broadcast import wrap_broadcast
 from kaisa.step.capture.graph import GraphCapture, accepts_compiled, joint_term
 from kaisa.step.capture.hooks import (
+    ModuleHook,
     TermMemo,
     _discarded_recomputation,
-    _first_tensor,
     _graph_task,
-    _Hook,
     _in_backward,
     _updates_gradients,
+    first_tensor,
     input_term_key,
 )
 from kaisa.step.profile import CAPTURE, StepProfile
@@ -236,7 +236,7 @@ class Capture:
         """Put capture's hooks on the model: a pass counter on the root, a
         forward hook per layer (the functional ones' on their module)."""
         model = self._model
-        handles = [model.register_forward_pre_hook(_Hook(self._count_pass, model))]
+        handles = [model.register_forward_pre_hook(ModuleHook(self._count_pass, model))]
         functional: list[KFACLayer] = []
         for layer in self.layers:
             if layer.adapter.captured_by_engine:
@@ -245,7 +245,9 @@ class Capture:
                 functional.append(layer)
                 continue
             module = layer.adapter.module
-            handles.append(module.register_forward_hook(_Hook(self._forward_hook(layer), module)))
+            handles.append(
+                module.register_forward_hook(ModuleHook(self._forward_hook(layer), module))
+            )
         if functional:
             handles.extend(capture_functional(self, functional))
         return handles
@@ -263,7 +265,7 @@ class Capture:
         def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
             if not self.enabled:
                 return None  # a non-factor step: nothing is captured (asked first)
-            x = _first_tensor(inputs)
+            x = first_tensor(inputs)
             out = layer.adapter.output_tensor(output)
             if x is None or out is None:
                 return None

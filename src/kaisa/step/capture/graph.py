@@ -40,16 +40,16 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.config import LossAverage
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSource, StatisticSpec
 from kaisa.core.statistics import grad_multiplier
+from kaisa.distributed.messages import COUNT_DTYPE
+from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture.hooks import TermMemo, input_term_key
 
 __all__ = ["GraphCapture", "accepts_compiled", "joint_term"]
 
 #: the counts' dtype: exact integers well past float32's 2**24 rows
-COUNT_DTYPE = torch.float64
 _FORMED = (FactorSource.INPUT, FactorSource.OUTPUT_GRAD, FactorSource.JOINT)
 
 

@@ -1,6 +1,6 @@
 """The hook objects capture registers, and what they ask of autograd.
 
-A hook is a small picklable object (:class:`_Hook`): a deep copy or pickle of
+A hook is a small picklable object (:class:`ModuleHook`): a deep copy or pickle of
 the model carries an inert hook instead, so a copied model (an EMA or a
 teacher) never captures into this preconditioner.  The predicates read
 autograd's state on the calling thread: which backward is running
@@ -11,19 +11,20 @@ parameters kaisa preconditions (:func:`_updates_gradients`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from kaisa.core.layer_state import KFACLayer
 from kaisa.core.specs import FactorSpec
+from kaisa.layers.state import KFACLayer
 
-__all__ = ["TermMemo", "input_term_key"]
+__all__ = ["ModuleHook", "TermMemo", "first_tensor", "input_term_key"]
 
 
-def _first_tensor(inputs: Any) -> Tensor | None:
+def first_tensor(inputs: Any) -> Tensor | None:
     if isinstance(inputs, Tensor):
         return inputs
     if isinstance(inputs, (tuple, list)) and inputs and isinstance(inputs[0], Tensor):
@@ -62,9 +63,11 @@ def _updates_gradients(params: list[nn.Parameter]) -> bool:
     them alone (``torch.autograd.grad`` of an input gradient for a gradient
     penalty, ``backward(inputs=[x])``) delivers output gradients of another
     quantity, which must not enter G.  Asked of autograd's engine for plain
-    leaf parameters only; where it cannot say (a sharded or parametrized
-    weight, ``autograd.grad`` taken with respect to the parameters, a torch
-    without the private API) the backward counts, as it always did."""
+    leaf parameters; ``torch.autograd.grad`` taken with respect to a
+    parameter (a loop that sets ``.grad`` itself) is its gradient and counts.
+    A sharded or parametrized weight (not a plain leaf) counts, as a
+    ``backward()`` would.  A backward whose status the engine cannot give is
+    not counted, with a warning once (:func:`_unreadable`)."""
     asked = False
     for p in params:
         if not p.requires_grad:
@@ -75,10 +78,33 @@ def _updates_gradients(params: list[nn.Parameter]) -> bool:
             node = torch.autograd.graph.get_gradient_edge(p).node
             if torch._C._will_engine_execute_node(node):
                 return True
-        except Exception:  # autograd.grad(loss, params): the engine cannot tell
-            return True
+        except RuntimeError as exc:
+            if "autograd.grad()" in str(exc):
+                return True  # autograd.grad with respect to p: p's own gradient
+            return _unreadable(exc)
+        except Exception as exc:  # a torch without the private API
+            return _unreadable(exc)
         asked = True
     return not asked
+
+
+_WARNED_UNREADABLE: list[bool] = []
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """False (the backward is not counted), after one warning per process:
+    counting a backward kaisa cannot place could let a gradient penalty's
+    output gradients into G; leaving it out costs only this step's factors."""
+    if not _WARNED_UNREADABLE:
+        _WARNED_UNREADABLE.append(True)
+        warnings.warn(
+            "kaisa: autograd could not say whether this backward fills the "
+            f"parameters' .grad ({type(exc).__name__}: {exc}); its output gradients "
+            "are not counted in the factors. Report this with your torch version",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False
 
 
 class _InertHook:
@@ -92,7 +118,7 @@ def _inert() -> _InertHook:
     return _InertHook()
 
 
-class _Hook:
+class ModuleHook:
     """A bound hook that fires only for the module it was registered on and
     turns inert when the model is deep-copied or pickled."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +20,7 @@ from kaisa.core.specs import FactorSpec, StatisticDtype, StatisticSpec, factor_s
 from kaisa.core.statistics import fold_averages_
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["BatchStatistics", "KFACLayer", "PendingCapture"]
+__all__ = ["BatchStatistics", "KFACLayer", "PendingCapture", "SecondOrderState"]
 
 
 @dataclass
@@ -75,6 +76,54 @@ class BatchStatistics:
         return self.calls > 0
 
 
+class SecondOrderState(dict[str, Tensor]):
+    """A layer's second-order tensors, by the method's names, with a
+    :attr:`generation` that counts every change of which tensor a key holds.
+
+    What reads the tensors by address (a replayed CUDA graph,
+    :mod:`kaisa.step.graphed`) compares generations instead of being told of
+    each new decomposition or load; writes into a held tensor in place keep
+    the generation (the address still holds the current values)."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        self.generation += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.generation += 1
+        super().__delitem__(key)
+
+    def clear(self) -> None:
+        self.generation += 1
+        super().clear()
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.generation += 1
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[str, Tensor]:
+        self.generation += 1
+        return super().popitem()
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.generation += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.generation += 1
+        super().update(*args, **kwargs)
+
+    def __ior__(self, other: Any) -> SecondOrderState:  # type: ignore[misc,override]
+        self.update(other)
+        return self
+
+
 class KFACLayer:
     """The K-FAC state of one registered module.
 
@@ -84,7 +133,8 @@ class KFACLayer:
             factors first, in their order; :meth:`CurvatureMethod.statistics`).
         running: the running factors, ``None`` where this rank does not own one.
         state: the curvature method's second-order tensors, keyed by the
-            method's own names (this rank holds them only as a gradient worker).
+            method's own names (this rank holds them only as a gradient worker);
+            its ``generation`` moves whenever a key is given another tensor.
         cast: their copies in ``precondition_dtype`` (:meth:`operands`).
         captured: statistics exist for the layer somewhere in the data-parallel
             group (the same on every rank: decided from reduced counts).
@@ -113,7 +163,7 @@ class KFACLayer:
         self.batch = BatchStatistics(len(self.statistics))
         self.pending = PendingCapture()
         self.running: list[Tensor | None] = [None] * len(self.factors)
-        self.state: dict[str, Tensor] = {}
+        self.state = SecondOrderState()
         #: ``state`` in ``precondition_dtype``, cached per inverse update
         self.cast = CastCopies(precondition_dtype)
         self.captured = False
