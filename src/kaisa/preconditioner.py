@@ -185,7 +185,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         # the loop steps its own optimizer and skips by its own rule
         self._takes_gradients = optimizer is not None and self._attached is None
         if self._takes_gradients:
-            self._parts.pipeline.nonfinite.gradients = NonFiniteSteps.TAKEN
+            self._parts.pipeline.verdict.nonfinite.gradients = NonFiniteSteps.TAKEN
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
         )

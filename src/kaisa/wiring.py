@@ -380,10 +380,9 @@ def build(
         symmetry_aware=config.symmetry_aware,
     )
     second_order = SecondOrderUpdate(plan, comm, method)
-    application = GradientApplication(plan, comm, method, engine, second_order)
+    application = GradientApplication(plan, comm, method, engine)
     pipeline = StepPipeline(
         layers=ordered,
-        plan=plan,
         comm=comm,
         engine=engine,
         capture=capture,
@@ -394,7 +393,7 @@ def build(
         in_hook=config.update_factors_in_hook,
         scaling=setup.scaling,
     )
-    checkpointer = Checkpointer(layers, plan, comm, method, second_order)
+    checkpointer = Checkpointer(layers, plan, comm, method)
     pipeline.on_inverse_step = checkpointer.mirror.at_inverse_step
     logging.getLogger("kaisa").debug("%s", plan.describe())
     return Parts(engine, layers, skipped, plan, comm, method, capture, pipeline, checkpointer)

@@ -92,7 +92,7 @@ class Checkpoints(PreconditionerView):
         steps, layers = self._parts.checkpointer.validate(state_dict, self.config, restore)
         pipeline = self._parts.pipeline
         if layers is not None:
-            pipeline.stale = self._parts.checkpointer.load(
+            pipeline.second_order.stale = self._parts.checkpointer.load(
                 layers, compute_inverses, partial=state_dict.get("partial")
             )
         self._schedule.restore(restore)

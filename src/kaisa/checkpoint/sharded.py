@@ -68,7 +68,7 @@ def restore_sharded(
     nobody = parts.comm.agree_all([not la.captured for la in layers], layers[0].adapter.device)
     for layer, none in zip(layers, nobody):
         layer.captured = not none
-    parts.pipeline.stale = True
+    parts.pipeline.second_order.stale = True
     schedule.restore(restore)
     parts.pipeline.resume_at(steps)
 

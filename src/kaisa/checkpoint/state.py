@@ -27,7 +27,6 @@ from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor
-from kaisa.step.second_order import SecondOrderUpdate
 
 __all__ = ["STATE_VERSION", "Checkpointer", "normalise_name"]
 
@@ -50,13 +49,11 @@ class Checkpointer:
         plan: WorkPlan,
         comm: Communicator,
         method: CurvatureMethod,
-        second_order: SecondOrderUpdate,
     ) -> None:
         self.layers = layers
         self.plan = plan
         self.comm = comm
         self.method = method
-        self.second_order = second_order
         self.rank = comm.rank
         #: names this preconditioner's save rounds in the rendezvous store:
         #: the same on every rank when they construct in the same order
@@ -131,7 +128,8 @@ class Checkpointer:
                 src = lp.grad_workers[0]
                 held = self.method.held(layer.factors, lp.colocated)
                 if self.rank == src:
-                    self.second_order.fill_missing(layer, held, damping)
+                    like = torch.empty(0, dtype=layer.inv_dtype, device=dev)
+                    self.method.fill_missing(layer.factors, layer.state, held, damping, like)
                 for t in held:
                     packed = torch.ones(t.numel + 1, dtype=layer.inv_dtype, device=dev)
                     if self.rank == src:

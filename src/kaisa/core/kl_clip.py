@@ -32,7 +32,7 @@ def sum_kl_terms(preconditioned: Sequence[Tensor], grads: Sequence[Tensor]) -> T
     return total
 
 
-def kl_scale(inner: Tensor, lr: float | Tensor, kl_clip: float) -> Tensor:
+def kl_scale(inner: Tensor, lr: float | Tensor, kl_clip: float | Tensor) -> Tensor:
     """``ν = min(1, sqrt(kl_clip / |lr²·inner|))``; a zero inner product gives ν = 1."""
     vg = inner.abs() * (lr * lr)
     return torch.clamp(torch.sqrt(kl_clip / vg), max=1.0)

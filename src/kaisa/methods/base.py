@@ -210,6 +210,22 @@ class CurvatureMethod(ABC):
         every rank still takes part in the same collectives.
         """
 
+    def fill_missing(
+        self,
+        factors: Factors,
+        state: dict[str, Tensor],
+        tensors: Sequence[HeldTensor],
+        damping: float,
+        like: Tensor,
+    ) -> None:
+        """Damping-only stand-ins (:meth:`fallback`) for whatever of
+        ``tensors`` ``state`` lacks: a layer never decomposed (every batch
+        non-finite so far, or a checkpoint without second-order state) still
+        preconditions, broadcasts and saves like the others."""
+        for tensor in tensors:
+            if tensor.key not in state:
+                state[tensor.key] = self.fallback(tensor, len(factors), damping, like)
+
     @abstractmethod
     def apply(
         self,

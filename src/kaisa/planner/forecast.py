@@ -425,7 +425,7 @@ def _add_group_collectives(
         t.inverse_step["allreduce"] += 8 * exchange
     if not gradients_agree:
         # each layer's gradient presence, and the gradients' finiteness
-        # verdict riding in the same vote (kaisa.step.pipeline.gradients_finite)
+        # verdict riding in the same vote (kaisa.step.verdict)
         t.every_step["agree"] += 4 * (n_layers + 1)
     cap = max(config.allreduce_bucket_cap_mb * 2**20, 1.0)
     reduce_bytes = float(t.factor_step["factor_reduce"][0])

@@ -22,13 +22,12 @@ them, so no rank waits for a broadcast that never comes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from kaisa.core.kl_clip import kl_scale, kl_scale_value, kl_term
-from kaisa.core.workspace import Workspace
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.messages import grad_message
 from kaisa.distributed.plan import LayerPlan, WorkPlan
@@ -37,11 +36,12 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.batched import ShapeGroups
+from kaisa.step.context import StepContext
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.in_place import InPlaceWrites
 from kaisa.step.participation import Participation
-from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
-from kaisa.step.second_order import SecondOrderUpdate
+from kaisa.step.products import LayerProducts
+from kaisa.step.profile import StepProfile
 
 __all__ = ["GradientApplication"]
 
@@ -55,7 +55,6 @@ class GradientApplication:
         comm: Communicator,
         method: CurvatureMethod,
         engine: Engine,
-        second_order: SecondOrderUpdate,
     ) -> None:
         self.plan = plan
         self.comm = comm
@@ -65,7 +64,8 @@ class GradientApplication:
         self._in_place = engine if isinstance(engine, InPlaceGradients) else None
         self._sharded = engine if isinstance(engine, ShardedReads) else None
         self._model_parallel = engine if isinstance(engine, ModelParallelLayers) else None
-        self.second_order = second_order
+        #: one layer's V, as every write path computes it (kaisa.step.products)
+        self.products = LayerProducts(plan, method, self._model_parallel)
         #: layers of one shape preconditioned together (kaisa.step.batched)
         self.groups = ShapeGroups(method)
         self.rank = comm.rank
@@ -73,16 +73,21 @@ class GradientApplication:
         self.participation = Participation(comm, engine)
         self._globals: dict[int, tuple[int, ...]] = {}
         #: layers written before ν, the workspace of the large ones (kaisa.step.in_place)
-        self.writes = InPlaceWrites(
-            plan, method, engine, self._in_place, self._apply_one, self._fill_missing, self._counted
-        )
+        self.writes = InPlaceWrites(engine, self._in_place, self.products)
         #: filled with each step's ν only while set (:mod:`kaisa.step.diagnostics`)
         self.diagnostics: StepDiagnostics | None = None
-        #: the products' wall times, while attached (:mod:`kaisa.step.profile`)
-        self.profile: StepProfile | None = None
         #: read scalars (ν's terms, the finiteness verdict) as numbers: None
         #: where that is free, on CPU; False keeps them on the device
         self.read_scalars: bool | None = None
+
+    @property
+    def profile(self) -> StepProfile | None:
+        """The products' wall times, while attached (:mod:`kaisa.step.profile`)."""
+        return self.products.profile
+
+    @profile.setter
+    def profile(self, value: StepProfile | None) -> None:
+        self.products.profile = value
 
     def reads_free(self, device: torch.device) -> bool:
         """Whether a scalar on ``device`` is read as a number (:attr:`read_scalars`)."""
@@ -93,20 +98,14 @@ class GradientApplication:
         """Bytes held by the reused product buffers (:mod:`kaisa.core.workspace`)."""
         return self.writes.nbytes
 
-    def run(
-        self,
-        layers: list[KFACLayer],
-        damping: float,
-        lr: float | Tensor,
-        kl_clip: float | None,
-        factor_step: bool,
-        presence: Mapping[str, bool] | None = None,
-    ) -> None:
-        """``presence``: each layer's gradient presence, already and-ed over
-        the data-parallel group (by the finiteness check), so no second
-        collective is needed to agree on it."""
-        taking_part = self.participation.taking_part(layers, factor_step, presence)
-        clip = None if kl_clip is None else (lr, kl_clip)
+    def run(self, layers: list[KFACLayer], ctx: StepContext) -> None:
+        """Write ``ν·V`` for ``ctx``'s step.  ``ctx.presence``: each layer's
+        gradient presence, already and-ed over the data-parallel group (by
+        the finiteness check), so no second collective is needed to agree on it."""
+        # a 0-d tensor inside a recorded step: the products take either
+        damping = cast(float, ctx.damping)
+        taking_part = self.participation.taking_part(layers, ctx.factor_step, ctx.presence)
+        clip = ctx.clip
         work = self.writes.workspace(layers)
         own: list[KFACLayer] = []
         held = taking_part
@@ -130,7 +129,7 @@ class GradientApplication:
         held = held + [la for group in groups for la in group]
         for name, (_, dot) in results.items():
             dots[name] = dot
-        counted = [dots[la.name] for la in taking_part if self._counted(la)]
+        counted = [dots[la.name] for la in taking_part if self.products.counted(la)]
         nu = self._nu(counted, layers, clip)
         if self.diagnostics is not None:
             self.diagnostics.record_kl_scale(nu)
@@ -152,14 +151,11 @@ class GradientApplication:
         if self._model_parallel is not None:
             self._model_parallel.after_write()
 
-    def _counted(self, layer: KFACLayer) -> bool:
-        return self._model_parallel is None or self._model_parallel.counts_in_kl(layer.adapter)
-
     def _nu(
         self,
         dots: list[Tensor],
         layers: list[KFACLayer],
-        clip: tuple[float | Tensor, float] | None,
+        clip: tuple[float | Tensor, float | Tensor] | None,
     ) -> Tensor | float | None:
         """The KL clip's scale from this rank's ``⟨V, ∇⟩`` terms (None: no clip).
 
@@ -172,7 +168,7 @@ class GradientApplication:
             return None
         if dots and not self.comm.model_parallel and self.reads_free(dots[0].device):
             lr, bound = clip
-            return kl_scale_value(math.fsum(float(d) for d in dots), float(lr), bound)
+            return kl_scale_value(math.fsum(float(d) for d in dots), float(lr), float(bound))
         inner = torch.stack(dots).sum() if dots else None
         if self.comm.model_parallel:
             # every rank of a model-parallel group joins, with 0 if it has no layer
@@ -206,31 +202,11 @@ class GradientApplication:
     ) -> dict[str, tuple[Tensor, Tensor]]:
         for group in groups:
             for layer in group:
-                self._fill_missing(layer, self.plan.layer(layer.name), damping)
+                self.products.ready(layer, damping)
         own = self.writes.own if self._in_place is not None else frozenset()
         return self.groups.precondition(
             groups, self.engine, self._in_place, own, damping, self.profile
         )
-
-    def _fill_missing(self, layer: KFACLayer, lp: LayerPlan, damping: float) -> None:
-        """Damping-only stand-ins for what was never decomposed."""
-        if not self.method.ready(layer.factors, layer.state, lp.colocated):
-            held = self.method.held(layer.factors, lp.colocated)
-            self.second_order.fill_missing(layer, held, damping)
-
-    def _apply_one(
-        self, layer: KFACLayer, lp: LayerPlan, grad: Tensor, damping: float, work: Workspace | None
-    ) -> Tensor:
-        """``V`` of one layer on a gradient worker."""
-        self._fill_missing(layer, lp, damping)
-        profile = self.profile
-        if profile is None:
-            return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
-        since = profile.start()
-        v = self.method.apply(layer.factors, layer.operands(), grad, damping, work)
-        profile.stop(PRODUCTS, since)
-        profile.record(PRODUCTS, "products", grad.shape, factor_sizes(layer.factors))
-        return v
 
     def _precondition(
         self, layers: list[KFACLayer], damping: float
@@ -250,7 +226,7 @@ class GradientApplication:
             name = layer.name
             if lp.is_grad_worker(self.rank) and name not in results:
                 assert grad is not None, f"engine gave no gradient to a worker of {name}"
-                v = self._apply_one(layer, lp, grad, damping, None)
+                v = self.products.apply(layer, grad, damping)
                 results[name] = (v, kl_term(v, grad))
             if self.plan.grad_workers < self.plan.world_size:
                 # this rank's row of the rank grid: the same set for every

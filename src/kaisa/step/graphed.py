@@ -54,15 +54,25 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from kaisa.engines.base import GradientMarks, ReplayableGradients, unique_parameters
+from kaisa.engines.base import ReplayableGradients, unique_parameters
 from kaisa.layers.state import KFACLayer
 from kaisa.step.apply import GradientApplication
+from kaisa.step.context import StepContext
 from kaisa.step.nonfinite import VerdictTally
+from kaisa.step.recording import (
+    CUDA_GRAPH_MODES,
+    NO_KEY,
+    CudaGraphRecorder,
+    Key,
+    Recorder,
+    RecordingError,
+    ReplayStamp,
+)
 
 __all__ = [
     "CUDA_GRAPH_MODES",
@@ -71,91 +81,6 @@ __all__ = [
     "Recorder",
     "RecordingError",
 ]
-
-#: ``torch.compile`` modes that ask for CUDA graphs, and the mode the groups'
-#: kernel is compiled with inside the recorded step (no graphs of its own)
-CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-
-
-#: the recorded work: the application, and the verdict counted (device work only)
-Work = Callable[[], None]
-
-
-class Recorder(Protocol):
-    """Records a piece of work once and replays it (a CUDA graph; the tests
-    on CPU emulate one: tests/unit/step/test_graphed.py)."""
-
-    def record(self, work: Work) -> None:
-        """Run ``work`` for this step and record it."""
-        ...
-
-    def replay(self) -> None:
-        """Run the recorded work again."""
-        ...
-
-
-class RecordingError(Exception):
-    """The work ran (this step is complete) but could not be recorded."""
-
-    def __init__(self) -> None:
-        super().__init__("the step's work ran but could not be recorded")
-
-
-class CudaGraphRecorder:
-    """:class:`Recorder` as a ``torch.cuda.CUDAGraph``: the work runs once
-    eagerly on a side stream (this step's result, and every cache built
-    outside the recording), then is recorded without running."""
-
-    def __init__(self) -> None:
-        self._graph: torch.cuda.CUDAGraph | None = None
-
-    def record(self, work: Work) -> None:
-        main = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            work()
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                work()
-        except Exception as error:  # this step's work is done: the warm-up ran it
-            raise RecordingError() from error
-        self._graph = graph
-
-    def replay(self) -> None:
-        assert self._graph is not None, "replay() before record()"
-        self._graph.replay()
-
-
-Key = tuple[object, ...]
-#: the key of no recording (matches no step's)
-NO_KEY: Key = ((), None, None)
-
-
-class ReplayStamp:
-    """The gradients as a replay left them (a
-    :class:`~kaisa.engines.base.MarksStamp`): the graph's tensors, each at
-    its version, and the other layers' marks.  A backward since makes new
-    tensors or moves a version; a second ``step()`` without one finds them
-    as stamped — told apart without a weak reference per layer."""
-
-    __slots__ = ("_held", "_others", "_params", "_versions")
-
-    def __init__(
-        self, params: list[nn.Parameter], held: list[Tensor], others: list[nn.Parameter]
-    ) -> None:
-        self._params = params
-        self._held = held
-        self._versions = [h._version for h in held]
-        self._others = [(w, GradientMarks.of(w.grad)) for w in others]
-
-    def unchanged(self) -> bool:
-        for p, h, v in zip(self._params, self._held, self._versions):
-            if p.grad is not h or h._version != v:
-                return False
-        return all(GradientMarks._same(old, GradientMarks.of(w.grad)) for w, old in self._others)
 
 
 class GraphedApplication:
@@ -221,20 +146,12 @@ class GraphedApplication:
             )
         return self._fixed_ok and not self.failed and self.application.diagnostics is None
 
-    def run(
-        self,
-        layers: list[KFACLayer],
-        damping: float,
-        lr: float | Tensor,
-        kl_clip: float | None,
-        verdict_of: Callable[[], Tensor | None] | None = None,
-        step: int = 0,
-    ) -> tuple[bool, VerdictTally | None]:
+    def run(self, layers: list[KFACLayer], ctx: StepContext) -> tuple[bool, VerdictTally | None]:
         """This step's application by replay (recording it first where
-        needed), after ``verdict_of()`` — the gradients' finiteness verdict,
-        formed inside the graph too and counted there into :attr:`tally`
-        as step ``step`` (returned then: no copy of a per-step tensor, which
-        would be one more launch).  Returns (False, None) where it cannot
+        needed), after ``ctx.verdict_of()`` — the gradients' finiteness
+        verdict, formed inside the graph too and counted there into
+        :attr:`tally` as step ``ctx.step`` (returned then: no copy of a
+        per-step tensor, which would be one more launch).  Returns (False, None) where it cannot
         replay (the caller runs the step eagerly).
 
         The key is which layers have a gradient, and whether there is a KL
@@ -242,6 +159,8 @@ class GraphedApplication:
         gradients it copies (this runs on every non-factor step, where a
         microsecond per layer is the step's cost); a layer newly captured
         comes with a decomposition, which drops the graph anyway."""
+        damping, lr, kl_clip = ctx.damping, ctx.lr, ctx.kl_clip
+        verdict_of, step = ctx.verdict_of, ctx.step
         if not self.eligible():
             self.invalidate()
             return False, None
@@ -270,7 +189,7 @@ class GraphedApplication:
         if key == self._key:  # the same layers, but a bias without its gradient, or moved
             self.invalidate()
             return False, None
-        done = self._record(layers, key, damping, lr, kl_clip, verdict_of)
+        done = self._record(layers, key, ctx)
         return done, self._counted(done and verdict_of is not None, step)
 
     def _generation(self, layers: list[KFACLayer]) -> tuple[int, int]:
@@ -315,15 +234,7 @@ class GraphedApplication:
             for la in taking
         )
 
-    def _record(
-        self,
-        layers: list[KFACLayer],
-        key: Key,
-        damping: float,
-        lr: float | Tensor,
-        kl_clip: float | None,
-        verdict_of: Callable[[], Tensor | None] | None,
-    ) -> bool:
+    def _record(self, layers: list[KFACLayer], key: Key, ctx: StepContext) -> bool:
         """Record this step's work (running it); returns whether it ran."""
         self.invalidate()
         engine = self.application.engine
@@ -335,22 +246,28 @@ class GraphedApplication:
         if len({g.device for g in grads}) > 1:  # one graph runs on one device
             return False
         self._on(grads[0].device)
-        self._fill(damping, lr, kl_clip)
+        self._fill(ctx.damping, ctx.lr, ctx.kl_clip)
         assert self._scalars is not None and self.tally is not None
         damping_t, lr_t, kl_clip_t = self._scalars.unbind(0)
-        app, tally = self.application, self.tally
-        no_clip = kl_clip is None
+        app, tally, verdict_of = self.application, self.tally, ctx.verdict_of
+        # the graph reads its operands from the tensors _fill refills
+        recorded = ctx.replace(
+            factor_step=False,
+            damping=damping_t,
+            lr=lr_t,
+            kl_clip=None if ctx.kl_clip is None else kl_clip_t,
+            presence=None,
+        )
 
         def work() -> None:
             verdict = verdict_of() if verdict_of is not None else None
             if verdict is not None:
                 tally.add(verdict)
-            clip = None if no_clip else kl_clip_t
             # no clock inside a recording (a graph holds no host work; a
             # synchronisation would end it): the step's profile times it whole
             profile, app.profile = app.profile, None
             try:
-                app.run(layers, damping_t, lr_t, clip, False)  # type: ignore[arg-type]
+                app.run(layers, recorded)
             finally:
                 app.profile = profile
 
@@ -388,7 +305,9 @@ class GraphedApplication:
             self._values = [None, None, None]
             self.tally = VerdictTally(device)
 
-    def _fill(self, damping: float, lr: float | Tensor, kl_clip: float | None) -> None:
+    def _fill(
+        self, damping: float | Tensor, lr: float | Tensor, kl_clip: float | Tensor | None
+    ) -> None:
         """The scalars the graph reads, refilled where their value changed
         (one small launch each; an optimizer's tensor learning rate is
         copied every step: comparing it would read it)."""

@@ -11,23 +11,17 @@ the memory of the step stays that of one layer, not of every ``V``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from kaisa.core.kl_clip import kl_term, sum_kl_terms
 from kaisa.core.workspace import Workspace, uses_workspace
-from kaisa.distributed.plan import LayerPlan, WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.layers.state import KFACLayer
-from kaisa.methods.base import CurvatureMethod
+from kaisa.step.products import LayerProducts
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["InPlaceWrites"]
-
-#: ``V`` of one layer on its worker: (layer, plan, gradient, damping, workspace)
-ApplyOne = Callable[[KFACLayer, LayerPlan, Tensor, float, "Workspace | None"], Tensor]
 
 
 class InPlaceWrites:
@@ -37,28 +31,19 @@ class InPlaceWrites:
     Args:
         engine: the step's engine (``in_place``: the same, where it offers
             :class:`InPlaceGradients`; None disables this path).
-        apply_one: ``V`` of one layer (the application's).
-        fill_missing: damping-only stand-ins for what was never decomposed.
-        counted: whether a layer's ``⟨V, ∇⟩`` counts in this rank's KL sum.
+        products: one layer's ``V`` (shared with the other write paths).
     """
 
     def __init__(
         self,
-        plan: WorkPlan,
-        method: CurvatureMethod,
         engine: Engine,
         in_place: InPlaceGradients | None,
-        apply_one: ApplyOne,
-        fill_missing: Callable[[KFACLayer, LayerPlan, float], None],
-        counted: Callable[[KFACLayer], bool],
+        products: LayerProducts,
     ) -> None:
-        self.plan = plan
-        self.method = method
+        self.method = products.method
         self.engine = engine
         self.in_place = in_place
-        self._apply_one = apply_one
-        self._fill_missing = fill_missing
-        self._counted = counted
+        self.products = products
         self._work: Workspace | None = None
         self._sized = False
         self._served: frozenset[str] = frozenset()  # layers whose products use it
@@ -108,7 +93,7 @@ class InPlaceWrites:
         assert engine is not None  # only rescalable layers are written one by one
         dots = {}
         for layer in layers:
-            counted = self._counted(layer)
+            counted = self.products.counted(layer)
             lw = work if layer.name in self._served else None
             if lw is not None:
                 done, dot = self._write_in_place(layer, lw, damping, counted, profile)
@@ -119,7 +104,7 @@ class InPlaceWrites:
             adapter = layer.adapter
             grad = engine.read_into(adapter, lw) if lw is not None else self.engine.read(adapter)
             assert grad is not None, f"engine gave no gradient to a worker of {layer.name}"
-            v = self._apply_one(layer, self.plan.layer(layer.name), grad, damping, lw)
+            v = self.products.apply(layer, grad, damping, lw)
             if counted:
                 dots[layer.name] = kl_term(v, grad)
             self.engine.write(layer.adapter, v)
@@ -144,7 +129,7 @@ class InPlaceWrites:
         blocks = self.in_place.grad_blocks(layer.adapter)
         if blocks is None:
             return False, None
-        self._fill_missing(layer, self.plan.layer(layer.name), damping)
+        self.products.ready(layer, damping)
         state = layer.operands()
         if not self.method.writes_blocks(layer.factors, state, blocks[0].dtype):
             return False, None

@@ -41,6 +41,22 @@ class SecondOrderUpdate:
         self.rank = comm.rank
         #: told what is decomposed while a profile is attached (:mod:`kaisa.step.profile`)
         self.profile: StepProfile | None = None
+        #: every layer's tensors must be recomputed at the next step (after a load)
+        self.stale = False
+        #: every captured layer is decomposed (as of the last look; a fold, an
+        #: inverse step or a load looks again)
+        self.settled = False
+
+    def update(self, layers: list[KFACLayer], inverse_step: bool, damping: float) -> None:
+        """Decompose and broadcast every captured layer on an inverse step or
+        after a load (:attr:`stale`); otherwise only a layer captured for the
+        first time since the last look (:attr:`settled`), at once."""
+        every = self.stale or inverse_step
+        if every or not self.settled:
+            due = [la for la in layers if la.captured and (every or not la.decomposed)]
+            self.run(due, damping)
+            self.settled = all(la.decomposed for la in layers if la.captured)
+        self.stale = False
 
     def run(self, layers: list[KFACLayer], damping: float) -> None:
         """Update ``layers`` (the same list, in the same order, on every rank)."""
@@ -89,7 +105,7 @@ class SecondOrderUpdate:
         new: dict[str, Tensor] = {}
         if any(layer.running[i] is None for i in transfer.factors):
             # every batch so far was non-finite: nothing to decompose yet
-            self.fill_missing(layer, transfer.tensors, damping)
+            self._fill_missing(layer, transfer.tensors, damping)
             return
         if self.profile is not None:
             for i in transfer.factors:
@@ -116,18 +132,13 @@ class SecondOrderUpdate:
         # come from a checkpoint) would differ in the last bits
         new = {key: value.contiguous() for key, value in new.items()}
         self.method.receive(layer.factors, layer.state, new)
-        self.fill_missing(layer, transfer.tensors, damping)
+        self._fill_missing(layer, transfer.tensors, damping)
 
-    def fill_missing(
+    def _fill_missing(
         self, layer: KFACLayer, tensors: tuple[HeldTensor, ...], damping: float
     ) -> None:
-        """Damping-only stand-ins for whatever of ``tensors`` was never computed."""
         like = torch.empty(0, dtype=layer.inv_dtype, device=layer.adapter.device)
-        for spec in tensors:
-            if spec.key not in layer.state:
-                layer.state[spec.key] = self.method.fallback(
-                    spec, len(layer.factors), damping, like
-                )
+        self.method.fill_missing(layer.factors, layer.state, tensors, damping, like)
 
     def _broadcast(
         self, layer: KFACLayer, transfer: Transfer, owner: int, workers: tuple[int, ...]

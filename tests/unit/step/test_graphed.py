@@ -81,7 +81,7 @@ KW: dict[str, Any] = dict(
     kl_clip=1e-3,
 )
 #: the same as constants: after a replay the next non-factor steps take the
-#: pipeline's settled path (StepPipeline._replay_settled)
+#: pipeline's settled path (kaisa.step.execute.ReplayedSteps.settled)
 CONSTANT: dict[str, Any] = {**KW, "damping": 0.1, "lr": 0.05}
 SCHEDULES = {"callable": KW, "constant": CONSTANT}
 
