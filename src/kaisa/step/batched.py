@@ -34,9 +34,11 @@ from kaisa.core.workspace import MAX_OPERAND_NUMEL
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.in_place import InPlaceWrites
+from kaisa.step.products import LayerProducts, Result
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
-__all__ = ["ShapeGroups", "read_stacked"]
+__all__ = ["ShapeGroups", "StackedPath", "read_stacked"]
 
 #: ``(method, factors, operands, stacked, damping) -> (V, ⟨V, ∇⟩ per layer)``
 Kernel = Callable[..., tuple[Tensor, Tensor]]
@@ -190,6 +192,59 @@ class ShapeGroups:
         return sum(
             t.numel() * t.element_size() for s in self._stacks.values() for t in s.state.values()
         )
+
+
+class StackedPath:
+    """The stacked write path (:class:`~kaisa.step.apply.WritePath`): the
+    groups of a step's layers, each preconditioned at once.
+
+    Args:
+        groups: finds the groups and runs their products.
+        engine: where the gradients are read.
+        writes: the in-place path (which layers own their gradients: read
+            as the parameters' own blocks, stacked at once).
+        products: one layer's stand-ins, and the profile.
+        every_worker: every rank is every layer's worker and the engine hands
+            whole gradients (else the path takes nothing; the per-layer path
+            stacks a rank's own layers through :meth:`groups_of`).
+    """
+
+    def __init__(
+        self,
+        groups: ShapeGroups,
+        engine: Engine,
+        writes: InPlaceWrites,
+        products: LayerProducts,
+        every_worker: bool,
+    ) -> None:
+        self.groups = groups
+        self.engine = engine
+        self.writes = writes
+        self.products = products
+        self.every_worker = every_worker
+
+    def take(
+        self, layers: list[KFACLayer], damping: float
+    ) -> tuple[dict[str, Result], list[KFACLayer]]:
+        if not self.every_worker:
+            return {}, layers
+        results = self.groups_of(layers, damping)
+        return results, [la for la in layers if la.name not in results]
+
+    def groups_of(self, layers: list[KFACLayer], damping: float) -> dict[str, Result]:
+        """``(V, ⟨V, ∇⟩)`` of the layers among ``layers`` that stack (two or more of a shape)."""
+        groups = self.groups.split(layers)
+        if not groups:
+            return {}
+        for group in groups:
+            for layer in group:
+                self.products.ready(layer, damping)
+        in_place = self.writes.in_place
+        own = self.writes.own if in_place is not None else frozenset()
+        found = self.groups.precondition(
+            groups, self.engine, in_place, own, damping, self.products.profile
+        )
+        return dict(found)
 
 
 def group_kernel(

@@ -18,7 +18,7 @@ from kaisa.core.kl_clip import kl_term, sum_kl_terms
 from kaisa.core.workspace import Workspace, uses_workspace
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.layers.state import KFACLayer
-from kaisa.step.products import LayerProducts
+from kaisa.step.products import LayerProducts, Result
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["InPlaceWrites"]
@@ -32,6 +32,7 @@ class InPlaceWrites:
         engine: the step's engine (``in_place``: the same, where it offers
             :class:`InPlaceGradients`; None disables this path).
         products: one layer's ``V`` (shared with the other write paths).
+        every_worker: every rank is every layer's worker (else the path takes nothing).
     """
 
     def __init__(
@@ -39,7 +40,9 @@ class InPlaceWrites:
         engine: Engine,
         in_place: InPlaceGradients | None,
         products: LayerProducts,
+        every_worker: bool,
     ) -> None:
+        self.every_worker = every_worker
         self.method = products.method
         self.engine = engine
         self.in_place = in_place
@@ -76,6 +79,21 @@ class InPlaceWrites:
             if shapes:
                 self._work = Workspace.for_shapes(list(shapes.values()), layers[0].adapter.device)
         return self._work
+
+    def take(
+        self, layers: list[KFACLayer], damping: float
+    ) -> tuple[dict[str, Result], list[KFACLayer]]:
+        """The in-place write path (:class:`~kaisa.step.apply.WritePath`):
+        the layers that own their parameters, each written at once."""
+        work = self._work
+        if work is None or not self.every_worker:
+            return {}, layers
+        own = [la for la in layers if la.name in self.own]
+        if not own:
+            return {}, layers
+        dots = self.write_each(own, work, damping, self.products.profile)
+        taken: dict[str, Result] = {la.name: (None, dots.get(la.name)) for la in own}
+        return taken, [la for la in layers if la.name not in self.own]
 
     def write_each(
         self,

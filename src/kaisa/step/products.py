@@ -20,7 +20,11 @@ from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
-__all__ = ["LayerProducts"]
+__all__ = ["LayerProducts", "Result"]
+
+#: a layer's ``V`` (None: already written back, to be scaled by ``ν``) and its
+#: ``⟨V, ∇⟩`` (None: written, and not counted in this rank's KL sum)
+Result = tuple[Tensor | None, Tensor | None]
 
 
 class LayerProducts:
