@@ -213,7 +213,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         try:
             pipeline = self._parts.pipeline
             applied = pipeline.step()
-            if not applied and pipeline.skipped_nonfinite and self._takes_gradients:
+            if not applied and pipeline.verdict.skipped_nonfinite and self._takes_gradients:
                 assert self.optimizer is not None
                 for group in self.optimizer.param_groups:
                     for param in group["params"]:
@@ -334,7 +334,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         """Steps skipped because a registered layer's gradient held a NaN or
         Inf (a ``GradScaler``'s own skips are not counted): each left kaisa
         as it was, with its gradients unchanged (:mod:`kaisa.step.nonfinite`)."""
-        return self._parts.pipeline.nonfinite.count
+        return self._parts.pipeline.verdict.nonfinite.count
 
     @property
     def layers(self) -> dict[str, KFACLayer]:

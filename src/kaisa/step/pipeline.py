@@ -28,10 +28,10 @@ from kaisa.step.execute import EagerSteps, ReplayedSteps, lr_operand
 from kaisa.step.graphed import GraphedApplication
 from kaisa.step.guard import StepGuard
 from kaisa.step.loss_scaling import LossScaling
-from kaisa.step.nonfinite import NonFiniteSteps
 from kaisa.step.profile import (
     APPLY,
     DECOMPOSE,
+    DETACHED,
     FACTOR,
     FOLD,
     NON_FACTOR,
@@ -112,21 +112,6 @@ class StepPipeline:
         )
 
     @property
-    def shortcuts(self) -> int:
-        """Non-factor steps that took the settled replay path."""
-        return self.executor.shortcuts
-
-    @property
-    def nonfinite(self) -> NonFiniteSteps:
-        """The steps found with non-finite gradients (counted and reported)."""
-        return self.verdict.nonfinite
-
-    @property
-    def skipped_nonfinite(self) -> bool:
-        """Whether the last call skipped its step for non-finite gradients."""
-        return self.verdict.skipped_nonfinite
-
-    @property
     def profile(self) -> StepProfile | None:
         return self._profile
 
@@ -139,32 +124,30 @@ class StepPipeline:
 
     def step(self) -> bool:
         """One step; False where it was skipped (a scaler's skip, or non-finite gradients)."""
-        profile = self._profile  # a boundary below costs one test of it while detached
-        started = profile.start() if profile is not None else 0.0
+        clock = self._profile or DETACHED  # the phases' boundaries (no-ops while detached)
+        started = clock.start()
         step = self.steps
         self.calls += 1
         self.guard.check(first=step == 0)
-        since = profile.start() if profile is not None else 0.0
+        since = clock.start()
         if self.executor.settled(self.layers, step):
             self.drop_statistics = False
-            if profile is not None:
-                profile.stop(APPLY, since)
+            clock.stop(APPLY, since)
             self._end_step(True)
-            if profile is not None:
-                profile.end_step(REPLAYED, started)
+            clock.end_step(REPLAYED, started)
             return True
         factor_step = self.schedule.is_factor_step(step)
         # the reductions backward started come first: any other collective
         # (the validity verdict) issued before them would cross them
-        since = profile.start() if profile is not None else 0.0
-        counts = self._collect() if factor_step else None
-        if profile is not None and factor_step:
-            profile.stop(REDUCE, since)
+        counts = None
+        if factor_step:
+            since = clock.start()
+            counts = self._collect()
+            clock.stop(REDUCE, since)
         verdict = self.verdict.judge(factor_step, self.calls)
         if not verdict.valid:
             self.skip(counts is not None)
-            if profile is not None:
-                profile.end_step(SKIPPED, started)
+            clock.end_step(SKIPPED, started)
             return False
         if counts is not None and self.drop_statistics:
             self.reduction.discard()
@@ -172,30 +155,25 @@ class StepPipeline:
         self.drop_statistics = False
         damping = self.schedule.damping(step)
         if counts is not None:
-            since = profile.start() if profile is not None else 0.0
+            since = clock.start()
             self.reduction.fold(counts, self.schedule.factor_decay(step))
-            if profile is not None:
-                profile.stop(FOLD, since)
+            clock.stop(FOLD, since)
             self.second_order.settled = False  # layers may be captured for the first time
-        since = profile.start() if profile is not None else 0.0
+        since = clock.start()
         inverse_step = self.schedule.is_inverse_step(step)
         self.second_order.update(self.layers, inverse_step, damping)
         if inverse_step and self.on_inverse_step is not None:
             self.on_inverse_step(step)
-        if profile is not None:
-            since = profile.stop(DECOMPOSE, since)
+        since = clock.stop(DECOMPOSE, since)
         lr = lr_operand(self.schedule, self.application, step)
         kl_clip = self.schedule.kl_clip(step)
         ctx = StepContext(
             step, factor_step, damping, lr, kl_clip, verdict.presence, verdict.verdict_of
         )
         replayed = self.executor.run(self.layers, ctx, verdict.deferred)
-        if profile is not None:
-            profile.stop(APPLY, since)
+        clock.stop(APPLY, since)
         self._end_step(replayed)
-        if profile is not None:
-            path = REPLAYED if replayed else FACTOR if factor_step else NON_FACTOR
-            profile.end_step(path, started)
+        clock.end_step(REPLAYED if replayed else FACTOR if factor_step else NON_FACTOR, started)
         return True
 
     def _collect(self) -> list[float]:

@@ -56,6 +56,7 @@ __all__ = [
     "BOOKKEEPING",
     "CAPTURE",
     "DECOMPOSE",
+    "DETACHED",
     "FACTOR",
     "FOLD",
     "HOOKS_AND_SUMS",
@@ -236,3 +237,23 @@ class StepProfile:
         self.calls.clear()
         self.operations.clear()
         self.steps.clear()
+
+
+class Detached:
+    """The boundaries of a step no profile is attached to: each a no-op, so
+    the pipeline marks its phases the same way attached or not."""
+
+    __slots__ = ()
+
+    def start(self) -> float:
+        return 0.0
+
+    def stop(self, phase: str, started: float) -> float:
+        return 0.0
+
+    def end_step(self, path: str, started: float) -> None:
+        return None
+
+
+#: the boundaries while no profile is attached
+DETACHED = Detached()

@@ -152,7 +152,7 @@ def test_replays_equal_the_eager_step(method: str, set_to_none: bool, schedule: 
     assert_same(got, want)
     # constants: every non-factor step after the first (recorded the full
     # way) takes the settled path, replays and the later recordings alike
-    shortcuts = precond._parts.pipeline.shortcuts
+    shortcuts = precond._parts.pipeline.executor.shortcuts
     assert shortcuts == (13 - 1 if schedule == "constant" else 0)
     # steps 0..19 at intervals 3/6: the non-factor steps after each of the
     # four inverse updates (0, 6, 12, 18) record once and replay after
@@ -233,7 +233,7 @@ def test_constants_changed_between_replays_take_effect_at_once() -> None:
     want, _, _ = train(False, before=before, kwargs=CONSTANT)
     got, log, precond = train(True, before=before, kwargs=CONSTANT)
     assert_same(got, want)
-    assert log.count("replay") >= 6 and precond._parts.pipeline.shortcuts >= 4
+    assert log.count("replay") >= 6 and precond._parts.pipeline.executor.shortcuts >= 4
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
