@@ -449,7 +449,7 @@ def _stacked_bytes(
     two layers or more of which this rank is a gradient worker)."""
     w = plan.world_size
     total = np.zeros(w)
-    if not getattr(method, "stacks", False):
+    if not method.stacks:
         return total
     by_key: dict[tuple[object, ...], list[tuple[slice, int]]] = {}
     for layer in layers:

@@ -104,7 +104,7 @@ class ShapeGroups:
 
     @property
     def enabled(self) -> bool:
-        return self.allowed and bool(getattr(self.method, "stacks", False))
+        return self.allowed and self.method.stacks
 
     def split(self, layers: Sequence[KFACLayer]) -> list[list[KFACLayer]]:
         """The groups (two layers or more) among ``layers``, in their order."""
