@@ -18,6 +18,7 @@ from torch import nn
 from kaisa import KFACConfig, KFACPreconditioner
 from kaisa.core.blocks import BlockLayout
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec
+from kfac_defaults import kfac_pytorch
 
 from kfac_reference import (
     conv_patches,
@@ -29,6 +30,9 @@ from kfac_reference import (
     rel_err,
     with_ones,
 )
+
+#: on kaisa's shipped defaults; a test meant for kfac-pytorch's passes them (kfac_pytorch)
+pytestmark = pytest.mark.library_defaults
 
 TOL = 1e-8
 DAMPING = 0.01
@@ -159,7 +163,6 @@ def test_limits_follow_the_options() -> None:
     assert kinds[4, "block"][0] == [(block, 6), (block, 8)]
 
 
-@pytest.mark.library_defaults
 def test_default_keeps_a_vocabulary_sized_factor_diagonal() -> None:
     config = KFACConfig()
     assert config.max_factor_dim == 8192 and config.large_factor.value == "diagonal"
@@ -203,7 +206,7 @@ def test_blocked_state_round_trips_and_a_dense_checkpoint_is_refused() -> None:
 
     def trained(**options: object) -> KFACPreconditioner:
         model = _mlp()
-        precond = KFACPreconditioner(model, **options)  # type: ignore[arg-type]
+        precond = KFACPreconditioner(model, **kfac_pytorch(**options))  # type: ignore[arg-type]
         F.cross_entropy(model(x), y).backward()
         precond.step()
         return precond
@@ -214,7 +217,7 @@ def test_blocked_state_round_trips_and_a_dense_checkpoint_is_refused() -> None:
     assert state["layers"]["2"]["qg"].shape == (BlockLayout(11, 3).numel,)
     assert state["hyperparameters"]["max_factor_dim"] == 4
     assert state["hyperparameters"]["large_factor"] == "block"
-    again = KFACPreconditioner(_mlp(), max_factor_dim=4, large_factor="block")
+    again = KFACPreconditioner(_mlp(), **kfac_pytorch(max_factor_dim=4, large_factor="block"))
     again.load_state_dict(state)
     for name, layer in again.layers.items():
         before = blocked.layers[name]
@@ -223,7 +226,7 @@ def test_blocked_state_round_trips_and_a_dense_checkpoint_is_refused() -> None:
         assert layer.state.keys() == before.state.keys()
         for key, value in before.state.items():
             assert torch.equal(layer.state[key], value), (name, key)
-    dense = KFACPreconditioner(_mlp(), max_factor_dim=None)
+    dense = KFACPreconditioner(_mlp(), **kfac_pytorch(max_factor_dim=None))
     with pytest.raises(ValueError, match=r"state_dict entry 0\.A has shape \(25,\), expected"):
         dense.load_state_dict(state)
 
