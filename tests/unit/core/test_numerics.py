@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
+from kfac_defaults import kfac_pytorch
 
 from kfac_reference import (
     conv_patches,
@@ -26,7 +27,8 @@ TOL = 1e-8
 DAMPING = 0.01
 
 
-pytestmark = pytest.mark.usefixtures("float64_default")
+#: on kaisa's shipped defaults; the tests here mean kfac-pytorch's values (kfac_pytorch)
+pytestmark = [pytest.mark.usefixtures("float64_default"), pytest.mark.library_defaults]
 
 
 def ce_per_example(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,7 @@ def kfac_step(model, loss_fn, x, **kwargs):
     kwargs.setdefault("damping", DAMPING)
     kwargs.setdefault("kl_clip", None)
     items = kwargs.pop("loss_items", None)
-    precond = KFACPreconditioner(model, **kwargs)
+    precond = KFACPreconditioner(model, **kfac_pytorch(**kwargs))
     precond.loss_items = items
     model.zero_grad()
     loss_fn(model(x)).backward()
@@ -233,7 +235,7 @@ def test_kl_scale_read_on_cpu_is_the_tensor_rule(inner: float) -> None:
 
 
 def _factors_after_one_step(model, loss_fn, batches, **kwargs):
-    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None, **kwargs)
+    precond = KFACPreconditioner(model, **kfac_pytorch(damping=DAMPING, kl_clip=None, **kwargs))
     model.zero_grad()
     for xb in batches:
         loss_fn(model(xb), xb).backward()
@@ -265,10 +267,12 @@ def test_gradient_accumulation_equals_one_big_batch(in_hook: bool) -> None:
     part_targets[id(x)] = y
     acc = KFACPreconditioner(
         copy.deepcopy(model),
-        damping=DAMPING,
-        kl_clip=None,
-        accumulation_steps=3,
-        update_factors_in_hook=in_hook,
+        **kfac_pytorch(
+            damping=DAMPING,
+            kl_clip=None,
+            accumulation_steps=3,
+            update_factors_in_hook=in_hook,
+        ),
     )
     acc.model.zero_grad()
     for p in parts:
@@ -324,7 +328,9 @@ def test_module_called_twice_accumulates_both_calls() -> None:
 def test_running_average_initialised_from_first_batch() -> None:
     model = mlp()
     decay = 0.7
-    precond = KFACPreconditioner(model, factor_decay=decay, damping=DAMPING, kl_clip=None)
+    precond = KFACPreconditioner(
+        model, **kfac_pytorch(factor_decay=decay, damping=DAMPING, kl_clip=None)
+    )
     batches = [data(10, seed=s) for s in (1, 2)]
     refs = []
     for xb, yb in batches:
@@ -374,7 +380,7 @@ def test_float32_factors_with_float64_model_are_close_not_exact() -> None:
 def test_items_loss_needs_loss_items() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
-    precond = KFACPreconditioner(model, loss_average="items")
+    precond = KFACPreconditioner(model, **kfac_pytorch(loss_average="items"))
     with pytest.raises(RuntimeError, match=r"precond\.loss_items is not set"):
         model(torch.randn(5, 4)).sum().backward()
     for bad in (0, -2.0, True):
