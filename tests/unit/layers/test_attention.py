@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
+from kfac_defaults import kfac_pytorch
 
 from kfac_reference import dense_precondition, outer_mean, rel_err, with_ones
 
@@ -20,7 +21,8 @@ DAMPING = 0.01
 E, H, N, L, S = 8, 2, 4, 5, 6
 
 
-pytestmark = pytest.mark.usefixtures("float64_default")
+#: on kaisa's shipped defaults; the tests here mean kfac-pytorch's values (kfac_pytorch)
+pytestmark = [pytest.mark.usefixtures("float64_default"), pytest.mark.library_defaults]
 
 
 def reference_attention(mha, query, key, value, attn_mask=None, key_padding_mask=None):
@@ -95,7 +97,7 @@ def test_projections_against_dense_definition(case: str, batch_first: bool) -> N
     real_out, _ = model.attn(layout(x), layout(mem), layout(mem), need_weights=False, **masks)
     assert rel_err(ref_out, layout(real_out)) <= 1e-12
 
-    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
+    precond = KFACPreconditioner(model, **kfac_pytorch(damping=DAMPING, kl_clip=None))
     assert sorted(precond.layers) == ["attn.k", "attn.out_proj", "attn.q", "attn.v", "head"]
     F.cross_entropy(run(x, mem), y).backward()
     raws = {n: precond._parts.engine.read(la.adapter).clone() for n, la in precond.layers.items()}
@@ -122,7 +124,7 @@ def test_transformer_layers_fully_preconditioned() -> None:
     enc = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
     dec = nn.TransformerDecoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
     model = nn.ModuleDict({"enc": enc, "dec": dec})
-    precond = KFACPreconditioner(model, damping=DAMPING)
+    precond = KFACPreconditioner(model, **kfac_pytorch(damping=DAMPING))
     names = sorted(precond.layers)
     for prefix in ("enc.self_attn", "dec.self_attn", "dec.multihead_attn"):
         assert {f"{prefix}.{r}" for r in ("q", "k", "v", "out_proj")} <= set(names)
@@ -174,7 +176,7 @@ def _lm_run(mode: str, monkeypatch) -> tuple[dict, list[torch.Tensor], int]:
     monkeypatch.setattr(capture, "_input_terms", counting)
     model = TinyLM(mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING)
+    precond = KFACPreconditioner(model, optimizer=opt, **kfac_pytorch(damping=DAMPING))
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
         idx, y = (
@@ -212,7 +214,9 @@ def test_checkpoint_round_trip_with_attention_and_embeddings() -> None:
     def run(resume_at: int | None) -> list[torch.Tensor]:
         model = TinyLM("plain")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING, inv_update_steps=2)
+        precond = KFACPreconditioner(
+            model, optimizer=opt, **kfac_pytorch(damping=DAMPING, inv_update_steps=2)
+        )
         g = torch.Generator().manual_seed(9)
         for step in range(4):
             if step == resume_at:
@@ -225,7 +229,7 @@ def test_checkpoint_round_trip_with_attention_and_embeddings() -> None:
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 opt.load_state_dict(opt_state)
                 precond = KFACPreconditioner(
-                    model, optimizer=opt, damping=DAMPING, inv_update_steps=2
+                    model, optimizer=opt, **kfac_pytorch(damping=DAMPING, inv_update_steps=2)
                 )
                 precond.load_state_dict(state)
                 assert precond.layers["emb"].factor("A").shape == (13,)
@@ -251,7 +255,7 @@ def test_torch_compile_with_attention_captures_its_projections() -> None:
     tests/unit/step/test_compiled_attention.py)."""
     torch._dynamo.reset()
     model = Model(batch_first=True, kdim=None)
-    precond = KFACPreconditioner(model, damping=DAMPING)
+    precond = KFACPreconditioner(model, **kfac_pytorch(damping=DAMPING))
 
     def forward(x):
         return model.head(model.attn(x, x, x, need_weights=False)[0].mean(1))
@@ -285,7 +289,7 @@ def test_self_attention_forms_the_shared_input_factor_once(monkeypatch) -> None:
     monkeypatch.setattr(LayerAdapter, "factor_term", counting)
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
-    precond = KFACPreconditioner(mha, damping=DAMPING)
+    precond = KFACPreconditioner(mha, **kfac_pytorch(damping=DAMPING))
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     out, _ = mha(x, x, x, need_weights=False)
     out.pow(2).mean().backward()
