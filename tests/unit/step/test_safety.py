@@ -23,8 +23,12 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa.step.nonfinite import gradients_finite
+from kfac_defaults import kfac_pytorch
 
-KW: dict[str, Any] = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
+#: kfac-pytorch's values where not set here (the module runs on the shipped defaults)
+KW: dict[str, Any] = kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2)
+
+pytestmark = pytest.mark.library_defaults
 
 
 def mlp() -> nn.Sequential:
