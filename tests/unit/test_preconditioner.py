@@ -647,3 +647,45 @@ def test_no_layer_error_names_every_supported_type() -> None:
         KFACPreconditioner(nn.Sequential(nn.ReLU()), lr=0.1)
     for name in ("nn.Linear", "nn.Conv1d", "nn.Conv2d", "nn.Embedding", "nn.MultiheadAttention"):
         assert name in str(err.value)
+
+
+def test_what_kaisa_changes_is_named_once_at_the_users_line() -> None:
+    """Supported layers kaisa leaves out of its own accord (tied parameters)
+    and factors it does not keep dense (``max_factor_dim``) are named in one
+    warning, attributed to the caller's line; a head tied to an embedding
+    (its weight preconditioned as the head) and layers the user skipped are
+    not changes, and a model with nothing changed warns nothing."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+            self.b.weight = self.a.weight
+            self.head = nn.Linear(6, 40)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        precond = KFACPreconditioner(Tied(), max_factor_dim=32, lr=0.1)
+    changes = [w for w in seen if "not preconditioning" in str(w.message)]
+    assert len(changes) == 1
+    message = str(changes[0].message)
+    assert "'a' (Linear): tied parameter" in message and "'b' (Linear)" in message
+    assert "head.G (40 diagonal)" in message and "max_factor_dim=32" in message
+    assert changes[0].filename == __file__
+    assert "head.G" in precond.describe()
+
+    class LanguageModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 6)
+            self.mid = nn.Linear(6, 6)
+            self.head = nn.Linear(6, 20, bias=False)
+            self.head.weight = self.emb.weight
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KFACPreconditioner(LanguageModel(), lr=0.1)
+        KFACPreconditioner(
+            nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), skip_layers=["1"], lr=0.1
+        )

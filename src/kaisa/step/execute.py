@@ -118,7 +118,11 @@ class ReplayedSteps:
         ):
             return False
         self.verdict.skipped_nonfinite = False
-        lr = fixed.lr if fixed.lr is not None else self.lr_operand(step)
+        lr: float | Tensor = (
+            fixed.lr
+            if fixed.lr is not None
+            else lr_operand(self.schedule, self.eager.application, step)
+        )
         ctx = StepContext(
             step, False, fixed.damping, lr, fixed.kl_clip, verdict_of=self.verdict.on_device
         )
@@ -129,9 +133,6 @@ class ReplayedSteps:
             self.verdict.nonfinite.defer_tally(tally)
         self.shortcuts += 1
         return True
-
-    def lr_operand(self, step: int) -> float | Tensor:
-        return lr_operand(self.schedule, self.eager.application, step)
 
     def stamp(self) -> ReplayStamp | None:
         return self.graphed.stamp()
