@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
+from kfac_defaults import kfac_pytorch
 
-KW = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
+# written for kfac-pytorch's values: factors every step, the eigen method
+KW = kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2)
 ACCUMULATE = 2
 STEPS = 3
 

@@ -7,7 +7,6 @@ parts, :mod:`kaisa.step.pipeline` runs ``step()`` phase by phase,
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Callable, Collection, Iterator
@@ -21,10 +20,11 @@ from torch import nn
 from kaisa.checkpoint.facade import Checkpoints
 from kaisa.compat import KfacPytorchAttributes
 from kaisa.config import (
-    DEFAULT_MAX_FACTOR_DIM,
+    AlgorithmConfig,
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    DistributionConfig,
     FloatOrSchedule,
     Grafting,
     IntOrSchedule,
@@ -32,6 +32,8 @@ from kaisa.config import (
     KFACConfig,
     LargeFactor,
     LossAverage,
+    PlannerConfig,
+    PrecisionConfig,
     TensorParallelMode,
 )
 from kaisa.distributed.communicator import Communicator
@@ -50,6 +52,11 @@ from kaisa.step.schedule import Schedule, warn_unaligned_intervals
 from kaisa.wiring import build, check_runtime_arguments, configure, explained_call
 
 __all__ = ["KFACPreconditioner"]
+
+#: what ``grad_worker_fraction`` and ``assignment_strategy`` accept: a member,
+#: its name or value, kfac-pytorch's member (and for the fraction a float)
+FractionArgument = DistributedStrategy | float | str | Enum
+AssignmentArgument = AssignmentStrategy | str | Enum
 
 #: the constructor's keywords that are options of :class:`KFACConfig`
 OPTION_NAMES = frozenset(KFACConfig.field_names())
@@ -123,39 +130,37 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         optimizer: torch.optim.Optimizer | None = None,
         grad_scaler: Any | None = None,
         # -- the algorithm (kaisa.AlgorithmConfig)
-        factor_update_steps: IntOrSchedule = 10,
-        inv_update_steps: IntOrSchedule = 100,
-        damping: FloatOrSchedule = 0.3,
-        factor_decay: FloatOrSchedule = 0.95,
-        kl_clip: FloatOrSchedule | None = 0.001,
+        factor_update_steps: IntOrSchedule = AlgorithmConfig.factor_update_steps,
+        inv_update_steps: IntOrSchedule = AlgorithmConfig.inv_update_steps,
+        damping: FloatOrSchedule = AlgorithmConfig.damping,
+        factor_decay: FloatOrSchedule = AlgorithmConfig.factor_decay,
+        kl_clip: FloatOrSchedule | None = AlgorithmConfig.kl_clip,
         lr: FloatOrSchedule | None = None,
         accumulation_steps: int | None = None,
-        compute_method: ComputeMethod | str | Enum = ComputeMethod.INVERSE,
-        compute_eigenvalue_outer_product: bool = True,
-        skip_layers: str | Collection[str] | None = (),
-        update_factors_in_hook: bool = True,
-        loss_average: LossAverage | str = LossAverage.BATCH,
-        kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
-        max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
-        large_factor: LargeFactor | str = LargeFactor.DIAGONAL,
-        grafting: Grafting | str | None = None,
+        compute_method: ComputeMethod | str | Enum = AlgorithmConfig.compute_method,
+        compute_eigenvalue_outer_product: bool = AlgorithmConfig.compute_eigenvalue_outer_product,
+        skip_layers: str | Collection[str] | None = AlgorithmConfig.skip_layers,
+        update_factors_in_hook: bool = AlgorithmConfig.update_factors_in_hook,
+        loss_average: LossAverage | str = AlgorithmConfig.loss_average,
+        kfac_approx: KFACApprox | str = AlgorithmConfig.kfac_approx,
+        max_factor_dim: int | None = AlgorithmConfig.max_factor_dim,
+        large_factor: LargeFactor | str = AlgorithmConfig.large_factor,
+        grafting: Grafting | str | None = AlgorithmConfig.grafting,
         # -- the distribution over ranks (kaisa.DistributionConfig)
-        grad_worker_fraction: DistributedStrategy | float | str | Enum = (
-            DistributedStrategy.COMM_OPT
-        ),
-        assignment_strategy: AssignmentStrategy | str | Enum = AssignmentStrategy.COMPUTE,
-        colocate_factors: bool = True,
-        allreduce_bucket_cap_mb: float = 25.0,
-        symmetry_aware: bool = False,
-        tensor_parallel: TensorParallelMode | str = TensorParallelMode.EXACT,
+        grad_worker_fraction: FractionArgument = DistributionConfig.grad_worker_fraction,
+        assignment_strategy: AssignmentArgument = DistributionConfig.assignment_strategy,
+        colocate_factors: bool = DistributionConfig.colocate_factors,
+        allreduce_bucket_cap_mb: float = DistributionConfig.allreduce_bucket_cap_mb,
+        symmetry_aware: bool = DistributionConfig.symmetry_aware,
+        tensor_parallel: TensorParallelMode | str = DistributionConfig.tensor_parallel,
         # -- precision (kaisa.PrecisionConfig)
-        factor_dtype: torch.dtype | str | None = None,
-        inv_dtype: torch.dtype | str | None = None,
-        factor_compute_dtype: torch.dtype | str | None = None,
-        precondition_dtype: torch.dtype | str | None = None,
+        factor_dtype: torch.dtype | str | None = PrecisionConfig.factor_dtype,
+        inv_dtype: torch.dtype | str | None = PrecisionConfig.inv_dtype,
+        factor_compute_dtype: torch.dtype | str | None = PrecisionConfig.factor_compute_dtype,
+        precondition_dtype: torch.dtype | str | None = PrecisionConfig.precondition_dtype,
         # -- the planner of grad_worker_fraction='auto' (kaisa.PlannerConfig)
-        memory_budget_mb: float | None = None,
-        plan_costs: str | os.PathLike[str] | None = None,
+        memory_budget_mb: float | None = PlannerConfig.memory_budget_mb,
+        plan_costs: str | os.PathLike[str] | None = PlannerConfig.plan_costs,
         # -- the runtime
         gradient_access: GradientAccess | None = None,
         engine: Engine | None = None,
@@ -168,7 +173,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
         check_runtime_arguments(
             model, optimizer, grad_scaler, gradient_access, pg_timeout_s, loglevel, topology, engine
         )
-        method_object = _method_argument(method, options, _signature_default("compute_method"))
+        method_object = _method_argument(method, options, AlgorithmConfig.compute_method)
         setup = configure(model, options, optimizer, grad_scaler, gradient_access, engine, topology)
         self._schedule = Schedule(setup.config, optimizer, setup.lr_from_optimizer)
         self.model = model
@@ -453,11 +458,6 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints):
             f"world_size={self.plan.world_size}, grad_workers={self.plan.grad_workers}, "
             f"steps={self.steps})"
         )
-
-
-def _signature_default(name: str) -> Any:
-    """The constructor's current default of ``name`` (the tests may pin it)."""
-    return (inspect.unwrap(KFACPreconditioner.__init__).__kwdefaults__ or {})[name]
 
 
 def _method_argument(

@@ -23,8 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kfac_defaults import pin_defaults, pinned
-
 
 def _worker(
     rank: int,
@@ -34,11 +32,9 @@ def _worker(
     args: tuple[Any, ...],
     queue: Any,
     pg_timeout_s: float,
-    defaults: dict[str, object],
 ) -> None:
     try:
         torch.set_num_threads(1)
-        pin_defaults(defaults)  # a forkserver rank did not inherit the test's pin
         # Outside fork, tensors in ``args`` arrive in memory shared by all ranks;
         # a rank updating one in place (an optimizer's loaded momentum) would
         # change it for the others.  Each rank gets its own copy, as under fork.
@@ -94,7 +90,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, args, queue, pg_timeout_s, pinned()),
+                args=(r, world_size, init_file, fn, args, queue, pg_timeout_s),
                 daemon=True,
             )
             for r in range(world_size)

@@ -169,7 +169,7 @@ def overflow_run(rank: int, world: int) -> dict[str, Any]:
         config=config(2, fp16=True),
         dist_init_required=False,
     )
-    precond = KFACPreconditioner(engine, factor_update_steps=1, **KW)
+    precond = KFACPreconditioner(engine, **dict(KW, factor_update_steps=1))
     data = micro_batches(rank)
     snapshot: dict[str, Any] = {}
     for i, (x, y) in enumerate(data[: 3 * ACCUMULATE]):

@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
+from kfac_defaults import kfac_pytorch
 
 from harness import cpu_mesh, run_distributed
 
 pytestmark = pytest.mark.distributed
 
 B, ACCUMULATE, STEPS = 3, 2, 3
-KW: dict[str, Any] = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
+# written for kfac-pytorch's values: factors every step, the eigen method
+KW: dict[str, Any] = kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2)
 
 
 def make_net() -> nn.Module:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa import KFACPreconditioner
+from kfac_defaults import kfac_pytorch
 
 from harness import run_distributed
 
@@ -64,8 +65,12 @@ def train(
     model = make_model(dtype)
     net: nn.Module = DistributedDataParallel(model) if ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # kfac-pytorch's options (eigen, factors every step) unless the config names
+    # one: _reference_key reads an unnamed compute_method as eigen
     precond = KFACPreconditioner(
-        net, optimizer=opt, damping=0.01, kl_clip=0.05, inv_update_steps=2, **config
+        net,
+        optimizer=opt,
+        **kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2, **config),
     )
     share = data_world * B // world_size
     record: dict[str, Any] = {"grads": [], "comm": [], "memory": []}

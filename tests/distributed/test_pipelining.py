@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from kaisa import KFACPreconditioner, Topology
 from kaisa.engines.pipelining import PipeliningEngine
+from kfac_defaults import kfac_pytorch
 
 from harness import run_distributed
 
@@ -35,7 +36,9 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-10
 BATCH, MICRO, STEPS = 8, 4, 4  # rows per replica and step, micro-batches, optimizer steps
-KW: dict[str, Any] = dict(damping=0.01, kl_clip=0.002)
+# kfac-pytorch's options unless a case names one; assert_equal_to_reference
+# counts the micro-batches captured on every factor step
+KW: dict[str, Any] = kfac_pytorch(damping=0.01, kl_clip=0.002)
 
 
 def stage_modules() -> list[nn.Sequential]:
@@ -183,7 +186,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_equal_to_reference(
     results: list[dict[str, Any]], want: dict[str, Any], case: dict[str, Any]
 ) -> None:
-    every = case["kfac"].get("factor_update_steps", 1)
+    every = {**KW, **case["kfac"]}["factor_update_steps"]
     passes = [{MICRO if step % every == 0 else 0} for step in range(STEPS)]
     assert {r["stage"] for r in results} == {0, 1}
     for res in results:

@@ -20,13 +20,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa import KFACPreconditioner, Topology
+from kfac_defaults import kfac_pytorch
 
 from harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-10
-KW: dict[str, Any] = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
+# written for kfac-pytorch's values: factors every step, the eigen method (a config may
+# name its own)
+KW: dict[str, Any] = kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2)
 CONFIGS = [
     dict(grad_worker_fraction=1.0),
     dict(grad_worker_fraction=0.0, compute_method="inverse"),
@@ -103,7 +106,7 @@ SPLIT = [(0, 3), (3, 8)]  # rank 0 holds 3 rows, rank 1 holds 5
 def single(config: dict[str, Any], rows: int = 8) -> dict[str, Any]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, **KW, **config)
+    precond = KFACPreconditioner(model, **(KW | config))
     out: dict[str, Any] = {}
     for x, y in batches(rows):
         opt.zero_grad()
@@ -117,7 +120,7 @@ def single(config: dict[str, Any], rows: int = 8) -> dict[str, Any]:
 def unequal(rank: int, world: int, config: dict[str, Any], extra: bool) -> dict[str, Any]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, **KW, **config)
+    precond = KFACPreconditioner(model, **(KW | config))
     lo, hi = SPLIT[rank]
     out: dict[str, Any] = {"warnings": []}
     for x, y in batches(8):
@@ -160,7 +163,7 @@ def branch_on_rank_0(rank: int, world: int, config: dict[str, Any], ddp: bool) -
     model = make_model()
     net: nn.Module = DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(net, **KW, **config)
+    precond = KFACPreconditioner(net, **(KW | config))
     out: dict[str, Any] = {}
     for x, y in batches(8):
         x, y = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
@@ -183,7 +186,7 @@ def branch_reference(config: dict[str, Any]) -> dict[str, Any]:
     their mean — exactly what the two ranks compute together."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, **KW, **config)
+    precond = KFACPreconditioner(model, **(KW | config))
     out: dict[str, Any] = {}
     for x, y in batches(8):
         opt.zero_grad()
@@ -279,7 +282,7 @@ def two_dp_groups(rank: int, world: int, config: dict[str, Any]) -> dict[str, An
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
     model = make_model()
-    precond = KFACPreconditioner(model, **KW, **config, topology=Topology(dp=group))
+    precond = KFACPreconditioner(model, **(KW | config), topology=Topology(dp=group))
     half = slice(4 * (rank % 2), 4 * (rank % 2) + 4)
     data = [(x[half], y[half]) for x, y in batches(8, seed=rank // 2)]
     return train_plain(model, precond, data, group, 2)
@@ -290,7 +293,7 @@ def test_two_data_parallel_groups_side_by_side() -> None:
         results = run_distributed(4, two_dp_groups, config, timeout_s=60, pg_timeout_s=20)
         for group in range(2):
             model = make_model()
-            ref = train_plain(model, KFACPreconditioner(model, **KW, **config), batches(8, group))
+            ref = train_plain(model, KFACPreconditioner(model, **(KW | config)), batches(8, group))
             for rank in (2 * group, 2 * group + 1):
                 assert_same(results[rank], ref, f"group {group} rank {rank} {config}")
                 assert results[rank]["grads"][0].keys() == ref["grads"][0].keys()

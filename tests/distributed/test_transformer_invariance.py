@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisa import KFACPreconditioner
+from kfac_defaults import kfac_pytorch
 
 from harness import run_distributed
 
@@ -58,11 +59,9 @@ def train(rank: int, world: int, options: dict[str, Any]) -> list[torch.Tensor]:
     precond = KFACPreconditioner(
         net,
         optimizer=opt,
-        damping=0.01,
-        kl_clip=0.05,
-        inv_update_steps=2,
         loss_average="batch_and_sequence",
-        **options,
+        # written for kfac-pytorch's values: factors every step, the eigen method
+        **kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2, **options),
     )
     assert {"tok", "dec.multihead_attn.k", "enc.self_attn.out_proj"} & set(precond.layers) == {
         "dec.multihead_attn.k",

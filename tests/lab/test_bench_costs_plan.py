@@ -8,7 +8,7 @@ docs' tables, rendered from those records (``kaisa bench report``), cannot
 go stale.  When a change to the library moves a number on purpose, re-run
 the case (``kaisa bench run CASE``) and commit its records.
 
-They run at kaisa's own defaults (``library_defaults``), as ``kaisa bench
+They run at kaisa's own defaults, as the whole suite does and ``kaisa bench
 run`` does.
 """
 
@@ -101,7 +101,6 @@ def assert_no_drift(name: str, root: Path) -> None:
 # -- drift: quick runs against the committed records -----------------------------------
 
 
-@pytest.mark.library_defaults
 def test_plan_paper_reproduces_its_committed_records(tmp_path: Path) -> None:
     records = run_quick("plan-paper", tmp_path)
     case = TIMING_CASES["plan-paper"]
@@ -117,7 +116,6 @@ def test_plan_paper_reproduces_its_committed_records(tmp_path: Path) -> None:
     assert_no_drift("plan-paper", tmp_path)
 
 
-@pytest.mark.library_defaults
 @pytest.mark.distributed
 def test_strategies_reproduces_its_committed_records(tmp_path: Path) -> None:
     records = run_quick("strategies", tmp_path)
@@ -137,7 +135,6 @@ def test_strategies_reproduces_its_committed_records(tmp_path: Path) -> None:
     assert_no_drift("strategies", tmp_path)
 
 
-@pytest.mark.library_defaults
 @pytest.mark.distributed
 def test_tensor_parallel_comm_reproduces_its_committed_records(tmp_path: Path) -> None:
     records = run_quick("tensor-parallel-comm", tmp_path)

@@ -9,7 +9,7 @@ precision's second-order memory, compile-step's graph counts) must equal the
 committed records under benchmarks/records, which the docs render: when a
 change moves one on purpose, re-run the case and commit its records.
 
-They run at kaisa's own defaults (``library_defaults``), as ``kaisa bench
+They run at kaisa's own defaults, as the whole suite does and ``kaisa bench
 run`` does.
 """
 
@@ -28,8 +28,6 @@ from kaisa_lab.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "benchmarks" / "records"
-
-pytestmark = pytest.mark.library_defaults
 
 
 def run_quick(name: str, root: Path, *options: str) -> list[dict[str, Any]]:

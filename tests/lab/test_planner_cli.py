@@ -44,7 +44,6 @@ def comm_opt_memory(out: Path, world: int) -> int:
     )
 
 
-@pytest.mark.library_defaults
 def test_header_names_the_intervals_and_method_the_table_used(
     plan_args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

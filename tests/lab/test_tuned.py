@@ -21,7 +21,6 @@ from kaisa_lab.tasks import tuned
 from kaisa_lab.tasks.registry import TASKS, get_task
 
 # the records were made with the library's own defaults: their keys hold them
-pytestmark = pytest.mark.library_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = RecordStore(ROOT / "benchmarks" / "records")

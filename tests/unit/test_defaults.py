@@ -1,22 +1,19 @@
 """kaisa's own defaults (chosen in issue 10 from time-to-target sweeps) and the
 kfac-pytorch defaults kept one mapping away.
 
-Every other test runs with kfac-pytorch's defaults pinned (tests/conftest.py);
-the tests marked ``library_defaults`` here see kaisa's.
+The suite runs on these defaults; a test written for kfac-pytorch's passes
+them explicitly (``tests/kfac_defaults.kfac_pytorch``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from kaisa import KFAC_PYTORCH_DEFAULTS, ComputeMethod, KFACConfig, KFACPreconditioner
 from kaisa_lab.tasks import get_task
-
-pytestmark = pytest.mark.library_defaults
 
 
 def test_defaults_are_the_documented_ones() -> None:

@@ -17,6 +17,7 @@ import kaisa
 from kaisa import KFACPreconditioner
 from kaisa.compat import is_kfac_pytorch_state, kfac_pytorch_schedule
 from kaisa.scheduler import LambdaParamScheduler
+from kfac_defaults import kfac_pytorch
 
 from kfac_pytorch_source import import_kfac
 
@@ -253,13 +254,13 @@ def test_factor_decay_schedule_returning_zero_takes_the_batch_statistics(tmp_pat
     schedule = exp_decay_factor_averaging()
     assert schedule(0) == 0.0 and schedule(1) == 0.0
     model = mlp()
-    p = KFACPreconditioner(model, factor_decay=schedule)
+    p = KFACPreconditioner(model, **kfac_pytorch(factor_decay=schedule))
     step(model, p)
     first = [t.clone() for t in p.layers["0"].running]
     step(model, p, seed=1)  # decay 0 again: the second batch alone
     fresh_model = mlp()
     fresh_model.load_state_dict(model.state_dict())
-    q = KFACPreconditioner(fresh_model, factor_decay=0.5)
+    q = KFACPreconditioner(fresh_model, **kfac_pytorch(factor_decay=0.5))
     step(fresh_model, q, seed=1)
     for a, b in zip(p.layers["0"].running, q.layers["0"].running):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # one batch, nothing averaged

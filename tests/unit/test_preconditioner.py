@@ -14,6 +14,7 @@ from torch import nn
 import kaisa
 from kaisa import KFACPreconditioner
 from kaisa.core.decompose import DecompositionError
+from kfac_defaults import kfac_pytorch
 
 from kfac_reference import rel_err
 
@@ -244,7 +245,9 @@ def test_kfac_reduces_loss_faster_than_sgd_on_a_fixed_problem() -> None:
     def run(kfac: bool) -> float:
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        precond = KFACPreconditioner(model, optimizer=opt, damping=0.01) if kfac else None
+        precond = (
+            KFACPreconditioner(model, optimizer=opt, **kfac_pytorch(damping=0.01)) if kfac else None
+        )
         for _ in range(30):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -256,9 +259,12 @@ def test_kfac_reduces_loss_faster_than_sgd_on_a_fixed_problem() -> None:
     assert run(True) < 0.8 * run(False)
 
 
-def test_suite_runs_with_kfac_pytorch_defaults_pinned() -> None:
-    """tests/conftest.py pins kfac-pytorch's defaults for every unmarked test."""
-    config = kaisa.KFACConfig()
+def test_kfac_pytorch_values_are_passed_through_one_helper() -> None:
+    """tests/kfac_defaults.kfac_pytorch gives kfac-pytorch's values, the
+    shipped defaults stay kaisa's: what a test means by the former it says."""
+    shipped = kaisa.KFACConfig()
+    assert all(getattr(shipped, k) != v for k, v in kaisa.KFAC_PYTORCH_DEFAULTS.items())
+    config = kaisa.KFACConfig(**kfac_pytorch())
     assert (config.factor_update_steps, config.inv_update_steps, config.damping) == (1, 1, 0.001)
     assert kaisa.ComputeMethod(config.compute_method) is kaisa.ComputeMethod.EIGEN
 
@@ -292,7 +298,7 @@ def test_state_dict_resume_equals_uninterrupted(second_order: bool) -> None:
 def test_state_dict_contents_and_validation() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=opt, damping=lambda s: 0.01)
+    precond = KFACPreconditioner(model, optimizer=opt, **kfac_pytorch(damping=lambda s: 0.01))
     assert precond.state_dict()["layers"] == {"0": {}, "2": {}}  # nothing captured yet
     train(model, precond, opt, 1)
     # the default holds what an exact resume needs: the factors and the second order
@@ -314,7 +320,9 @@ def test_state_dict_contents_and_validation() -> None:
 def test_memory_usage_counts_factors_and_second_order() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=opt, compute_eigenvalue_outer_product=True)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, **kfac_pytorch(compute_eigenvalue_outer_product=True)
+    )
     assert precond.memory_usage()["total"] == 0
     train(model, precond, opt, 1)
     mem = precond.memory_usage()
@@ -338,9 +346,7 @@ def test_describe_and_memory_usage_report_large_factors(mode: str) -> None:
     precond = KFACPreconditioner(
         model,
         optimizer=opt,
-        compute_eigenvalue_outer_product=True,
-        max_factor_dim=4,
-        large_factor=mode,
+        **kfac_pytorch(compute_eigenvalue_outer_product=True, max_factor_dim=4, large_factor=mode),
     )
     report = precond.describe()
     train(model, precond, opt, 1)
@@ -377,7 +383,7 @@ def test_describe_and_memory_usage_report_large_factors(mode: str) -> None:
 def test_non_finite_backward_does_not_poison_factors() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=opt)
+    precond = KFACPreconditioner(model, optimizer=opt, **kfac_pytorch())
     train(model, precond, opt, 2)
     before = {n: la.factor("G").clone() for n, la in precond.layers.items()}
     x, y = batch(seed=9)
@@ -398,7 +404,7 @@ def test_non_finite_backward_does_not_poison_factors() -> None:
 def test_failed_decomposition_keeps_previous(monkeypatch) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=opt)
+    precond = KFACPreconditioner(model, optimizer=opt, **kfac_pytorch())
     train(model, precond, opt, 1)
     kept = {k: v.clone() for k, v in precond.layers["0"].state.items()}
 
@@ -432,7 +438,7 @@ def test_eigh_that_does_not_converge_is_retried_in_float64(monkeypatch) -> None:
 
 def test_first_decomposition_failure_falls_back_to_damping_only(monkeypatch) -> None:
     model = mlp()
-    precond = KFACPreconditioner(model, kl_clip=None, damping=0.5)
+    precond = KFACPreconditioner(model, **kfac_pytorch(kl_clip=None, damping=0.5))
 
     def broken(*args, **kwargs):
         raise DecompositionError("simulated")

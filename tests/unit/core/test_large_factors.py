@@ -32,7 +32,6 @@ from kfac_reference import (
 )
 
 #: on kaisa's shipped defaults; a test meant for kfac-pytorch's passes them (kfac_pytorch)
-pytestmark = pytest.mark.library_defaults
 
 TOL = 1e-8
 DAMPING = 0.01

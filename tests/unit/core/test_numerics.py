@@ -28,7 +28,7 @@ DAMPING = 0.01
 
 
 #: on kaisa's shipped defaults; the tests here mean kfac-pytorch's values (kfac_pytorch)
-pytestmark = [pytest.mark.usefixtures("float64_default"), pytest.mark.library_defaults]
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def ce_per_example(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

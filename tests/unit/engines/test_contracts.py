@@ -42,7 +42,6 @@ from kaisa.methods.ekfac_adam import EKFACAdamMethod
 from kfac_reference import grad_matrix, rel_err, unvec, vec
 
 #: on kaisa's shipped defaults; a test that needs another value passes it
-pytestmark = pytest.mark.library_defaults
 
 TOL = 1e-8
 DAMPING = 0.03

@@ -22,7 +22,7 @@ E, H, N, L, S = 8, 2, 4, 5, 6
 
 
 #: on kaisa's shipped defaults; the tests here mean kfac-pytorch's values (kfac_pytorch)
-pytestmark = [pytest.mark.usefixtures("float64_default"), pytest.mark.library_defaults]
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def reference_attention(mha, query, key, value, attn_mask=None, key_padding_mask=None):

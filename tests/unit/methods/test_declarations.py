@@ -39,7 +39,6 @@ from kaisa.wiring import check_method_plan
 from kfac_reference import grad_matrix, rel_err
 
 #: on kaisa's shipped defaults; a test that needs another value passes it
-pytestmark = pytest.mark.library_defaults
 
 DECAY = 0.5
 

@@ -28,8 +28,6 @@ from kfac_defaults import kfac_pytorch
 #: kfac-pytorch's values where not set here (the module runs on the shipped defaults)
 KW: dict[str, Any] = kfac_pytorch(damping=0.01, kl_clip=0.05, inv_update_steps=2)
 
-pytestmark = pytest.mark.library_defaults
-
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
