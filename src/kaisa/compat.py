@@ -121,7 +121,7 @@ class KfacPytorchAttributes(PreconditionerView):
         preconditions with the factors it has).  Statistics already sent
         during backward are dropped on arrival, so call it on every rank,
         as ``step()`` is."""
-        self._parts.pipeline.drop_statistics = True
+        self._parts.pipeline.reduction.forget_batch()
 
     # -- configuration, as kfac-pytorch exposes it --------------------------------------
     @property

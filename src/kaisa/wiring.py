@@ -37,6 +37,7 @@ from kaisa.engines import Engine, GradientAccess, ModelParallelLayers, OwnsTheLo
 from kaisa.layers.registry import SkippedModule, register_layers, supported_layers
 from kaisa.layers.state import KFACLayer
 from kaisa.methods import CurvatureMethod, resolve_method
+from kaisa.methods.capabilities import updates_state
 from kaisa.planner.forecast import auto_fraction
 from kaisa.report import changes, warn_user
 from kaisa.step.apply import GradientApplication
@@ -240,10 +241,10 @@ def check_runtime_arguments(
 def check_method_options(method: CurvatureMethod, config: KFACConfig) -> None:
     """Refuse options a method cannot honour: a method whose :meth:`apply`
     updates its state every step (running moments,
-    :attr:`CurvatureMethod.apply_updates_state`) must be handed the worker's
+    :class:`kaisa.methods.capabilities.StatefulApply`) must be handed the worker's
     own tensors, where ``precondition_dtype`` would hand it cast copies (the
     updates would land in a copy and the checkpoint would keep stale moments)."""
-    if method.apply_updates_state and config.precondition_dtype is not None:
+    if updates_state(method) and config.precondition_dtype is not None:
         what = f"compute_method={method.name!r}"
         if config.grafting is not None:
             what += f" and grafting={config.grafting.value!r}"

@@ -129,7 +129,7 @@ class Checkpointer:
                 held = self.method.held(layer.factors, lp.colocated)
                 if self.rank == src:
                     like = torch.empty(0, dtype=layer.inv_dtype, device=dev)
-                    self.method.fill_missing(layer.factors, layer.state, held, damping, like)
+                    self.method.fill_missing(layer, held, damping, like)
                 for t in held:
                     packed = torch.ones(t.numel + 1, dtype=layer.inv_dtype, device=dev)
                     if self.rank == src:

@@ -21,7 +21,7 @@ in ``memory_usage()["second_order"]`` (:meth:`CastCopies.nbytes`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ class CastCopies:
         self.dtype = dtype
         self._entries: dict[str, _Entry] = {}
 
-    def of(self, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    def of(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """``state`` with every tensor in :attr:`dtype` (copies made only when stale)."""
         dtype = self.dtype
         if dtype is None or all(t.dtype == dtype for t in state.values()):

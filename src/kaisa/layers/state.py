@@ -8,7 +8,6 @@ change by the step pipeline (:mod:`kaisa.step.pipeline`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,7 +217,7 @@ class KFACLayer:
         """Count a non-finite batch statistic left out of its average."""
         self._rejected += 1
 
-    def operands(self) -> Mapping[str, Tensor]:
+    def operands(self) -> dict[str, Tensor]:
         """What the curvature method applies: :attr:`state`, or its cast copies
         when ``precondition_dtype`` differs from ``inv_dtype``."""
         return self.cast.of(self.state)

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ from kaisa.core.kronecker import mul_axis
 from kaisa.core.specs import FactorKind, FactorSpec, StatisticSpec, factor_statistics
 from kaisa.core.workspace import Workspace
 
-__all__ = ["CurvatureMethod", "HeldTensor", "Transfer"]
+__all__ = ["CurvatureMethod", "HeldTensor", "LayerView", "Operands", "Transfer"]
 
 Factors = Sequence[FactorSpec]
 
@@ -108,11 +108,52 @@ class Transfer:
     tensors: tuple[HeldTensor, ...]
 
 
-class CurvatureMethod(ABC):
-    """Eigen, inverse, and later others (EKFAC, Shampoo-like) behind one interface.
+class LayerView(Protocol):
+    """One layer as a method sees it: what it reads and writes of the layer.
 
-    Every method receives the layer's factor specs; ``running[i]`` is factor
-    ``i``'s running average where this rank owns it and ``None`` elsewhere.
+    ``factors``: the layer's factor specs, one long-lived tuple per layer
+    (:class:`IdentityMemo` keys on it).  ``state``: the second-order tensors
+    by the keys the method declared (:meth:`CurvatureMethod.held`), which
+    :meth:`~CurvatureMethod.receive`, :meth:`~CurvatureMethod.complete` and
+    :meth:`~CurvatureMethod.fill_missing` write.  ``running[i]``: factor
+    ``i``'s running average where this rank owns it and None elsewhere (read
+    by :meth:`~CurvatureMethod.exchange` and :meth:`~CurvatureMethod.decompose`).
+
+    A layer's own state (:class:`kaisa.layers.state.KFACLayer`) is one;
+    :class:`Operands` is one for what :meth:`~CurvatureMethod.apply` is
+    handed instead of the state itself.  One argument instead of the same
+    positional ones in every method's signature: a method reads what it
+    needs, and what a layer offers grows here, not in each override."""
+
+    @property
+    def factors(self) -> Factors: ...
+
+    @property
+    def state(self) -> dict[str, Tensor]: ...
+
+    @property
+    def running(self) -> Sequence[Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class Operands:
+    """A :class:`LayerView` of tensors that are not the layer's own state:
+    their cast copies in ``precondition_dtype`` (:mod:`kaisa.core.precision`)
+    or several layers' stacked along a leading dimension
+    (:class:`kaisa.methods.capabilities.StackedApply`); no running factors."""
+
+    factors: Factors
+    state: dict[str, Tensor]
+    running: Sequence[Tensor | None] = ()
+
+
+class CurvatureMethod(ABC):
+    """Eigen, inverse, EKFAC, EKFAC-Adam (and a user's own) behind one interface.
+
+    Every call receives the layer as a :class:`LayerView` (or its factor
+    specs alone, for what is declared of the specs).  What a method can do
+    beyond :meth:`apply` it says by implementing a capability
+    (:mod:`kaisa.methods.capabilities`), checked once at wiring.
     """
 
     name: str
@@ -138,8 +179,7 @@ class CurvatureMethod(ABC):
     def joint_term(
         self,
         statistic: StatisticSpec,
-        factors: Factors,
-        state: Mapping[str, Tensor],
+        layer: LayerView,
         a_rows: Tensor,
         g_rows: Tensor,
         scale: float | Tensor,
@@ -160,7 +200,7 @@ class CurvatureMethod(ABC):
     def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
         """Everything a gradient worker holds once an update is complete."""
 
-    def exchange(self, factors: Factors, running: Sequence[Tensor | None]) -> Tensor | None:
+    def exchange(self, layer: LayerView) -> Tensor | None:
         """A small float64 vector the owners contribute to and that is summed
         over the data-parallel group before :meth:`decompose` (None: no need)."""
         return None
@@ -168,34 +208,30 @@ class CurvatureMethod(ABC):
     @abstractmethod
     def decompose(
         self,
-        factors: Factors,
-        running: Sequence[Tensor | None],
+        layer: LayerView,
         which: tuple[int, ...],
         damping: float,
         dtype: torch.dtype,
         exchanged: Tensor | None,
     ) -> dict[str, Tensor]:
-        """The tensors of ``transfers`` for the factors ``which``.
+        """The tensors of ``transfers`` for the factors ``which`` (of
+        ``layer.running``), in ``dtype``.
 
         Raises :class:`kaisa.core.decompose.DecompositionError` on a numerical
         failure; the caller then keeps the previous tensors.
         """
 
-    def receive(
-        self, factors: Factors, state: dict[str, Tensor], new: Mapping[str, Tensor]
-    ) -> None:
+    def receive(self, layer: LayerView, new: Mapping[str, Tensor]) -> None:
         """Take tensors a decomposition produced or a broadcast delivered into
-        ``state`` (default: ``state.update(new)``).
+        ``layer.state`` (default: ``update(new)``).
 
         Called on every rank that keeps them, once per :class:`Transfer`,
         before :meth:`complete`, while ``state`` still holds the previous
         tensors: a method whose state is expressed in the old tensors' terms
         (running moments in an eigenbasis) carries it over here."""
-        state.update(new)
+        layer.state.update(new)
 
-    def complete(
-        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
-    ) -> None:
+    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
         """Derive what a worker holds from what it received (default: nothing)."""
         return None
 
@@ -211,88 +247,37 @@ class CurvatureMethod(ABC):
         """
 
     def fill_missing(
-        self,
-        factors: Factors,
-        state: dict[str, Tensor],
-        tensors: Sequence[HeldTensor],
-        damping: float,
-        like: Tensor,
+        self, layer: LayerView, tensors: Sequence[HeldTensor], damping: float, like: Tensor
     ) -> None:
         """Damping-only stand-ins (:meth:`fallback`) for whatever of
-        ``tensors`` ``state`` lacks: a layer never decomposed (every batch
-        non-finite so far, or a checkpoint without second-order state) still
-        preconditions, broadcasts and saves like the others."""
+        ``tensors`` ``layer.state`` lacks: a layer never decomposed (every
+        batch non-finite so far, or a checkpoint without second-order state)
+        still preconditions, broadcasts and saves like the others."""
+        state, n_factors = layer.state, len(layer.factors)
         for tensor in tensors:
             if tensor.key not in state:
-                state[tensor.key] = self.fallback(tensor, len(factors), damping, like)
+                state[tensor.key] = self.fallback(tensor, n_factors, damping, like)
 
     @abstractmethod
     def apply(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        damping: float,
-        work: Workspace | None = None,
+        self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None
     ) -> Tensor:
         """The preconditioned gradient, in the gradient's dtype.
 
-        The products run in the dtype of ``state``'s tensors: a worker hands
-        its state itself, or its cached copies in ``precondition_dtype``
+        The products run in the dtype of ``layer.state``'s tensors: a worker
+        hands its state itself, or its cached copies in ``precondition_dtype``
         (:mod:`kaisa.core.precision`), so a method never casts its own operands.
         With ``work`` the products are written into its buffers
         (:class:`kaisa.core.workspace.Alternating`) and the result may be a view
         of one, valid until the next layer's; ``grad`` is never written.
         """
 
-    #: :meth:`apply` updates held tensors in place (running moments of the
-    #: gradient), so it must be handed the worker's own state: no cast copies
-    #: (``precondition_dtype`` is refused, :func:`kaisa.wiring.check_method_options`)
-    apply_updates_state = False
-
-    #: :meth:`apply` also takes layers stacked along a leading dimension (every
-    #: operand and the gradient ``[L, ...]``; :mod:`kaisa.step.batched`), which
-    #: holds for a method whose products all go through ``mul_axis``
-    stacks = False
-
-    #: :meth:`apply_blocks` forms ``⟨V, ∇⟩`` on its way, so ``∇`` need not be
-    #: kept once ``V`` has overwritten it
-    forms_kl_term = False
-
-    def writes_blocks(
-        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
-    ) -> bool:
-        """Whether :meth:`apply_blocks` can precondition this layer: its first
-        and last operations are matrix products, and ``state`` is in the
-        gradient's ``dtype`` (a cast copy in ``precondition_dtype`` goes
-        through :meth:`apply`, which casts).  False unless a method says so."""
-        return False
-
-    def apply_blocks(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Sequence[Tensor],
-        damping: float,
-        work: Workspace,
-        out: Sequence[Tensor],
-        kl: bool,
-    ) -> Tensor | None:
-        """:meth:`apply` of a gradient matrix held as column blocks (a layer's
-        own weight and bias gradients: no matrix is assembled), with ``V``
-        written into the column blocks ``out`` (no ``V`` is copied).
-
-        ``out`` may be ``grad``'s own tensors: only the first product reads
-        ``grad``, and only the last writes ``out``.  Returns ``⟨V, ∇⟩`` when
-        ``kl`` and :attr:`forms_kl_term`, else None.  Only where
-        :meth:`writes_blocks` said so.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not write column blocks")
-
     @cached_property
     def _held_keys(self) -> IdentityMemo[tuple[str, ...]]:
         """The keys of :meth:`held`, once per layer (asked every step)."""
         return IdentityMemo(lambda f, c: tuple(t.key for t in self.held(f, c)))
 
-    def ready(self, factors: Factors, state: dict[str, Tensor], colocated: bool) -> bool:
-        return all(key in state for key in self._held_keys(factors, colocated))
+    def ready(self, layer: LayerView, colocated: bool) -> bool:
+        """Whether ``layer.state`` holds every tensor :meth:`held` declares."""
+        state = layer.state
+        return all(key in state for key in self._held_keys(layer.factors, colocated))

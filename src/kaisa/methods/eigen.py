@@ -12,6 +12,7 @@ otherwise.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -25,12 +26,13 @@ from kaisa.methods.base import (
     Factors,
     HeldTensor,
     IdentityMemo,
+    LayerView,
     Transfer,
     block_layout,
     mul_factor,
 )
 
-__all__ = ["EigenMethod"]
+__all__ = ["EigenBasis", "EigenMethod"]
 
 _OUTER = "inv_outer"
 
@@ -66,17 +68,16 @@ def _own(spec: FactorSpec) -> tuple[HeldTensor, ...]:
     return (_basis(spec), _values(spec))
 
 
-class EigenMethod(CurvatureMethod):
-    """Eigendecompositions of every factor; exact damped Kronecker inverse."""
-
-    name = "eigen"
-    stacks = True
+class EigenBasis(CurvatureMethod):
+    """Eigendecompositions of every factor: what the eigen method and the
+    methods working in its bases (EKFAC, EKFAC-Adam) hold and produce.  Each
+    says how it applies them; the capabilities are :class:`EigenMethod`'s."""
 
     def __init__(self, outer_product: bool = True) -> None:
         self.outer_product = outer_product
 
     @classmethod
-    def from_options(cls, *, outer_product: bool) -> EigenMethod:
+    def from_options(cls, *, outer_product: bool) -> Self:
         return cls(outer_product=outer_product)
 
     def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
@@ -93,16 +94,16 @@ class EigenMethod(CurvatureMethod):
 
     def decompose(
         self,
-        factors: Factors,
-        running: Sequence[Tensor | None],
+        layer: LayerView,
         which: tuple[int, ...],
         damping: float,
         dtype: torch.dtype,
         exchanged: Tensor | None,
     ) -> dict[str, Tensor]:
+        factors = layer.factors
         new: dict[str, Tensor] = {}
         for i in which:
-            spec, factor = factors[i], running[i]
+            spec, factor = factors[i], layer.running[i]
             assert factor is not None, f"factor {spec.name} is not held by its owner"
             if spec.kind is FactorKind.DIAGONAL:
                 new[_values(spec).key] = factor.to(dtype).clamp(min=0.0)
@@ -123,11 +124,10 @@ class EigenMethod(CurvatureMethod):
         ordered = sorted(factors, key=lambda s: s.axis)
         return 1.0 / (eigen_outer([state[_values(s).key] for s in ordered]) + damping)
 
-    def complete(
-        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
-    ) -> None:
+    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
         # The eigenvalues are kept (they are small) so that a later failed
         # decomposition of one factor can fall back to its previous values.
+        factors, state = layer.factors, layer.state
         received = all(_values(s).key in state for s in factors)
         if self.outer_product and not colocated and received:
             state[_OUTER] = self._outer(factors, state, damping)
@@ -141,15 +141,21 @@ class EigenMethod(CurvatureMethod):
             return tensor.layout.eye(like.dtype, like.device)
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device)
 
+
+class EigenMethod(EigenBasis):
+    """Eigendecompositions of every factor; exact damped Kronecker inverse.
+
+    Capabilities (:mod:`kaisa.methods.capabilities`): stacked layers (every
+    product goes through ``mul_axis``) and column blocks (for two dense
+    factors, ``⟨V, ∇⟩`` formed in the eigenbasis)."""
+
+    name = "eigen"
+
     def apply(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        damping: float,
-        work: Workspace | None = None,
+        self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None
     ) -> Tensor:
-        dense, values = _apply_keys(factors)
+        state = layer.state
+        dense, values = _apply_keys(layer.factors)
         # the dtype the products run in: a basis's, else (every factor
         # diagonal) the divisor's or the eigenvalues'
         some = state[dense[0][1] if dense else (_OUTER if _OUTER in state else values[0])]
@@ -162,32 +168,34 @@ class EigenMethod(CurvatureMethod):
             v = mul_factor(v, spec, state[key], outs.next(), transpose=True)
         return v.to(grad.dtype)
 
+    def apply_stacked(self, layer: LayerView, grad: Tensor, damping: float) -> Tensor:
+        """:meth:`apply`: its products batch over a leading dimension as they are."""
+        return self.apply(layer, grad, damping)
+
     #: in the eigenbasis ``⟨V, ∇⟩ = ⟨C / D, C⟩`` with ``C = Q_Gᵀ ∇ Q_A``: both
     #: are in the workspace when the division is done (the bases are orthogonal)
     forms_kl_term = True
 
-    def writes_blocks(
-        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
-    ) -> bool:
-        dense, _ = _apply_keys(factors)
+    def writes_blocks(self, layer: LayerView, dtype: torch.dtype) -> bool:
+        dense, _ = _apply_keys(layer.factors)
         return (
-            len(factors) == 2
+            len(layer.factors) == 2
             and bool(dense)
             and all(s.kind is FactorKind.DENSE for s, _ in dense)
-            and all(t.dtype == dtype for t in state.values())
+            and all(t.dtype == dtype for t in layer.state.values())
         )
 
     def apply_blocks(
         self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
+        layer: LayerView,
         grad: Sequence[Tensor],
         damping: float,
         work: Workspace,
         out: Sequence[Tensor],
         kl: bool,
     ) -> Tensor | None:
-        dense, values = _apply_keys(factors)
+        state = layer.state
+        dense, values = _apply_keys(layer.factors)
         shape = (grad[0].shape[0], sum(b.shape[1] for b in grad))
         outs = Alternating(work, shape, grad[0].dtype)
         (first, key), *rest = dense

@@ -66,8 +66,8 @@ from kaisa.core.specs import (
     StatisticSpec,
 )
 from kaisa.core.workspace import Workspace, products_into
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer, mul_factor
-from kaisa.methods.eigen import EigenMethod, _apply_keys, _basis, _grad_shape, _own, _values
+from kaisa.methods.base import Factors, HeldTensor, LayerView, Transfer, mul_factor
+from kaisa.methods.eigen import EigenBasis, _apply_keys, _basis, _grad_shape, _own, _values
 
 __all__ = ["EKFACMethod"]
 
@@ -117,12 +117,14 @@ def second_moment(g: Tensor, a: Tensor) -> Tensor:
     return out
 
 
-class EKFACMethod(EigenMethod):
+class EKFACMethod(EigenBasis):
     """Eigenvalue-corrected K-FAC: the eigen method's bases, divided by a
-    running per-example second moment ``S`` instead of ``λ_G λ_Aᵀ``."""
+    running per-example second moment ``S`` instead of ``λ_G λ_Aᵀ``.
+
+    :meth:`apply` only (no capability): its divisor ``S`` is not checked
+    stacked (:mod:`kaisa.step.batched`) nor in column blocks."""
 
     name = "ekfac"
-    stacks = False  # its divisor (S) is not checked stacked (kaisa.step.batched)
     kernel = "eigh"
     products_per_factor = 2
 
@@ -155,14 +157,14 @@ class EKFACMethod(EigenMethod):
     def joint_term(
         self,
         statistic: StatisticSpec,
-        factors: Factors,
-        state: Mapping[str, Tensor],
+        layer: LayerView,
         a_rows: Tensor,
         g_rows: Tensor,
         scale: float | Tensor,
         dtype: torch.dtype,
     ) -> Tensor | None:
-        pair = _pair(factors)
+        state = layer.state
+        pair = _pair(layer.factors)
         if pair is None or _S not in state:
             return None  # no eigenbasis yet (before the first decomposition)
         a, g = pair
@@ -182,11 +184,10 @@ class EKFACMethod(EigenMethod):
         own = tuple(t for s in factors for t in _own(s))
         return (*own, HeldTensor(_S, _grad_shape(factors)))
 
-    def complete(
-        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
-    ) -> None:
+    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
         """The bases changed: ``S`` restarts from ``λ_G λ_Aᵀ`` (in axis order)."""
-        ordered = sorted(factors, key=lambda s: s.axis)
+        state = layer.state
+        ordered = sorted(layer.factors, key=lambda s: s.axis)
         state[_S] = eigen_outer([state[_values(s).key] for s in ordered]).clone()
 
     def fallback(self, tensor: HeldTensor, n_factors: int, damping: float, like: Tensor) -> Tensor:
@@ -195,14 +196,10 @@ class EKFACMethod(EigenMethod):
         return super().fallback(tensor, n_factors, damping, like)
 
     def apply(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        damping: float,
-        work: Workspace | None = None,
+        self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None
     ) -> Tensor:
-        dense, _ = _apply_keys(factors)
+        state = layer.state
+        dense, _ = _apply_keys(layer.factors)
         s = state[_S]
         v = grad.to(s.dtype)
         outs = products_into(work, v)
@@ -212,8 +209,3 @@ class EKFACMethod(EigenMethod):
         for spec, key in dense:
             v = mul_factor(v, spec, state[key], outs.next(), transpose=True)
         return v.to(grad.dtype)
-
-    # apply() only (the divisor is S, not the eigen method's): the base's
-    # answer, no column blocks, in place of the one EigenMethod opts into
-    writes_blocks = CurvatureMethod.writes_blocks
-    apply_blocks = CurvatureMethod.apply_blocks

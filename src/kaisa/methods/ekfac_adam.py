@@ -72,8 +72,8 @@ from torch import Tensor
 
 from kaisa.core.specs import FactorKind, FactorSpec
 from kaisa.core.workspace import Workspace, products_into
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer, mul_factor
-from kaisa.methods.eigen import EigenMethod, _apply_keys, _basis, _grad_shape, _own
+from kaisa.methods.base import Factors, HeldTensor, LayerView, Transfer, mul_factor
+from kaisa.methods.eigen import EigenBasis, _apply_keys, _basis, _grad_shape, _own
 
 __all__ = ["EKFACAdamMethod"]
 
@@ -96,16 +96,17 @@ def _rotation(spec: FactorSpec, old: Tensor, new: Tensor) -> Tensor:
     return out
 
 
-class EKFACAdamMethod(EigenMethod):
+class EKFACAdamMethod(EigenBasis):
     """Adam's moments kept in the eigenbasis of K-FAC's factors (SOAP's
-    recipe with K-FAC's curvature factors)."""
+    recipe with K-FAC's curvature factors).
+
+    Capability (:mod:`kaisa.methods.capabilities`): :class:`StatefulApply`,
+    :meth:`apply` advances the moments (so it is not stacked: a stacked copy
+    would lose them; and its divisor is Adam's, so no column blocks)."""
 
     name = "ekfac_adam"
-    stacks = False  # apply() updates its moments in place: a stacked copy would lose them
     kernel = "eigh"
     products_per_factor = 2
-    apply_updates_state = True
-    forms_kl_term = False
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
         beta1, beta2 = (float(b) for b in betas)
@@ -137,14 +138,13 @@ class EKFACAdamMethod(EigenMethod):
         first = (HeldTensor(_M, shape),) if self.betas[0] > 0.0 else ()
         return (*own, *first, HeldTensor(_V, shape), HeldTensor(_T, (1,)))
 
-    def receive(
-        self, factors: Factors, state: dict[str, Tensor], new: Mapping[str, Tensor]
-    ) -> None:
+    def receive(self, layer: LayerView, new: Mapping[str, Tensor]) -> None:
         """Carry the moments into the new bases (module docstring), then
         take the new tensors.  A basis that did not change (a failed
         decomposition keeps the old one) rotates nothing."""
+        state = layer.state
         if _V in state:
-            for spec in factors:
+            for spec in layer.factors:
                 if spec.kind is FactorKind.DIAGONAL:
                     continue
                 key = _basis(spec).key
@@ -157,10 +157,9 @@ class EKFACAdamMethod(EigenMethod):
                 state[_V] = mul_factor(state[_V], spec, r.square(), None)
         state.update(new)
 
-    def complete(
-        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
-    ) -> None:
+    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
         """The first decomposition starts the moments at zero."""
+        factors, state = layer.factors, layer.state
         like = state[_own(factors[0])[0].key]
         for t in self.held(factors, colocated):
             if t.key in (_M, _V, _T) and t.key not in state:
@@ -171,17 +170,17 @@ class EKFACAdamMethod(EigenMethod):
             return torch.zeros(tensor.shape, dtype=like.dtype, device=like.device)
         return super().fallback(tensor, n_factors, damping, like)
 
+    def advanced_keys(self) -> frozenset[str]:
+        """The moments and the step count :meth:`apply` advances."""
+        return frozenset((_M, _V, _T) if self.betas[0] > 0.0 else (_V, _T))
+
     def apply(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        damping: float,
-        work: Workspace | None = None,
+        self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None
     ) -> Tensor:
         """One Adam step of the layer's moments; returns ``V``.  Updates
-        ``m``, ``v`` and ``t`` in ``state`` (the worker's own tensors)."""
-        dense, _ = _apply_keys(factors)
+        ``m``, ``v`` and ``t`` in ``layer.state`` (the worker's own tensors)."""
+        state = layer.state
+        dense, _ = _apply_keys(layer.factors)
         beta1, beta2 = self.betas
         v_state, count = state[_V], state[_T]
         c = grad.to(v_state.dtype)
@@ -201,8 +200,3 @@ class EKFACAdamMethod(EigenMethod):
         for spec, key in dense:
             u = mul_factor(u, spec, state[key], outs.next(), transpose=True)
         return u.to(grad.dtype)
-
-    # apply() only (the divisor is Adam's, not the eigen method's): the base's
-    # answer, no column blocks, in place of the one EigenMethod opts into
-    writes_blocks = CurvatureMethod.writes_blocks
-    apply_blocks = CurvatureMethod.apply_blocks

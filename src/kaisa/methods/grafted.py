@@ -46,7 +46,7 @@ Choices, and why:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -54,7 +54,8 @@ from torch import Tensor
 from kaisa.config import Grafting
 from kaisa.core.specs import StatisticSpec
 from kaisa.core.workspace import Workspace
-from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, Transfer
+from kaisa.methods.base import CurvatureMethod, Factors, HeldTensor, LayerView, Transfer
+from kaisa.methods.capabilities import StatefulApply
 from kaisa.methods.eigen import _grad_shape
 
 __all__ = ["GraftedMethod"]
@@ -65,7 +66,16 @@ _T = "graft_t"
 
 
 class GraftedMethod(CurvatureMethod):
-    """``base``'s direction, each layer's length taken from ``grafting``'s direction."""
+    """``base``'s direction, each layer's length taken from ``grafting``'s direction.
+
+    Composition: every declaration and decomposition is the base's; ``held``
+    adds the grafting state and :meth:`apply` rescales the base's ``V``.  So
+    the planner, which resolves the same wrapper
+    (:func:`kaisa.methods.resolve_method`), counts the grafting state too.
+    Capabilities: :class:`~kaisa.methods.capabilities.StatefulApply` where
+    :meth:`advanced_keys` names any (``'adam'``, or a base that has its own);
+    neither stacked nor column blocks (the norm of ``∇`` is needed once ``V``
+    is formed)."""
 
     def __init__(
         self,
@@ -92,7 +102,6 @@ class GraftedMethod(CurvatureMethod):
         self.name = base.name
         self.kernel = base.kernel
         self.products_per_factor = base.products_per_factor
-        self.apply_updates_state = base.apply_updates_state or kind is Grafting.ADAM
 
     def __repr__(self) -> str:
         return f"GraftedMethod({self.base!r}, grafting={self.grafting.value!r})"
@@ -104,41 +113,35 @@ class GraftedMethod(CurvatureMethod):
     def joint_term(
         self,
         statistic: StatisticSpec,
-        factors: Factors,
-        state: Mapping[str, Tensor],
+        layer: LayerView,
         a_rows: Tensor,
         g_rows: Tensor,
         scale: float | Tensor,
         dtype: torch.dtype,
     ) -> Tensor | None:
-        return self.base.joint_term(statistic, factors, state, a_rows, g_rows, scale, dtype)
+        return self.base.joint_term(statistic, layer, a_rows, g_rows, scale, dtype)
 
     def transfers(self, factors: Factors, colocated: bool) -> tuple[Transfer, ...]:
         return self.base.transfers(factors, colocated)
 
-    def exchange(self, factors: Factors, running: Sequence[Tensor | None]) -> Tensor | None:
-        return self.base.exchange(factors, running)
+    def exchange(self, layer: LayerView) -> Tensor | None:
+        return self.base.exchange(layer)
 
     def decompose(
         self,
-        factors: Factors,
-        running: Sequence[Tensor | None],
+        layer: LayerView,
         which: tuple[int, ...],
         damping: float,
         dtype: torch.dtype,
         exchanged: Tensor | None,
     ) -> dict[str, Tensor]:
-        return self.base.decompose(factors, running, which, damping, dtype, exchanged)
+        return self.base.decompose(layer, which, damping, dtype, exchanged)
 
-    def receive(
-        self, factors: Factors, state: dict[str, Tensor], new: Mapping[str, Tensor]
-    ) -> None:
-        self.base.receive(factors, state, new)
+    def receive(self, layer: LayerView, new: Mapping[str, Tensor]) -> None:
+        self.base.receive(layer, new)
 
-    def complete(
-        self, factors: Factors, state: dict[str, Tensor], damping: float, colocated: bool
-    ) -> None:
-        self.base.complete(factors, state, damping, colocated)
+    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
+        self.base.complete(layer, damping, colocated)
 
     # -- the grafting state -------------------------------------------------------------
     def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
@@ -152,18 +155,18 @@ class GraftedMethod(CurvatureMethod):
             return torch.zeros(tensor.shape, dtype=like.dtype, device=like.device)
         return self.base.fallback(tensor, n_factors, damping, like)
 
+    def advanced_keys(self) -> frozenset[str]:
+        """The base's (where it advances any) and, with ``'adam'``, ``v`` and ``t``."""
+        base = self.base.advanced_keys() if isinstance(self.base, StatefulApply) else frozenset()
+        return base | {_V, _T} if self.grafting is Grafting.ADAM else base
+
     def apply(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        damping: float,
-        work: Workspace | None = None,
+        self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None
     ) -> Tensor:
         """The base method's ``V``, rescaled in place to ``‖D(∇)‖_F``
-        (updates ``v`` and ``t`` in ``state`` with ``'adam'``)."""
-        v = self.base.apply(factors, state, grad, damping, work)
-        target = self._graft_norm(state, grad)
+        (updates ``v`` and ``t`` in ``layer.state`` with ``'adam'``)."""
+        v = self.base.apply(layer, grad, damping, work)
+        target = self._graft_norm(layer.state, grad)
         length = torch.linalg.vector_norm(v, dtype=target.dtype)
         tiny = torch.finfo(target.dtype).tiny
         return v.mul_((target / length.clamp_min(tiny)).to(v.dtype))
@@ -180,7 +183,3 @@ class GraftedMethod(CurvatureMethod):
         # √v̂ + ε = √v / √(1 − β₂ᵗ) + ε
         denom = second.sqrt().div_(torch.sqrt(1.0 - torch.pow(self.beta2, count))).add_(self.eps)
         return torch.linalg.vector_norm(g / denom)
-
-    # apply() only: the gradient's norm is needed once V is formed
-    writes_blocks = CurvatureMethod.writes_blocks
-    apply_blocks = CurvatureMethod.apply_blocks

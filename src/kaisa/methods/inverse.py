@@ -10,7 +10,7 @@ factors live on different ranks the traces are exchanged (:meth:`exchange`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from kaisa.methods.base import (
     Factors,
     HeldTensor,
     IdentityMemo,
+    LayerView,
     Transfer,
     block_layout,
     mul_factor,
@@ -54,10 +55,12 @@ def _trace(spec: FactorSpec, factor: Tensor) -> Tensor:
 
 
 class InverseMethod(CurvatureMethod):
-    """Damped inverses of every factor."""
+    """Damped inverses of every factor.
+
+    Capabilities (:mod:`kaisa.methods.capabilities`): stacked layers (every
+    product goes through ``mul_axis``) and column blocks (two dense factors)."""
 
     name = "inverse"
-    stacks = True
     kernel = "inverse"  #: damped Cholesky inverses
     products_per_factor = 1  #: ``G⁻¹ ∇ A⁻¹``: one product per factor
 
@@ -69,24 +72,25 @@ class InverseMethod(CurvatureMethod):
     def held(self, factors: Factors, colocated: bool) -> tuple[HeldTensor, ...]:
         return tuple(_inverse(s) for s in factors)
 
-    def exchange(self, factors: Factors, running: Sequence[Tensor | None]) -> Tensor | None:
+    def exchange(self, layer: LayerView) -> Tensor | None:
+        running = layer.running
         device = next((t.device for t in running if t is not None), None)
-        out = torch.zeros(len(factors), dtype=torch.float64, device=device)
-        for i, (spec, factor) in enumerate(zip(factors, running)):
+        out = torch.zeros(len(layer.factors), dtype=torch.float64, device=device)
+        for i, (spec, factor) in enumerate(zip(layer.factors, running)):
             if factor is not None:
                 out[i] = _trace(spec, factor)
         return out
 
     def decompose(
         self,
-        factors: Factors,
-        running: Sequence[Tensor | None],
+        layer: LayerView,
         which: tuple[int, ...],
         damping: float,
         dtype: torch.dtype,
         exchanged: Tensor | None,
     ) -> dict[str, Tensor]:
         assert exchanged is not None
+        factors, running = layer.factors, layer.running
         pis = pi_splits(exchanged, [s.dim for s in factors])
         share = damping ** (1.0 / len(factors))
         new: dict[str, Tensor] = {}
@@ -111,41 +115,42 @@ class InverseMethod(CurvatureMethod):
         return torch.eye(tensor.shape[0], dtype=like.dtype, device=like.device) * value
 
     def apply(
-        self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        damping: float,
-        work: Workspace | None = None,
+        self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None
     ) -> Tensor:
-        order = _apply_order(factors)
+        state = layer.state
+        order = _apply_order(layer.factors)
         v = grad.to(state[order[0][1]].dtype)
         outs = products_into(work, v)
         for spec, key in order:
             v = _apply_factor(v, spec, state[key], outs.next())
         return v.to(grad.dtype)
 
-    def writes_blocks(
-        self, factors: Factors, state: Mapping[str, Tensor], dtype: torch.dtype
-    ) -> bool:
-        order = _apply_order(factors)
+    def apply_stacked(self, layer: LayerView, grad: Tensor, damping: float) -> Tensor:
+        """:meth:`apply`: its products batch over a leading dimension as they are."""
+        return self.apply(layer, grad, damping)
+
+    #: ``G⁻¹ ∇ A⁻¹`` passes through no basis where ``⟨V, ∇⟩`` is at hand
+    forms_kl_term = False
+
+    def writes_blocks(self, layer: LayerView, dtype: torch.dtype) -> bool:
+        order = _apply_order(layer.factors)
         return (
             len(order) == 2
             and all(spec.kind is FactorKind.DENSE for spec, _ in order)
-            and all(state[key].dtype == dtype for _, key in order)
+            and all(layer.state[key].dtype == dtype for _, key in order)
         )
 
     def apply_blocks(
         self,
-        factors: Factors,
-        state: Mapping[str, Tensor],
+        layer: LayerView,
         grad: Sequence[Tensor],
         damping: float,
         work: Workspace,
         out: Sequence[Tensor],
         kl: bool,
     ) -> Tensor | None:
-        (first, first_key), (last, last_key) = _apply_order(factors)
+        state = layer.state
+        (first, first_key), (last, last_key) = _apply_order(layer.factors)
         shape = (grad[0].shape[0], sum(b.shape[1] for b in grad))
         v = mul_axis_from(
             grad, state[first_key], first.axis, work.take("ping", shape, grad[0].dtype)

@@ -42,7 +42,8 @@ from kaisa.distributed.plan import (
 from kaisa.layers.base import sole_owners
 from kaisa.layers.registry import register_layers
 from kaisa.methods import resolve_method
-from kaisa.methods.base import CurvatureMethod, HeldTensor
+from kaisa.methods.base import CurvatureMethod, HeldTensor, Operands
+from kaisa.methods.capabilities import StackedApply
 from kaisa.planner.costs import CostModel
 
 __all__ = [
@@ -373,7 +374,8 @@ def forecast(
         if copy is not None and copy.itemsize != itemsize:
             itemsize += copy.itemsize  # cast copies the products run on (kaisa.core.precision)
         t.memory["second_order"][workers] += sum(h.numel for h in held) * itemsize
-        vector = method.exchange(layer.factors, [None] * len(layer.factors))
+        # a layer whose factors this rank does not own: the vector's size
+        vector = method.exchange(Operands(layer.factors, {}, [None] * len(layer.factors)))
         exchange += 0 if vector is None else vector.numel()
         for transfer in method.transfers(layer.factors, lp.colocated):
             owner = lp.owners[transfer.factors[0]]
@@ -449,7 +451,7 @@ def _stacked_bytes(
     two layers or more of which this rank is a gradient worker)."""
     w = plan.world_size
     total = np.zeros(w)
-    if not method.stacks:
+    if not isinstance(method, StackedApply):
         return total
     by_key: dict[tuple[object, ...], list[tuple[slice, int]]] = {}
     for layer in layers:

@@ -37,6 +37,7 @@ from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
+from kaisa.methods.capabilities import ColumnBlockApply, StackedApply
 from kaisa.step.batched import ShapeGroups, StackedPath
 from kaisa.step.context import StepContext
 from kaisa.step.diagnostics import StepDiagnostics
@@ -80,9 +81,11 @@ class GradientApplication:
         self.participation = Participation(comm, engine)
         every = plan.grad_workers == plan.world_size
         #: layers written before ν, the workspace of the large ones (kaisa.step.in_place)
-        self.writes = InPlaceWrites(engine, self._in_place, self.products, every)
+        # the method's capabilities, asked once (kaisa.methods.capabilities)
+        blocks = method if isinstance(method, ColumnBlockApply) else None
+        self.writes = InPlaceWrites(engine, self._in_place, self.products, blocks, every)
         #: layers of one shape preconditioned together (kaisa.step.batched)
-        self.groups = ShapeGroups(method)
+        self.groups = ShapeGroups(method if isinstance(method, StackedApply) else None)
         stacked = StackedPath(
             self.groups, engine, self.writes, self.products, every and not sharded
         )

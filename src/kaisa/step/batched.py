@@ -11,7 +11,8 @@ of distinct shapes, not with the number of layers.
 The method's own :meth:`~kaisa.methods.base.CurvatureMethod.apply` runs on
 the stacks (its products go through :func:`kaisa.core.kronecker.mul_axis`,
 which treats a stack of matrices as a batch), so a stacked group equals its
-layers one by one to rounding.  Methods opt in (``stacks``); a group is
+layers one by one to rounding.  A method opts in by implementing
+:class:`~kaisa.methods.capabilities.StackedApply`; a group is
 formed from the layers a rank is a gradient worker of (all of them under
 COMM-OPT; under HYBRID-OPT and MEM-OPT each ``V`` is then broadcast to its
 receivers as a layer's own), where the engine hands whole gradients (not
@@ -23,7 +24,7 @@ are bound by their products, not by launches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,14 +34,15 @@ from kaisa.core.specs import FactorKind
 from kaisa.core.workspace import MAX_OPERAND_NUMEL
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.layers.state import KFACLayer
-from kaisa.methods.base import CurvatureMethod
+from kaisa.methods.base import Operands
+from kaisa.methods.capabilities import StackedApply
 from kaisa.step.in_place import InPlaceWrites
 from kaisa.step.products import LayerProducts, Result
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["ShapeGroups", "StackedPath", "read_stacked"]
 
-#: ``(method, factors, operands, stacked, damping) -> (V, ⟨V, ∇⟩ per layer)``
+#: ``(method, operands, stacked, damping) -> (V, ⟨V, ∇⟩ per layer)``
 Kernel = Callable[..., tuple[Tensor, Tensor]]
 
 
@@ -65,10 +67,11 @@ class ShapeGroups:
     """Finds the groups of a step's layers and preconditions each at once.
 
     Args:
-        method: the curvature method (only one with ``stacks`` is grouped).
+        method: the curvature method where it can precondition stacked
+            layers (None: nothing is grouped).
     """
 
-    def __init__(self, method: CurvatureMethod) -> None:
+    def __init__(self, method: StackedApply | None) -> None:
         self.method = method
         self._stacks: dict[tuple[str, ...], _Stack] = {}
         self._kernel: Kernel = group_kernel
@@ -104,7 +107,7 @@ class ShapeGroups:
 
     @property
     def enabled(self) -> bool:
-        return self.allowed and self.method.stacks
+        return self.allowed and self.method is not None
 
     def split(self, layers: Sequence[KFACLayer]) -> list[list[KFACLayer]]:
         """The groups (two layers or more) among ``layers``, in their order."""
@@ -142,8 +145,9 @@ class ShapeGroups:
         """``(V, ⟨V, ∇⟩)`` of each layer of ``group`` from their gradients
         stacked ``[L, ...]``: one stacked apply, one inner product (each ``V``
         and term a view of the group's result)."""
-        operands = self._operands(group)
-        v, dots = self._kernel(self.method, group[0].factors, operands, stacked, damping)
+        assert self.method is not None, "split() forms no group for a method that cannot stack"
+        operands = Operands(group[0].factors, self._operands(group))
+        v, dots = self._kernel(self.method, operands, stacked, damping)
         return list(zip(v.unbind(0), dots.unbind(0), strict=True))
 
     def precondition(
@@ -173,7 +177,7 @@ class ShapeGroups:
                 results[layer.name] = result
         return results
 
-    def _operands(self, group: list[KFACLayer]) -> Mapping[str, Tensor]:
+    def _operands(self, group: list[KFACLayer]) -> dict[str, Tensor]:
         """The group's operands stacked, restacked only when a layer's
         changed (a new decomposition: new tensors, or written in place)."""
         states = [layer.operands() for layer in group]
@@ -248,15 +252,11 @@ class StackedPath:
 
 
 def group_kernel(
-    method: CurvatureMethod,
-    factors: Any,
-    operands: Mapping[str, Tensor],
-    stacked: Tensor,
-    damping: float,
+    method: StackedApply, operands: Operands, stacked: Tensor, damping: float
 ) -> tuple[Tensor, Tensor]:
-    """``V`` of a stacked group ``[L, ...]`` (the method's own apply on the
-    stacks) and each layer's ``⟨V, ∇⟩`` (one inner product for the group)."""
-    v = method.apply(factors, operands, stacked, damping)
+    """``V`` of a stacked group ``[L, ...]`` (the method's stacked apply)
+    and each layer's ``⟨V, ∇⟩`` (one inner product for the group)."""
+    v = method.apply_stacked(operands, stacked, damping)
     layers = stacked.shape[0]
     dots = torch.linalg.vecdot(v.reshape(layers, -1), stacked.reshape(layers, -1).to(v.dtype))
     return v, dots

@@ -229,10 +229,7 @@ class GraphedApplication:
         """Every layer decomposed (a damping-only stand-in would be made,
         and kept, inside the recording)."""
         app = self.application
-        return all(
-            app.method.ready(la.factors, la.state, app.plan.layer(la.name).colocated)
-            for la in taking
-        )
+        return all(app.method.ready(la, app.plan.layer(la.name).colocated) for la in taking)
 
     def _record(self, layers: list[KFACLayer], key: Key, ctx: StepContext) -> bool:
         """Record this step's work (running it); returns whether it ran."""

@@ -18,6 +18,8 @@ from kaisa.core.kl_clip import kl_term, sum_kl_terms
 from kaisa.core.workspace import Workspace, uses_workspace
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.layers.state import KFACLayer
+from kaisa.methods.base import Operands
+from kaisa.methods.capabilities import ColumnBlockApply
 from kaisa.step.products import LayerProducts, Result
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
@@ -32,6 +34,8 @@ class InPlaceWrites:
         engine: the step's engine (``in_place``: the same, where it offers
             :class:`InPlaceGradients`; None disables this path).
         products: one layer's ``V`` (shared with the other write paths).
+        blocks: the curvature method where it reads and writes column blocks
+            (None: every ``V`` is formed by ``apply`` and then written).
         every_worker: every rank is every layer's worker (else the path takes nothing).
     """
 
@@ -40,10 +44,11 @@ class InPlaceWrites:
         engine: Engine,
         in_place: InPlaceGradients | None,
         products: LayerProducts,
+        blocks: ColumnBlockApply | None,
         every_worker: bool,
     ) -> None:
         self.every_worker = every_worker
-        self.method = products.method
+        self.blocks = blocks
         self.engine = engine
         self.in_place = in_place
         self.products = products
@@ -144,17 +149,18 @@ class InPlaceWrites:
         Returns (done, the counted ``⟨V, ∇⟩``); not done where the engine or
         the method cannot (the caller then takes the general path)."""
         assert self.in_place is not None
+        method = self.blocks
         blocks = self.in_place.grad_blocks(layer.adapter)
-        if blocks is None:
+        if method is None or blocks is None:
             return False, None
         self.products.ready(layer, damping)
-        state = layer.operands()
-        if not self.method.writes_blocks(layer.factors, state, blocks[0].dtype):
+        operands = Operands(layer.factors, layer.operands())
+        if not method.writes_blocks(operands, blocks[0].dtype):
             return False, None
         work.prepare(blocks[0].dtype, blocks[0].dtype)  # the memory held: all three, always
-        kept = work.keep(blocks) if counted and not self.method.forms_kl_term else None
+        kept = work.keep(blocks) if counted and not method.forms_kl_term else None
         since = profile.start() if profile is not None else 0.0
-        dot = self.method.apply_blocks(layer.factors, state, blocks, damping, work, blocks, counted)
+        dot = method.apply_blocks(operands, blocks, damping, work, blocks, counted)
         if profile is not None:
             profile.stop(PRODUCTS, since)
             shape = (blocks[0].shape[0], sum(int(b.shape[1]) for b in blocks))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from kaisa.distributed.communicator import Communicator
 from kaisa.engines.base import Engine, OwnsTheLoop
 from kaisa.layers.state import KFACLayer
+from kaisa.methods.capabilities import updates_state
 from kaisa.step.apply import GradientApplication
 from kaisa.step.capture.calls import Capture
 from kaisa.step.context import StepContext
@@ -78,14 +79,12 @@ class StepPipeline:
         self.steps = 0
         #: calls of :meth:`step`, skipped ones included (what a skip report names)
         self.calls = 0
-        #: the statistics captured since the last step are not folded (``reset_batch()``)
-        self.drop_statistics = False
         #: runs on every rank at each inverse update (the checkpoint mirror)
         self.on_inverse_step: Callable[[int], None] | None = None
         self.guard = StepGuard(layers, engine, scaling)
         self.reports = StepReports()
         may_defer = not (
-            application.method.apply_updates_state
+            updates_state(application.method)
             or comm.model_parallel
             or (comm.distributed and not engine.gradients_agree())
         )
@@ -131,7 +130,6 @@ class StepPipeline:
         self.guard.check(first=step == 0)
         since = clock.start()
         if self.executor.settled(self.layers, step):
-            self.drop_statistics = False
             clock.stop(APPLY, since)
             self._end_step(True)
             clock.end_step(REPLAYED, started)
@@ -149,16 +147,12 @@ class StepPipeline:
             self.skip(counts is not None)
             clock.end_step(SKIPPED, started)
             return False
-        if counts is not None and self.drop_statistics:
-            self.reduction.discard()
-            counts = None
-        self.drop_statistics = False
         damping = self.schedule.damping(step)
         if counts is not None:
             since = clock.start()
-            self.reduction.fold(counts, self.schedule.factor_decay(step))
+            if self.reduction.fold(counts, self.schedule.factor_decay(step)):
+                self.second_order.settled = False  # layers may be captured for the first time
             clock.stop(FOLD, since)
-            self.second_order.settled = False  # layers may be captured for the first time
         since = clock.start()
         inverse_step = self.schedule.is_inverse_step(step)
         self.second_order.update(self.layers, inverse_step, damping)
@@ -193,6 +187,7 @@ class StepPipeline:
         """Count the step; mark the gradients it leaves (a replay's own stamp
         where it replayed: no mark per layer)."""
         self.comm.stats.end_step()
+        self.reduction.end_step()
         self.steps += 1
         self.capture.enabled = self.schedule.is_factor_step(self.steps)
         self.guard.mark(self.executor.stamp() if replayed else None)
@@ -204,7 +199,7 @@ class StepPipeline:
         over the ranks)."""
         if reduced:
             self.reduction.discard()
-        self.drop_statistics = False
+        self.reduction.end_step()
         for layer in self.layers:
             layer.batch.reset()
             layer.pending.calls.clear()

@@ -17,7 +17,7 @@ from kaisa.core.workspace import Workspace
 from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import ModelParallelLayers
 from kaisa.layers.state import KFACLayer
-from kaisa.methods.base import CurvatureMethod
+from kaisa.methods.base import CurvatureMethod, Operands
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["LayerProducts", "Result"]
@@ -52,10 +52,10 @@ class LayerProducts:
     def ready(self, layer: KFACLayer, damping: float) -> None:
         """Damping-only stand-ins for what ``layer`` was never given."""
         colocated = self.plan.layer(layer.name).colocated
-        if not self.method.ready(layer.factors, layer.state, colocated):
+        if not self.method.ready(layer, colocated):
             held = self.method.held(layer.factors, colocated)
             like = torch.empty(0, dtype=layer.inv_dtype, device=layer.adapter.device)
-            self.method.fill_missing(layer.factors, layer.state, held, damping, like)
+            self.method.fill_missing(layer, held, damping, like)
 
     def apply(
         self, layer: KFACLayer, grad: Tensor, damping: float, work: Workspace | None = None
@@ -63,11 +63,12 @@ class LayerProducts:
         """``V`` of ``layer``'s gradient matrix ``grad`` (its products in
         ``work``'s buffers where given)."""
         self.ready(layer, damping)
+        operands = Operands(layer.factors, layer.operands())
         profile = self.profile
         if profile is None:
-            return self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+            return self.method.apply(operands, grad, damping, work)
         since = profile.start()
-        v = self.method.apply(layer.factors, layer.operands(), grad, damping, work)
+        v = self.method.apply(operands, grad, damping, work)
         profile.stop(PRODUCTS, since)
         profile.record(PRODUCTS, "products", grad.shape, factor_sizes(layer.factors))
         return v

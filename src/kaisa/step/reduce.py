@@ -97,6 +97,8 @@ class FactorReduction:
         #: layers whose slots hold this step's sums, with the counts sent with them
         self._filled: dict[str, list[float]] = {}
         self._reduced: dict[tuple[str, int], Tensor] = {}
+        #: this step's statistics are dropped, not folded (:meth:`forget_batch`)
+        self._forget = False
 
     def _layout(self, cap: int, symmetry_aware: bool) -> list[_Bucket]:
         open_: dict[tuple[int, torch.dtype], _Bucket] = {}
@@ -208,11 +210,25 @@ class FactorReduction:
         for layer in self.layers:
             layer.batch.reset()
 
-    def fold(self, counts: list[float], decay: float) -> None:
+    def forget_batch(self) -> None:
+        """Fold none of the statistics captured since the last step
+        (kfac-pytorch's ``reset_batch()``).  The reductions backward started
+        still complete at the step, on every rank, and are then dropped."""
+        self._forget = True
+
+    def end_step(self) -> None:
+        """The step is over (taken, replayed or skipped): a later capture folds again."""
+        self._forget = False
+
+    def fold(self, counts: list[float], decay: float) -> bool:
         """Divide by the counts and fold into the running averages — a
         factor's on its owner, a workers' statistic into the method's state
         on each gradient worker — all at once
-        (:func:`~kaisa.core.statistics.fold_averages_`)."""
+        (:func:`~kaisa.core.statistics.fold_averages_`).  False: nothing
+        folded, the statistics forgotten (:meth:`forget_batch`)."""
+        if self._forget:
+            self.discard()
+            return False
         # what each folded batch belongs to: (layer, factor index), or (layer, None) for a state
         owners: list[tuple[KFACLayer, int | None]] = []
         runnings: list[Tensor | None] = []
@@ -253,6 +269,7 @@ class FactorReduction:
                 layer.folded(index, batch, finite)
             elif not finite:
                 layer.rejected()
+        return True
 
     def _reset_buckets(self) -> None:
         for bucket in self._buckets:

@@ -76,13 +76,13 @@ class SecondOrderUpdate:
             lp = self.plan.layer(layer.name)
             layer.decomposed = True
             if self.rank in lp.grad_workers:
-                self.method.complete(layer.factors, layer.state, damping, lp.colocated)
+                self.method.complete(layer, damping, lp.colocated)
             else:
                 layer.state.clear()
 
     def _exchange(self, layers: list[KFACLayer]) -> dict[str, Tensor]:
         """The method's per-layer vectors, summed over the group when factors are split."""
-        vectors = {la.name: self.method.exchange(la.factors, la.running) for la in layers}
+        vectors = {la.name: self.method.exchange(la) for la in layers}
         present = {n: v for n, v in vectors.items() if v is not None}
         if not present or not self.comm.distributed or self.plan.colocate_factors:
             return present
@@ -114,12 +114,7 @@ class SecondOrderUpdate:
                     self.profile.record(DECOMPOSE, self.method.kernel, (spec.dim, spec.dim))
         try:
             new = self.method.decompose(
-                layer.factors,
-                layer.running,
-                transfer.factors,
-                damping,
-                layer.inv_dtype,
-                exchanged,
+                layer, transfer.factors, damping, layer.inv_dtype, exchanged
             )
         except DecompositionError as exc:
             layer.failed_decompositions += 1
@@ -131,14 +126,14 @@ class SecondOrderUpdate:
         # differently, so the layer's workers (and a resumed run, whose tensors
         # come from a checkpoint) would differ in the last bits
         new = {key: value.contiguous() for key, value in new.items()}
-        self.method.receive(layer.factors, layer.state, new)
+        self.method.receive(layer, new)
         self._fill_missing(layer, transfer.tensors, damping)
 
     def _fill_missing(
         self, layer: KFACLayer, tensors: tuple[HeldTensor, ...], damping: float
     ) -> None:
         like = torch.empty(0, dtype=layer.inv_dtype, device=layer.adapter.device)
-        self.method.fill_missing(layer.factors, layer.state, tensors, damping, like)
+        self.method.fill_missing(layer, tensors, damping, like)
 
     def _broadcast(
         self, layer: KFACLayer, transfer: Transfer, owner: int, workers: tuple[int, ...]
@@ -157,7 +152,7 @@ class SecondOrderUpdate:
             # load: a view into the bucket may sit unaligned, and a product over
             # unaligned memory can round differently
             owned = [t.clone() if t.storage_offset() else t for t in received]
-            self.method.receive(layer.factors, layer.state, dict(zip(keys, owned)))
+            self.method.receive(layer, dict(zip(keys, owned)))
 
         self.comm.broadcast(
             tensors,

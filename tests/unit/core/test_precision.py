@@ -32,6 +32,7 @@ from kaisa.core.precision import CastCopies
 from kaisa.core.specs import FactorKind, kfac_factors
 from kaisa.core.statistics import contribution
 from kaisa.methods import CurvatureMethod, EigenMethod, InverseMethod
+from kaisa.methods.base import Operands
 
 from kfac_reference import (
     conv_patches,
@@ -67,13 +68,12 @@ def spd(d: int, g: torch.Generator, lowest: float) -> torch.Tensor:
 
 
 def decompose(method: CurvatureMethod, specs, factors, dtype: torch.dtype) -> dict:
-    state: dict[str, torch.Tensor] = {}
-    running = [f.to(dtype) for f in factors]
-    exchanged = method.exchange(specs, running)
+    layer = Operands(specs, {}, [f.to(dtype) for f in factors])
+    exchanged = method.exchange(layer)
     for transfer in method.transfers(specs, True):
-        state.update(method.decompose(specs, running, transfer.factors, DAMPING, dtype, exchanged))
-    method.complete(specs, state, DAMPING, True)
-    return state
+        layer.state.update(method.decompose(layer, transfer.factors, DAMPING, dtype, exchanged))
+    method.complete(layer, DAMPING, True)
+    return layer.state
 
 
 # -- precondition_dtype: the methods -----------------------------------------------------------
@@ -94,8 +94,9 @@ def test_bf16_products_within_bound_of_dense_reference(
     expected = dense(grad, A, G, DAMPING)
     specs = kfac_factors(d_in, d_out)
     state = decompose(method, specs, [A, G], torch.float32)
-    fp32 = method.apply(specs, state, grad.float(), DAMPING)
-    bf16 = method.apply(specs, CastCopies(torch.bfloat16).of(state), grad.float(), DAMPING)
+    fp32 = method.apply(Operands(specs, state), grad.float(), DAMPING)
+    copies = Operands(specs, CastCopies(torch.bfloat16).of(state))
+    bf16 = method.apply(copies, grad.float(), DAMPING)
     assert bf16.dtype == torch.float32  # returned in the gradient's dtype
     assert all(t.dtype == torch.float32 for t in state.values())  # stored tensors untouched
     err = rel_err(bf16.double(), expected)
@@ -113,7 +114,7 @@ def test_bf16_products_on_diagonal_and_three_factor_layers(name: str, factors: s
     shape = tuple(s.dim for s in sorted(specs, key=lambda s: s.axis))
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     state = run_method(method, specs, values, grad, colocated=False)
-    got = method.apply(specs, CastCopies(torch.bfloat16).of(state), grad, 0.03)
+    got = method.apply(Operands(specs, CastCopies(torch.bfloat16).of(state)), grad, 0.03)
     assert got.dtype == torch.float64
     expected = reference(specs, values, grad, "inverse" if name == "inverse" else "eigen")
     assert TAKES_EFFECT <= rel_err(got, expected) <= V_BOUND

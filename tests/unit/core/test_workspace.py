@@ -259,10 +259,10 @@ def test_eigen_kl_term_in_the_eigenbasis_is_that_of_v() -> None:
     layer = precond.layers["3"]  # Linear(108, 6) with a bias
     method = EigenMethod()
     grad = raw["3"]
-    v = method.apply(layer.factors, layer.state, grad, DAMPING)
+    v = method.apply(layer, grad, DAMPING)
     blocks = [grad[:, :-1].clone(), grad[:, -1:].clone()]
     work = Workspace(grad.numel(), grad.device)
-    dot = method.apply_blocks(layer.factors, layer.state, blocks, DAMPING, work, blocks, True)
+    dot = method.apply_blocks(layer, blocks, DAMPING, work, blocks, True)
     assert dot is not None
     assert abs(float(dot) - float(kl_term(v, grad))) <= 1e-12 * abs(float(dot))
     assert rel_err(torch.cat(blocks, dim=1), v) <= 1e-12

@@ -36,6 +36,9 @@ from kaisa.engines import (
 from kaisa.layers import LinearAdapter, register_layer_type
 from kaisa.layers.registry import _ADAPTERS
 from kaisa.methods import CurvatureMethod, EigenMethod, InverseMethod
+from kaisa.methods.base import Operands
+from kaisa.methods.capabilities import ColumnBlockApply
+from kaisa.methods.eigen import EigenBasis
 from kaisa.methods.ekfac import EKFACMethod
 from kaisa.methods.ekfac_adam import EKFACAdamMethod
 
@@ -122,15 +125,13 @@ def adam_reference(specs, values, grad: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def run_method(method: CurvatureMethod, specs, values, grad, colocated: bool) -> dict:
-    running = list(values)
-    state: dict[str, torch.Tensor] = {}
-    exchanged = method.exchange(specs, running)
+    layer = Operands(specs, {}, list(values))
+    exchanged = method.exchange(layer)
     for transfer in method.transfers(specs, colocated):
-        state.update(
-            method.decompose(specs, running, transfer.factors, DAMPING, torch.float64, exchanged)
-        )
-    method.complete(specs, state, DAMPING, colocated)
-    return state
+        new = method.decompose(layer, transfer.factors, DAMPING, torch.float64, exchanged)
+        layer.state.update(new)
+    method.complete(layer, DAMPING, colocated)
+    return layer.state
 
 
 @pytest.mark.parametrize("factors", list(FACTOR_SETS))
@@ -142,8 +143,8 @@ def test_method_equals_dense_reference(name: str, factors: str, colocated: bool)
     shape = tuple(s.dim for s in sorted(specs, key=lambda s: s.axis))
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     state = run_method(method, specs, values, grad, colocated)
-    assert method.ready(specs, state, colocated)
-    got = method.apply(specs, state, grad, DAMPING)
+    assert method.ready(Operands(specs, state), colocated)
+    got = method.apply(Operands(specs, state), grad, DAMPING)
     if isinstance(method, EKFACAdamMethod):
         expected = adam_reference(specs, values, grad, method.eps)
     else:
@@ -157,29 +158,27 @@ def test_column_blocks_equal_apply_wherever_a_method_offers_them(name: str) -> N
     blocks (the CPU workspace fast path) gives :meth:`apply`'s result there:
     a method that divides by something else than the eigen method's
     eigenvalues (EKFAC's S, Adam's moments) must not inherit the eigen
-    method's block path."""
+    method's block path (a capability, :mod:`kaisa.methods.capabilities`)."""
     method = METHODS[name]
     specs, values = make_factors("dense-dense")
     grad = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     state = run_method(method, specs, values, grad, True)
-    if isinstance(method, EigenMethod):
+    if isinstance(method, EigenBasis):
         # right after a decomposition EKFAC's S is the eigen divisor and
         # Adam's moments are zero: move what a subclass holds beyond the
         # eigen method's tensors, so that inheriting its block path shows
         plain = EigenMethod(outer_product=method.outer_product).held(specs, True)
         for key in set(state) - {h.key for h in plain}:
             state[key] = state[key] * 1.5 + 0.25
-    if not method.writes_blocks(specs, state, grad.dtype):
-        with pytest.raises(NotImplementedError):
-            method.apply_blocks(
-                specs, state, [grad], DAMPING, Workspace(20, grad.device), [], False
-            )
+    offers = isinstance(method, ColumnBlockApply)
+    assert offers == (name in ("eigen-outer", "eigen-plain", "inverse"))
+    if not offers or not method.writes_blocks(Operands(specs, state), grad.dtype):
         return
-    expected = method.apply(specs, dict(state), grad.clone(), DAMPING)
+    expected = method.apply(Operands(specs, dict(state)), grad.clone(), DAMPING)
     blocks = [grad[:, :3].clone(), grad[:, 3:].clone()]
     out = [torch.empty_like(b) for b in blocks]
     work = Workspace.for_shapes([grad.shape], grad.device)
-    method.apply_blocks(specs, state, blocks, DAMPING, work, out, False)
+    method.apply_blocks(Operands(specs, state), blocks, DAMPING, work, out, False)
     assert rel_err(torch.cat(out, dim=1), expected) <= TOL
 
 
@@ -204,7 +203,8 @@ def test_method_declares_what_it_holds(name: str, factors: str, colocated: bool)
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     restored = {k: state[k].clone() for k in held}
     assert torch.equal(
-        method.apply(specs, restored, grad, DAMPING), method.apply(specs, state, grad, DAMPING)
+        method.apply(Operands(specs, restored), grad, DAMPING),
+        method.apply(Operands(specs, state), grad, DAMPING),
     )
 
 
@@ -221,7 +221,7 @@ def test_method_fallback_applies_gradient_over_damping(name: str, factors: str) 
         expected = grad / (grad.abs() + method.eps)
     else:
         expected = grad / DAMPING
-    assert rel_err(method.apply(specs, state, grad, DAMPING), expected) <= 1e-12
+    assert rel_err(method.apply(Operands(specs, state), grad, DAMPING), expected) <= 1e-12
 
 
 # -- engines ----------------------------------------------------------------------------------

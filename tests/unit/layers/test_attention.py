@@ -164,16 +164,16 @@ class TinyLM(nn.Module):
 
 
 def _lm_run(mode: str, monkeypatch) -> tuple[dict, list[torch.Tensor], int]:
-    import kaisa.step.capture.calls as capture
+    import kaisa.step.capture.terms as terms
 
     calls = [0]
-    original = capture._input_terms
+    original = terms.input_terms
 
     def counting(layer, x, memo=None, *rest):
         calls[0] += 1
         return original(layer, x, memo, *rest)
 
-    monkeypatch.setattr(capture, "_input_terms", counting)
+    monkeypatch.setattr(terms, "input_terms", counting)
     model = TinyLM(mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precond = KFACPreconditioner(model, optimizer=opt, **kfac_pytorch(damping=DAMPING))

@@ -33,7 +33,7 @@ from kaisa.distributed.plan import LayerSpec, make_plan
 from kaisa.layers import LinearAdapter
 from kaisa.layers.state import KFACLayer
 from kaisa.methods import EigenMethod, InverseMethod
-from kaisa.methods.base import Factors, HeldTensor
+from kaisa.methods.base import Factors, HeldTensor, LayerView
 from kaisa.wiring import check_method_plan
 
 from kfac_reference import grad_matrix, rel_err
@@ -74,7 +74,7 @@ class GradientMoment(EigenMethod):
         )
         return (*super().statistics(factors), joint)
 
-    def joint_term(self, statistic, factors, state, a_rows, g_rows, scale, dtype) -> Tensor:
+    def joint_term(self, statistic, layer, a_rows, g_rows, scale, dtype) -> Tensor:
         per_example = torch.einsum("ntg,nta->nga", g_rows.to(dtype), a_rows.to(dtype))
         return per_example.square().sum(0) * scale
 
@@ -82,10 +82,11 @@ class GradientMoment(EigenMethod):
         shape = tuple(s.dim for s in sorted(factors, key=lambda s: s.axis))
         return (*super().held(factors, colocated), HeldTensor("moment", shape))
 
-    def complete(self, factors, state: dict[str, Tensor], damping, colocated) -> None:
-        super().complete(factors, state, damping, colocated)
+    def complete(self, layer: LayerView, damping, colocated) -> None:
+        super().complete(layer, damping, colocated)
+        state = layer.state
         if "moment" not in state:
-            state["moment"] = torch.zeros(self.held(factors, colocated)[-1].shape).to(
+            state["moment"] = torch.zeros(self.held(layer.factors, colocated)[-1].shape).to(
                 state[next(iter(state))]
             )
 

@@ -92,9 +92,14 @@ def test_which_layers_are_stacked() -> None:
     layers = list(precond.layers.values())
     found = groups.split(layers)
     assert [[la.name for la in g] for g in found] == [["0", "1", "3"]]  # "2" has no bias
-    ekfac = ShapeGroups(precond._parts.pipeline.application.method)
-    ekfac.method = type("Other", (), {"stacks": False})()  # type: ignore[assignment]
-    assert ekfac.split(layers) == []
+    # a method without the capability (EKFAC: its divisor is not checked
+    # stacked) is wired with none, and forms no group
+    from kaisa.methods.capabilities import StackedApply
+    from kaisa.methods.ekfac import EKFACMethod
+
+    assert isinstance(precond._parts.pipeline.application.method, StackedApply)
+    assert not isinstance(EKFACMethod(), StackedApply)
+    assert ShapeGroups(None).split(layers) == []
 
 
 def test_large_operands_are_not_stacked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,14 +44,14 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
-from kaisa.core.specs import FactorSource, FactorSpec
 from kaisa.core.statistics import grad_multiplier
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
+from kaisa.step.capture import terms
 from kaisa.step.capture.attention import capture_functional
 from kaisa.step.capture.broadcast import wrap_broadcast
-from kaisa.step.capture.graph import GraphCapture, accepts_compiled, joint_term
+from kaisa.step.capture.graph import GraphCapture, accepts_compiled
 from kaisa.step.capture.hooks import (
     ModuleHook,
     TermMemo,
@@ -60,119 +60,12 @@ from kaisa.step.capture.hooks import (
     _in_backward,
     _updates_gradients,
     first_tensor,
-    input_term_key,
 )
 from kaisa.step.profile import CAPTURE, StepProfile
 
 __all__ = ["Capture"]
 
 ScaleGetter = Callable[[], Tensor | float | None]
-
-
-def _input_terms(
-    layer: KFACLayer, x: Tensor, memo: TermMemo | None = None, profile: StepProfile | None = None
-) -> list[tuple[int, Tensor, float]]:
-    """(factor index, contribution, rows) of every input factor for one call.
-
-    ``memo`` is shared by layers that read the same input in one call — the
-    q, k and v rows of a self-attention's packed projection — so their common
-    input factor is formed once, not three times; a reused term is copied,
-    since a layer's sums may start as the very tensor it is given.
-    ``profile``: the terms are timed (:mod:`kaisa.step.profile`)."""
-    out = []
-    adapter = layer.adapter
-    for i, stat in enumerate(layer.statistics):
-        if stat.source is not FactorSource.INPUT:
-            continue
-        assert stat.factor is not None  # an input statistic estimates a factor
-        spec = layer.factors[stat.factor]
-        key = input_term_key(layer, spec)
-        found = None if memo is None else memo.get(key)
-        if found is not None:
-            out.append((i, found[0].clone(), found[1]))
-            continue
-        if profile is None:
-            term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype)
-        else:
-            term, rows_count = _timed_term(profile, "A", layer, spec, x)
-        if memo is not None:
-            memo[key] = (term, rows_count)
-        out.append((i, term, rows_count))
-    return out
-
-
-def _timed_term(
-    profile: StepProfile,
-    source: str,
-    layer: KFACLayer,
-    spec: FactorSpec,
-    tensor: Tensor,
-    scale: float | Tensor = 1.0,
-) -> tuple[Tensor, float]:
-    """One factor term and its rows, its time charged to its layer type's phase
-    (:mod:`kaisa.step.profile`) and its rows kept."""
-    adapter = layer.adapter
-    since = profile.start()
-    term, rows = adapter.factor_term(spec, tensor, layer.factor_dtype, scale)
-    phase = profile.term(source, adapter.module)
-    profile.stop(phase, since)
-    profile.record(phase, spec.kind.value, (int(rows), spec.dim))
-    return term, rows
-
-
-PassKey = tuple[int, int]
-
-
-def needs_input(layer: KFACLayer) -> bool:
-    """Whether a call's input must wait for its output gradient: a declared
-    statistic is formed from both (``JOINT``)."""
-    return any(s.source is FactorSource.JOINT for s in layer.statistics)
-
-
-def commit_call(
-    layer: KFACLayer,
-    inputs: list[tuple[int, Tensor, float]],
-    g: Tensor,
-    batch: int,
-    multiplier: float | Tensor,
-    pass_id: PassKey,
-    x: Tensor | None = None,
-    method: CurvatureMethod | None = None,
-    profile: StepProfile | None = None,
-) -> None:
-    """Add one call's terms to the layer's sums: the input terms formed at
-    forward, then every statistic the method declared from the output
-    gradient — through the adapter for a factor, through the method's
-    :meth:`~kaisa.methods.base.CurvatureMethod.joint_term` (with the call's
-    input ``x``) for a joint one.  Output-gradient and joint statistics count
-    the data points of each pass once.  ``profile``: the G terms are timed."""
-    stats = layer.batch
-    for i, value, count in inputs:
-        stats.add(i, value)
-        stats.counts[i] += count
-    new_pass = stats.new_pass(pass_id)
-    scale = multiplier * multiplier
-    adapter = layer.adapter
-    for i, stat in enumerate(layer.statistics):
-        if stat.source is FactorSource.OUTPUT_GRAD:
-            assert stat.factor is not None
-            spec = layer.factors[stat.factor]
-            if profile is None:
-                stats.add(i, adapter.factor_term(spec, g, layer.factor_dtype, scale)[0])
-            else:
-                stats.add(i, _timed_term(profile, "G", layer, spec, g, scale)[0])
-        elif stat.source is FactorSource.JOINT:
-            if x is None or method is None:
-                raise RuntimeError(f"kaisa: layer {layer.name!r}: a joint statistic needs x")
-            term = joint_term(method, layer, stat, x, g, scale)
-            if term is None:
-                continue
-            stats.add(i, term)
-        else:
-            continue
-        if new_pass:
-            stats.counts[i] += batch
-    stats.calls += 1
 
 
 class Capture:
@@ -342,8 +235,8 @@ class Capture:
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()
-        terms = _input_terms(layer, x, memo, profile) if self.in_hook else []
-        output.register_hook(self._grad_hook(layer, x, terms, batch, recomputed, grad_view))
+        inputs = terms.input_terms(layer, x, memo, profile) if self.in_hook else []
+        output.register_hook(self._grad_hook(layer, x, inputs, batch, recomputed, grad_view))
         if profile is not None:
             profile.stop(CAPTURE, since)
 
@@ -351,14 +244,14 @@ class Capture:
         self,
         layer: KFACLayer,
         x: Tensor,
-        terms: list[tuple[int, Tensor, float]],
+        inputs: list[tuple[int, Tensor, float]],
         batch: int,
         recomputed: bool,
         grad_view: Callable[[Tensor], Tensor] | None,
     ) -> Callable[[Tensor], None]:
         pass_id = self.pass_id
         keep = None if self.in_hook else x
-        joint_x = x if self.in_hook and needs_input(layer) else None
+        joint_x = x if self.in_hook and terms.needs_input(layer) else None
 
         def hook(grad: Tensor) -> None:
             if not _updates_gradients(layer.adapter.parameters()):
@@ -373,7 +266,9 @@ class Capture:
             if keep is not None:
                 layer.pending.calls.append((keep, g, batch, multiplier, key))
             else:
-                commit_call(layer, terms, g, batch, multiplier, key, joint_x, self.method, profile)
+                terms.commit_call(
+                    layer, inputs, g, batch, multiplier, key, joint_x, self.method, profile
+                )
                 stats = layer.batch
                 complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
                 if complete and self.on_layer_complete is not None:
@@ -413,8 +308,15 @@ class Capture:
     def flush(self, layer: KFACLayer) -> None:
         """Turn raw captures kept by ``in_hook=False`` into statistics."""
         for x, g, batch, multiplier, pass_id in layer.pending.calls:
-            commit_call(
-                layer, _input_terms(layer, x), g, batch, multiplier, pass_id, x, self.method
+            terms.commit_call(
+                layer,
+                terms.input_terms(layer, x),
+                g,
+                batch,
+                multiplier,
+                pass_id,
+                x,
+                self.method,
             )
         layer.pending.calls.clear()
 

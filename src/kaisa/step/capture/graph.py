@@ -273,8 +273,7 @@ def joint_term(
     adapter = layer.adapter
     return method.joint_term(
         stat,
-        layer.factors,
-        layer.state,
+        layer,
         adapter.a_rows(x),
         adapter.grad_output_rows(g),
         scale,
