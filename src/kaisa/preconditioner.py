@@ -271,7 +271,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
     def loss_items(self) -> float | None:
         """``N`` of a loss ``Σ ℓ / N`` (``loss_average='items'``): set it before
         each optimizer step's backward passes, as this rank's share of ``N``."""
-        return self._parts.capture.loss_items
+        return self._parts.capture.normalisation.items
 
     @loss_items.setter
     def loss_items(self, value: float | int | torch.Tensor | None) -> None:
@@ -279,7 +279,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
             value = float(value.item())
         if value is not None and (isinstance(value, bool) or not float(value) > 0):
             raise ValueError(f"loss_items must be a positive number or None; got {value!r}")
-        self._parts.capture.loss_items = None if value is None else float(value)
+        self._parts.capture.normalisation.items = None if value is None else float(value)
 
     # -- hooks ------------------------------------------------------------------------
     def remove_hooks(self) -> None:

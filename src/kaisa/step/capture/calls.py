@@ -44,7 +44,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
-from kaisa.core.statistics import grad_multiplier
 from kaisa.layers.base import LayerAdapter
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
@@ -61,11 +60,10 @@ from kaisa.step.capture.hooks import (
     _updates_gradients,
     first_tensor,
 )
+from kaisa.step.capture.normalise import LossNormalisation, ScaleGetter
 from kaisa.step.profile import CAPTURE, StepProfile
 
 __all__ = ["Capture"]
-
-ScaleGetter = Callable[[], Tensor | float | None]
 
 
 class Capture:
@@ -100,13 +98,11 @@ class Capture:
         method: CurvatureMethod | None = None,
     ) -> None:
         self.method = method
-        self.loss_average = loss_average
         self.accumulation_steps = accumulation_steps
-        self.loss_divisor = accumulation_steps if loss_divisor is None else loss_divisor
-        #: ``N`` of ``loss = Σ ℓ / N`` (``LossAverage.ITEMS``)
-        self.loss_items: float | None = None
+        divisor = accumulation_steps if loss_divisor is None else loss_divisor
+        #: ``m`` of ``ĝ = m·g`` per call (kaisa.step.capture.normalise)
+        self.normalisation = LossNormalisation(loss_average, divisor, loss_scale)
         self.in_hook = in_hook
-        self.loss_scale = loss_scale
         self.enabled = True
         self.pass_id = 0
         #: called with a layer once all of its passes for this step are in
@@ -114,7 +110,7 @@ class Capture:
         self.layers = layers
         #: the path of calls inside a compiled region (kaisa.step.capture.graph)
         self.graph = GraphCapture(
-            layers, loss_average=loss_average, loss_divisor=self.loss_divisor, method=method
+            layers, loss_average=loss_average, loss_divisor=divisor, method=method
         )
         #: the phases' wall times, while attached (:mod:`kaisa.step.profile`)
         self.profile: StepProfile | None = None
@@ -260,7 +256,8 @@ class Capture:
             since = profile.start() if profile is not None else 0.0
             key = (pass_id, _graph_task())
             g = grad.detach() if grad_view is None else grad_view(grad.detach())
-            multiplier = self._multiplier(layer, g, batch)
+            positions = layer.adapter.grad_output_rows(g).shape[1]
+            multiplier = self.normalisation.multiplier(batch, positions)
             if not recomputed:
                 layer.batch.pending_forwards -= 1
             if keep is not None:
@@ -278,31 +275,13 @@ class Capture:
 
         return hook
 
-    def _multiplier(self, layer: KFACLayer, g: Tensor, batch: int) -> float | Tensor:
-        positions = layer.adapter.grad_output_rows(g).shape[1]
-        m: float | Tensor = grad_multiplier(
-            self.loss_average, batch, positions, self.loss_divisor, self.loss_items
-        )
-        if self.loss_scale is not None:
-            scale = self.loss_scale()
-            if scale is not None:
-                m = m / scale
-        return m
-
     def collect_compiled(self) -> None:
         """Take in what compiled calls accumulated (:meth:`GraphCapture.collect`),
         with the loss items and loss scale the graph leaves out."""
         self.graph.follow(self.layers)
         if not self.graph.has_data():
             return
-        correction: Tensor | float = 1.0
-        if self.loss_average is LossAverage.ITEMS:
-            items = grad_multiplier(self.loss_average, 1, 1, 1, self.loss_items)
-            correction = items * items
-        scale = None if self.loss_scale is None else self.loss_scale()
-        if scale is not None:
-            correction = correction / (scale * scale)
-        self.graph.collect(self.layers, correction)
+        self.graph.collect(self.layers, self.normalisation.compiled_correction())
 
     # -- deferred path -------------------------------------------------------
     def flush(self, layer: KFACLayer) -> None:
