@@ -370,6 +370,14 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> Non
     assert verdict(0.8) == "add K-FAC" and verdict(1.2) == "keep the optimizer alone"
     assert verdict(1.03) == "a tie" and verdict(math.nan) == "neither reaches the target"
     assert verdict(0.0) == "add K-FAC" and "misses" in verdict(math.inf)
+    # a family still being measured is not summarised: one held-out run missing
+    seed = campaign.protocol.heldout_seeds[-1]
+    (missing,) = [r for r in rows["sgd"].records if r["seed"] == seed]
+    (path,) = (tmp_path / "quick" / "sgd").glob(f"*-s{seed}.json")
+    path.unlink()
+    unfinished = Campaign(get_case("quick"), RecordStore(tmp_path))
+    unfinished.refresh()
+    assert missing["seed"] == seed and "| quick |" not in markdown_summary([unfinished])
 
 
 def test_non_finite_outcomes_survive_the_record_file(tmp_path: Path) -> None:
