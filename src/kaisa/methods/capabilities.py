@@ -32,7 +32,7 @@ from torch import Tensor
 from kaisa.core.workspace import Workspace
 from kaisa.methods.base import LayerView
 
-__all__ = ["ColumnBlockApply", "StackedApply", "StatefulApply", "updates_state"]
+__all__ = ["ColumnBlockApply", "StackedApply", "StatefulApply", "stacked_apply", "updates_state"]
 
 
 @runtime_checkable
@@ -96,3 +96,12 @@ class StatefulApply(Protocol):
 def updates_state(method: object) -> bool:
     """Whether ``method``'s :meth:`apply` writes tensors it holds."""
     return isinstance(method, StatefulApply) and bool(method.advanced_keys())
+
+
+def stacked_apply(method: object) -> StackedApply | None:
+    """``method`` where its layers may be stacked: it offers
+    :class:`StackedApply` and advances no state (a stacked copy of its
+    moments would take the update, not the layer's own)."""
+    if isinstance(method, StackedApply) and not updates_state(method):
+        return method
+    return None

@@ -158,7 +158,7 @@ class GraftedMethod(CurvatureMethod):
     def advanced_keys(self) -> frozenset[str]:
         """The base's (where it advances any) and, with ``'adam'``, ``v`` and ``t``."""
         base = self.base.advanced_keys() if isinstance(self.base, StatefulApply) else frozenset()
-        return base | {_V, _T} if self.grafting is Grafting.ADAM else base
+        return (base | {_V, _T}) if self.grafting is Grafting.ADAM else base
 
     def apply(
         self, layer: LayerView, grad: Tensor, damping: float, work: Workspace | None = None

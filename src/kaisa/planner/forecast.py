@@ -43,7 +43,7 @@ from kaisa.layers.base import sole_owners
 from kaisa.layers.registry import register_layers
 from kaisa.methods import resolve_method
 from kaisa.methods.base import CurvatureMethod, HeldTensor, Operands
-from kaisa.methods.capabilities import StackedApply
+from kaisa.methods.capabilities import stacked_apply
 from kaisa.planner.costs import CostModel
 
 __all__ = [
@@ -451,7 +451,7 @@ def _stacked_bytes(
     two layers or more of which this rank is a gradient worker)."""
     w = plan.world_size
     total = np.zeros(w)
-    if not isinstance(method, StackedApply):
+    if stacked_apply(method) is None:
         return total
     by_key: dict[tuple[object, ...], list[tuple[slice, int]]] = {}
     for layer in layers:

@@ -37,7 +37,7 @@ from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import Engine, InPlaceGradients, ModelParallelLayers, ShardedReads
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
-from kaisa.methods.capabilities import ColumnBlockApply, StackedApply
+from kaisa.methods.capabilities import ColumnBlockApply, stacked_apply
 from kaisa.step.batched import ShapeGroups, StackedPath
 from kaisa.step.context import StepContext
 from kaisa.step.diagnostics import StepDiagnostics
@@ -85,7 +85,7 @@ class GradientApplication:
         blocks = method if isinstance(method, ColumnBlockApply) else None
         self.writes = InPlaceWrites(engine, self._in_place, self.products, blocks, every)
         #: layers of one shape preconditioned together (kaisa.step.batched)
-        self.groups = ShapeGroups(method if isinstance(method, StackedApply) else None)
+        self.groups = ShapeGroups(stacked_apply(method))
         stacked = StackedPath(
             self.groups, engine, self.writes, self.products, every and not sharded
         )

@@ -18,7 +18,6 @@ from kaisa.core.kl_clip import kl_term, sum_kl_terms
 from kaisa.core.workspace import Workspace, uses_workspace
 from kaisa.engines.base import Engine, InPlaceGradients
 from kaisa.layers.state import KFACLayer
-from kaisa.methods.base import Operands
 from kaisa.methods.capabilities import ColumnBlockApply
 from kaisa.step.products import LayerProducts, Result
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
@@ -154,7 +153,7 @@ class InPlaceWrites:
         if method is None or blocks is None:
             return False, None
         self.products.ready(layer, damping)
-        operands = Operands(layer.factors, layer.operands())
+        operands = self.products.operands(layer)
         if not method.writes_blocks(operands, blocks[0].dtype):
             return False, None
         work.prepare(blocks[0].dtype, blocks[0].dtype)  # the memory held: all three, always

@@ -17,7 +17,7 @@ from kaisa.core.workspace import Workspace
 from kaisa.distributed.plan import WorkPlan
 from kaisa.engines.base import ModelParallelLayers
 from kaisa.layers.state import KFACLayer
-from kaisa.methods.base import CurvatureMethod, Operands
+from kaisa.methods.base import CurvatureMethod, LayerView, Operands
 from kaisa.step.profile import PRODUCTS, StepProfile, factor_sizes
 
 __all__ = ["LayerProducts", "Result"]
@@ -63,7 +63,7 @@ class LayerProducts:
         """``V`` of ``layer``'s gradient matrix ``grad`` (its products in
         ``work``'s buffers where given)."""
         self.ready(layer, damping)
-        operands = Operands(layer.factors, layer.operands())
+        operands = self.operands(layer)
         profile = self.profile
         if profile is None:
             return self.method.apply(operands, grad, damping, work)
@@ -72,6 +72,14 @@ class LayerProducts:
         profile.stop(PRODUCTS, since)
         profile.record(PRODUCTS, "products", grad.shape, factor_sizes(layer.factors))
         return v
+
+    @staticmethod
+    def operands(layer: KFACLayer) -> LayerView:
+        """What the method applies: the layer itself, or a view of its cast
+        copies where ``precondition_dtype`` differs (no object built per
+        layer and step in the common case)."""
+        tensors = layer.operands()
+        return layer if tensors is layer.state else Operands(layer.factors, tensors)
 
     def counted(self, layer: KFACLayer) -> bool:
         """Whether ``layer``'s ``⟨V, ∇⟩`` counts in this rank's KL sum."""

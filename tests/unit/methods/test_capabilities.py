@@ -15,6 +15,7 @@ from kaisa.methods.capabilities import (
     ColumnBlockApply,
     StackedApply,
     StatefulApply,
+    stacked_apply,
     updates_state,
 )
 from kaisa.methods.ekfac import EKFACMethod
@@ -95,3 +96,32 @@ def test_a_stateful_method_is_handed_its_own_tensors() -> None:
             nn.Linear(2, 2), compute_method="ekfac_adam", precondition_dtype="bfloat16"
         )
     KFACPreconditioner(nn.Linear(2, 2), grafting="sgd", precondition_dtype="bfloat16", lr=0.1)
+
+
+class _MomentsInverse(InverseMethod):
+    """The inverse method, saying its apply advances a tensor (it does not:
+    what is tested is the wiring's rule, not the moments)."""
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        self.keys = keys
+
+    def advanced_keys(self) -> frozenset[str]:
+        return self.keys
+
+
+def test_a_method_that_advances_state_is_never_stacked() -> None:
+    """A stacked copy of its state would take apply's update, not the layer's
+    own: the stacked path is wired only for a method that advances nothing."""
+    assert stacked_apply(_MomentsInverse(frozenset({"m"}))) is None
+    quiet = _MomentsInverse(frozenset())
+    assert stacked_apply(quiet) is quiet
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for keys, grouped in ((frozenset({"m"}), False), (frozenset(), True)):
+        precond = KFACPreconditioner(model, method=_MomentsInverse(keys), lr=0.1)
+        F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 4)).backward()
+        precond.step()
+        groups = precond._parts.pipeline.application.groups.split(list(precond.layers.values()))
+        assert bool(groups) == grouped
+        precond.remove_hooks()
+        model.zero_grad()
