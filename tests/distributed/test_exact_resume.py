@@ -4,10 +4,12 @@
 inverses included), as torch.optim's does. Each case: an uninterrupted run,
 and the same run stopped between two inverse updates, saved with the
 defaults of ``state_dict()`` (kaisa, model, optimizer), rebuilt and resumed —
-on one rank and on two, at every fraction two ranks allow. A factors-only
-checkpoint (``include_second_order=False``) recomputes the inverses from
-later factors, so its resume differs: shown, so that the default is seen to
-matter.
+on one rank and on two, at every fraction two ranks allow; the same through
+``torch.distributed.checkpoint`` with ``sharded_state_dict()``. A factors-only
+checkpoint (``include_second_order=False``, either kind) recomputes the
+inverses from later factors, so its resume differs: shown, so that the
+default is seen to matter.  A sharded checkpoint loaded at another world
+size, fraction or factor layout equals the gathered one loaded there.
 """
 
 from __future__ import annotations
@@ -26,22 +28,38 @@ pytestmark = pytest.mark.distributed
 CUT = 3  # inverses at steps 0, 2, 4 (inv_update_steps=2): step 3 resumes mid-interval
 
 
-def _resumed(rank: int, world: int, fraction: float, second_order: bool | None) -> list[Any]:
+def _resumed(
+    rank: int,
+    world: int,
+    fraction: float,
+    second_order: bool | None,
+    path: str | None = None,
+) -> list[Any]:
+    """Train to CUT, checkpoint (gathered, or sharded through DCP at ``path``),
+    rebuild, resume, train to the end; the parameters."""
+    import torch.distributed.checkpoint as dcp
+
     model, opt, precond = make_run(fraction)
     steps(model, opt, precond, rank, world, 0, CUT, [])
     kw = {} if second_order is None else {"include_second_order": second_order}
-    ckpt = copy.deepcopy(
-        {"kfac": precond.state_dict(**kw), "model": model.state_dict(), "opt": opt.state_dict()}
-    )
+    kfac = precond.sharded_state_dict(**kw) if path else precond.state_dict(**kw)
+    ckpt = copy.deepcopy({"kfac": kfac, "model": model.state_dict(), "opt": opt.state_dict()})
+    if path:
+        dcp.save({"kfac": kfac}, checkpoint_id=path)
     model, opt, precond = make_run(fraction)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    precond.load_state_dict(ckpt["kfac"])
+    if path:
+        template = {"kfac": precond.sharded_state_dict(**kw)}
+        dcp.load(template, checkpoint_id=path)
+        precond.load_sharded_state_dict(template["kfac"])
+    else:
+        precond.load_state_dict(ckpt["kfac"])
     steps(model, opt, precond, rank, world, CUT, TOTAL_STEPS, [])
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _case(rank: int, world: int, fraction: float) -> dict[str, Any]:
+def _case(rank: int, world: int, fraction: float, path: str) -> dict[str, Any]:
     model, opt, precond = make_run(fraction)
     steps(model, opt, precond, rank, world, 0, TOTAL_STEPS, [])
     ref = [p.detach().clone() for p in model.parameters()]
@@ -52,16 +70,25 @@ def _case(rank: int, world: int, fraction: float) -> dict[str, Any]:
     return {
         "default": same(_resumed(rank, world, fraction, None)),
         "factors_only": same(_resumed(rank, world, fraction, False)),
+        "sharded": same(_resumed(rank, world, fraction, None, f"{path}/sharded")),
+        "sharded_factors_only": same(_resumed(rank, world, fraction, False, f"{path}/factors")),
         "params": ref,
     }
 
 
 @pytest.mark.parametrize(("world", "fraction"), [(1, 1.0), (2, 1.0), (2, 0.5)])
-def test_the_default_checkpoint_resumes_bit_for_bit(world: int, fraction: float) -> None:
-    results = [_case(0, 1, fraction)] if world == 1 else run_distributed(world, _case, fraction)
+def test_the_default_checkpoint_resumes_bit_for_bit(world: int, fraction: float, tmp_path) -> None:
+    path = str(tmp_path)
+    results = (
+        [_case(0, 1, fraction, path)]
+        if world == 1
+        else run_distributed(world, _case, fraction, path)
+    )
     for rank, got in enumerate(results):
         assert got["default"], f"W={world} f={fraction} rank {rank}: not bit for bit"
+        assert got["sharded"], f"W={world} f={fraction} rank {rank}: sharded, not bit for bit"
         assert not got["factors_only"], f"W={world} f={fraction} rank {rank}"
+        assert not got["sharded_factors_only"], f"W={world} f={fraction} rank {rank}"
         # the replicas themselves agree bit for bit (a worker's own second-order
         # tensors and those a broadcast delivered are laid out alike)
         for a, b in zip(got["params"], results[0]["params"], strict=True):

@@ -1,6 +1,7 @@
 """Sharded checkpoints through torch.distributed.checkpoint: each rank writes
-only the factors it owns, and the checkpoint loads at another world size and
-fraction — giving the same factors, and the same training afterwards, as the
+only the factors it owns and the second-order tensors of the layers it works
+on, and the checkpoint loads at another world size, fraction and factor
+layout — giving the same state, and the same training afterwards, as the
 gathered state_dict()."""
 
 from __future__ import annotations
@@ -48,34 +49,43 @@ def train(net, opt, precond, steps: range, rank: int, world: int) -> None:
         opt.step()
 
 
-def save(rank: int, world: int, path: str) -> dict[str, Any]:
+def save(rank: int, world: int, path: str, options: Any = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     net, opt = make()
-    precond = KFACPreconditioner(net, optimizer=opt, grad_worker_fraction=1.0, **KW)
+    precond = KFACPreconditioner(net, optimizer=opt, grad_worker_fraction=1.0, **(options or KW))
     train(net, opt, precond, range(3), rank, world)
     mine = precond.sharded_state_dict()
     dcp.save({"kfac": mine}, checkpoint_id=path)
-    # the sharded checkpoint holds the factors: compare with a gathered one of the same
-    gathered = precond.state_dict(include_second_order=False)
-    return {"keys": sorted(mine["factors"]), "gathered": gathered}
+    # the sharded checkpoint holds what the gathered one does: compare with one
+    held = {k for k, v in mine["held"].items() if bool(v)}
+    return {"keys": sorted(mine["factors"]), "held": held, "gathered": precond.state_dict()}
 
 
-def load(rank: int, world: int, path: str, fraction: float, gathered: Any = None) -> dict:
+def load(
+    rank: int,
+    world: int,
+    path: str,
+    fraction: float,
+    gathered: Any = None,
+    options: Any = None,
+) -> dict:
     """Resume (sharded, or from the gathered state_dict) and train 2 more steps;
     the model restarts from its initial weights either way, so only K-FAC's
     state differs between the two."""
     import torch.distributed.checkpoint as dcp
 
     net, opt = make()
-    precond = KFACPreconditioner(net, optimizer=opt, grad_worker_fraction=fraction, **KW)
+    precond = KFACPreconditioner(
+        net, optimizer=opt, grad_worker_fraction=fraction, **(options or KW)
+    )
     if gathered is None:
         template = {"kfac": precond.sharded_state_dict()}
         dcp.load(template, checkpoint_id=path)
         precond.load_sharded_state_dict(template["kfac"])
     else:
         precond.load_state_dict(gathered)
-    state = precond.state_dict(include_second_order=False)
+    state = precond.state_dict()
     train(net, opt, precond, range(3, 5), rank, world)
     return {"steps": state["steps"], "gathered": state, "params": list(net.parameters())}
 
@@ -86,16 +96,26 @@ def test_each_rank_writes_its_own_and_any_world_size_reads(tmp_path) -> None:
     keys = [set(r["keys"]) for r in saved]
     assert keys[0] and keys[1] and not keys[0] & keys[1]  # disjoint: written once each
     reference = saved[0]["gathered"]
-    assert keys[0] | keys[1] == {
-        f"{layer}.{factor}" for layer, entry in reference["layers"].items() for factor in entry
-    }
+    entries = {f"{layer}.{key}" for layer, entry in reference["layers"].items() for key in entry}
+    factors = {f"{layer}.{f}" for layer in reference["layers"] for f in ("A", "G")}
+    assert keys[0] | keys[1] == entries & factors
+    # at f = 1 both ranks work on every layer: each holds every second-order tensor
+    assert saved[0]["held"] == saved[1]["held"] == entries - factors
     for world, fraction in ((4, 0.5), (1, 1.0)):
         for res in run_distributed(world, load, path, fraction):
             assert res["steps"] == 3
             got = res["gathered"]["layers"]
             for layer, entry in reference["layers"].items():
-                for factor, value in entry.items():
-                    assert torch.equal(got[layer][factor], value), (layer, factor)
+                for key, value in entry.items():
+                    assert torch.equal(got[layer][key], value), (layer, key)
+
+
+def _same_training(a: list[dict], b: list[dict]) -> bool:
+    return all(
+        torch.equal(p.detach(), q.detach())
+        for x, y in zip(a, b, strict=True)
+        for p, q in zip(x["params"], y["params"], strict=True)
+    )
 
 
 def test_sharded_resume_trains_like_the_gathered_one(tmp_path) -> None:
@@ -103,6 +123,37 @@ def test_sharded_resume_trains_like_the_gathered_one(tmp_path) -> None:
     gathered = run_distributed(2, save, path)[0]["gathered"]
     sharded = run_distributed(4, load, path, 0.5)
     plain = run_distributed(4, load, path, 0.5, gathered)
-    for a, b in zip(sharded, plain):
-        for p, q in zip(a["params"], b["params"]):
-            assert torch.equal(p.detach(), q.detach())
+    assert _same_training(sharded, plain)
+
+
+@pytest.mark.parametrize("saved_colocated", [False, True], ids=["split-to-one", "one-to-split"])
+def test_a_new_factor_layout_loads_as_the_gathered_checkpoint_does(
+    tmp_path, saved_colocated: bool
+) -> None:
+    """The eigen method's factors on two owners keep eigenvalues that one
+    owner folds into the outer product: split → one resumes on the saved
+    tensors, one → split lacks the eigenvalues and recomputes from the saved
+    factors; either way as the gathered checkpoint loaded at that layout."""
+    path = str(tmp_path / "ckpt")
+    one = {**KW, "compute_method": "eigen", "colocate_factors": True}
+    split = {**one, "colocate_factors": False}
+    saved = run_distributed(
+        1 if saved_colocated else 2, save, path, one if saved_colocated else split
+    )[0]
+    world, options = (2, split) if saved_colocated else (1, one)
+    sharded = run_distributed(world, load, path, 1.0, None, options)
+    plain = run_distributed(world, load, path, 1.0, saved["gathered"], options)
+    assert _same_training(sharded, plain)
+    reference = saved["gathered"]["layers"]
+    for res in sharded:
+        got = res["gathered"]["layers"]
+        for layer, entry in got.items():
+            for key, value in entry.items():
+                if key in reference[layer]:
+                    assert torch.equal(value, reference[layer][key]), (layer, key)
+        # one → split: the eigenvalues were not saved (stand-ins until the
+        # recompute at the next step); split → one: nothing is missing
+        missing = {
+            key for layer, entry in got.items() for key in set(entry) - set(reference[layer])
+        }
+        assert bool(missing) == saved_colocated, missing

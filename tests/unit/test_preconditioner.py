@@ -566,8 +566,9 @@ def test_layer_whose_hooks_never_fire_keeps_its_raw_gradient() -> None:
 
 
 def test_sharded_state_round_trip_and_refusals_in_one_process() -> None:
-    """sharded_state_dict() holds every factor in one process; a template with
-    a factor missing or mis-shaped is refused before anything changes."""
+    """sharded_state_dict() holds every factor and second-order tensor in one
+    process; a template with a factor or a second-order tensor missing, or
+    mis-shaped, is refused before anything changes."""
     model = mlp()
     precond = KFACPreconditioner(model, damping=0.01)
     x, y = batch()
@@ -584,12 +585,22 @@ def test_sharded_state_round_trip_and_refusals_in_one_process() -> None:
     bad = {**state, "factors": {**state["factors"], key: torch.zeros(2)}}
     with pytest.raises(ValueError, match="must be a tensor of shape"):
         fresh.load_sharded_state_dict(bad)
+    key = next(iter(state["second_order"]))
+    no_second = {
+        **state,
+        "second_order": {k: v for k, v in state["second_order"].items() if k != key},
+    }
+    with pytest.raises(ValueError, match="lacks second-order tensors this rank works on"):
+        fresh.load_sharded_state_dict(no_second)
     assert all(f is None for la in fresh.layers.values() for f in la.running)
     fresh.load_sharded_state_dict(state)
     assert fresh.steps == 1
     for name, la in fresh.layers.items():
         for spec in la.factors:
             assert torch.equal(la.factor(spec.name), before[f"{name}.{spec.name}"])
+        for key, value in la.state.items():  # the second-order tensors, as saved
+            assert torch.equal(value, state["second_order"][f"{name}.{key}"]), (name, key)
+        assert la.state and la.decomposed
 
 
 def test_a_layer_first_captured_late_is_decomposed_at_once() -> None:

@@ -98,13 +98,20 @@ class Checkpoints(PreconditionerView):
         self._schedule.restore(restore)
         pipeline.resume_at(steps)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's share of the state for ``torch.distributed.checkpoint``
-        (the factors it owns; see :mod:`kaisa.checkpoint.sharded`).  Not collective; the
-        same call's result is the template ``dcp.load`` fills."""
-        return sharded_state(self._parts, self.config, self.rank)
+    def sharded_state_dict(self, include_second_order: bool = True) -> dict[str, Any]:
+        """This rank's share of the state for ``torch.distributed.checkpoint``:
+        the factors it owns and the second-order tensors of the layers it is
+        a gradient worker of (see :mod:`kaisa.checkpoint.sharded`), so the
+        resume is exact, as :meth:`state_dict`'s.  ``include_second_order=False``
+        keeps the factors only (their owners recompute the decompositions at
+        the next step: a resume between two inverse updates then differs from
+        the uninterrupted run).  Not collective; the same call's result is
+        the template ``dcp.load`` fills."""
+        damping = self._schedule.current("damping", self.steps)
+        return sharded_state(self._parts, self.config, self.rank, damping, include_second_order)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at
-        any world size or fraction (collective)."""
+        any world size or fraction (collective): bit for bit where the
+        checkpoint holds the second-order tensors the new layout needs."""
         restore_sharded(self._parts, self._schedule, self.config, self.rank, state)

@@ -2,15 +2,28 @@
 
 :meth:`KFACPreconditioner.state_dict` gathers every factor onto every rank —
 simple, and right for small runs.  At thousands of ranks each rank should
-write only what it owns and read only what it will own.  The sharded state
-dict holds, on each rank, the running factors the current plan makes it the
-owner of, each with a presence flag (a layer may not have been captured
-yet), under the key ``"<layer>.<factor>"``; the step count and the
-hyperparameters are replicated.  Keys are disjoint across ranks, so DCP
-writes each factor once, from its owner.  Loading at another world size or
-fraction asks for exactly the factors the *new* plan gives this rank; DCP
-reads them wherever they were written.  Eigenbases/inverses are not stored:
-the new owners recompute them at the next step::
+write only what it holds and read only what it will hold.  The sharded state
+dict holds, on each rank:
+
+- the running factors the current plan makes it the owner of, each with a
+  presence flag (a layer may not have been captured yet), under
+  ``"<layer>.<factor>"`` in ``"factors"`` and ``"present"``: keys disjoint
+  across ranks, so DCP writes each factor once, from its owner;
+- the second-order tensors (eigenbases, eigenvalues, inverses, a method's
+  own state) of the layers it is a gradient worker of, under
+  ``"<layer>.<tensor>"`` in ``"second_order"``, each with a flag in
+  ``"held"``: every worker of a layer holds the same tensors, bit for bit,
+  and DCP writes each key once;
+- the step count and the hyperparameters, replicated.
+
+Loading at another world size or fraction asks for exactly what the *new*
+plan gives each rank; DCP reads it wherever it was written, and the resume
+is exact.  The keys are those of either layout (a layer's two factors on
+one owner or on two): a worker that needs a tensor the saved layout did not
+hold (eigen with the outer product keeps no eigenvalues when its factors
+share an owner) has every layer's decompositions recomputed from the saved
+factors at the next step, as a checkpoint without second-order tensors
+(``include_second_order=False``: the factors' size only) does::
 
     state = {"model": model.state_dict(), "kfac": precond.sharded_state_dict()}
     dcp.save(state, checkpoint_id=path)
@@ -18,6 +31,9 @@ the new owners recompute them at the next step::
     state = {"model": model.state_dict(), "kfac": precond.sharded_state_dict()}
     dcp.load(state, checkpoint_id=path)      # fills the templates in place
     precond.load_sharded_state_dict(state["kfac"])
+
+A checkpoint saved without second-order tensors loads into a template made
+the same way (``sharded_state_dict(include_second_order=False)``).
 """
 
 from __future__ import annotations
@@ -37,17 +53,29 @@ if TYPE_CHECKING:
     from kaisa.step.schedule import Schedule
     from kaisa.wiring import Parts
 
-__all__ = ["load_owned_factors", "owned_factors", "restore_sharded", "sharded_state"]
+__all__ = [
+    "load_owned_factors",
+    "owned_factors",
+    "restore_sharded",
+    "sharded_state",
+    "worked_entries",
+    "worked_second_order",
+]
 
 
-def sharded_state(parts: Parts, config: KFACConfig, rank: int) -> dict[str, Any]:
-    """Step count and hyperparameters (replicated) and the owned factors."""
+def sharded_state(
+    parts: Parts, config: KFACConfig, rank: int, damping: float, include_second_order: bool
+) -> dict[str, Any]:
+    """Step count and hyperparameters (replicated), the owned factors and,
+    with ``include_second_order``, the worked layers' second-order tensors."""
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "steps": torch.tensor(parts.pipeline.steps),
         "hyperparameters": config.hyperparameters(),
     }
     state.update(owned_factors(parts.layers, parts.plan, rank))
+    if include_second_order:
+        state.update(worked_second_order(parts, rank, damping))
     return state
 
 
@@ -63,12 +91,31 @@ def restore_sharded(
     saved = state.get("hyperparameters", {})
     restore = schedule.restorable(saved if isinstance(saved, Mapping) else {})
     parts.checkpointer.validate({"steps": steps}, config, restore)
+    entries = worked_entries(parts, rank, state) if "second_order" in state else None
     load_owned_factors(parts.layers, parts.plan, rank, state)
     layers = list(parts.layers.values())
-    nobody = parts.comm.agree_all([not la.captured for la in layers], layers[0].adapter.device)
+    device = layers[0].adapter.device
+    nobody = parts.comm.agree_all([not la.captured for la in layers], device)
     for layer, none in zip(layers, nobody):
         layer.captured = not none
-    parts.pipeline.second_order.stale = True
+    if entries is None:
+        parts.pipeline.second_order.stale = True
+    else:
+        checkpointer = parts.checkpointer
+        mine = [
+            checkpointer.holds_second_order(la.name, entries[la.name])
+            if la.name in entries
+            else True
+            for la in layers
+        ]
+        whole = parts.comm.agree_all(mine, device)
+        for layer, has in zip(layers, whole):
+            checkpointer.place_second_order(
+                layer.name, entries.get(layer.name, {}), layer.captured or has
+            )
+        parts.pipeline.second_order.stale = any(
+            la.captured and not has for la, has in zip(layers, whole)
+        )
     schedule.restore(restore)
     parts.pipeline.resume_at(steps)
 
@@ -127,3 +174,59 @@ def load_owned_factors(
         layer.state.clear()
         layer.captured = captured
         layer.decomposed = False
+
+
+def worked_second_order(parts: Parts, rank: int, damping: float) -> dict[str, Any]:
+    """``{"second_order": {key: tensor}, "held": {key: 0/1 tensor}}`` for the
+    layers ``rank`` is a gradient worker of, keyed by either layout's
+    tensors (zeros where the layer holds none).  A layer captured but not
+    yet decomposed holds its damping-only stand-ins, as the gathered state
+    does."""
+    tensors: dict[str, Tensor] = {}
+    held: dict[str, Tensor] = {}
+    checkpointer, method = parts.checkpointer, parts.checkpointer.method
+    for name, layer in parts.layers.items():
+        lp = parts.plan.layer(name)
+        if not lp.is_grad_worker(rank):
+            continue
+        device = layer.adapter.device
+        if layer.captured:
+            like = torch.empty(0, dtype=layer.inv_dtype, device=device)
+            method.fill_missing(layer, method.held(layer.factors, lp.colocated), damping, like)
+        for key, shape in checkpointer.second_order_shapes(layer).items():
+            value = layer.state.get(key)
+            full = f"{name}.{key}"
+            if value is None:
+                tensors[full] = torch.zeros(shape, dtype=layer.inv_dtype, device=device)
+            else:
+                tensors[full] = value.detach().clone()
+            held[full] = torch.tensor(float(value is not None), device=device)
+    return {"second_order": tensors, "held": held}
+
+
+def worked_entries(
+    parts: Parts, rank: int, state: Mapping[str, Any]
+) -> dict[str, dict[str, Tensor]]:
+    """The second-order tensors a loaded :func:`worked_second_order` template
+    holds, by layer (those ``rank`` is a gradient worker of), checked."""
+    tensors, held = state.get("second_order"), state.get("held")
+    if not isinstance(tensors, Mapping) or not isinstance(held, Mapping):
+        raise ValueError("a sharded K-FAC state's 'second_order' needs a 'held' mapping beside it")
+    entries: dict[str, dict[str, Tensor]] = {}
+    for name, layer in parts.layers.items():
+        if not parts.plan.layer(name).is_grad_worker(rank):
+            continue
+        entry: dict[str, Tensor] = {}
+        for key, shape in parts.checkpointer.second_order_shapes(layer).items():
+            full = f"{name}.{key}"
+            value, flag = tensors.get(full), held.get(full)
+            if value is None or flag is None:
+                raise ValueError(
+                    f"sharded state lacks second-order tensors this rank works on: {full!r}"
+                )
+            if not isinstance(value, Tensor) or tuple(value.shape) != shape:
+                raise ValueError(f"sharded state entry {full!r} must be a tensor of shape {shape}")
+            if bool(flag):
+                entry[key] = value
+        entries[name] = entry
+    return entries

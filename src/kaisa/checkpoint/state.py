@@ -216,12 +216,18 @@ class Checkpointer:
             )
         return matched
 
-    def _known_tensors(self, layer: KFACLayer) -> dict[str, tuple[int, ...]]:
-        known = {spec.name: spec.shape for spec in layer.factors}
+    def second_order_shapes(self, layer: KFACLayer) -> dict[str, tuple[int, ...]]:
+        """The second-order tensors a worker of ``layer`` holds under either
+        layout (its factors on one owner or on two): what a checkpoint may
+        hold, so that one taken under one layout loads under the other."""
+        known: dict[str, tuple[int, ...]] = {}
         for colocated in (True, False):
             for t in self.method.held(layer.factors, colocated):
                 known[t.key] = t.shape
         return known
+
+    def _known_tensors(self, layer: KFACLayer) -> dict[str, tuple[int, ...]]:
+        return {spec.name: spec.shape for spec in layer.factors} | self.second_order_shapes(layer)
 
     def _validate_layer(self, name: str, entry: Any) -> None:
         if not isinstance(entry, Mapping):
@@ -263,21 +269,14 @@ class Checkpointer:
                 layer.running[i] = None
                 if value is not None and keep:
                     layer.running[i] = value.to(dev, layer.factor_dtype).clone()
-            held: tuple[HeldTensor, ...] = self.method.held(layer.factors, lp.colocated)
-            has_second_order = all(t.key in entry for t in held)
+            has_second_order = self.holds_second_order(name, entry)
             if layer.captured and not has_second_order:
                 complete = False
             # a layer whose factors start afresh but whose second-order state
             # is whole (a partial checkpoint under COMM-OPT holds every
             # layer's) keeps preconditioning with it until its next inverse
             # update, which decomposes the restarted factors
-            restored = layer.captured or has_second_order
-            layer.state.clear()
-            if restored and lp.is_grad_worker(self.rank):
-                for t in held:
-                    if t.key in entry:
-                        layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()
-            layer.decomposed = restored
+            self.place_second_order(name, entry, layer.captured or has_second_order)
         if partial:
             fresh = [n for n, la in self.layers.items() if not la.captured]
             warnings.warn(
@@ -286,3 +285,24 @@ class Checkpointer:
                 stacklevel=3,
             )
         return compute_inverses and not complete
+
+    def holds_second_order(self, name: str, entry: Mapping[str, Tensor]) -> bool:
+        """Whether ``entry`` holds every second-order tensor a worker of layer
+        ``name`` holds under the current plan's layout."""
+        layer, lp = self.layers[name], self.plan.layer(name)
+        return all(t.key in entry for t in self.method.held(layer.factors, lp.colocated))
+
+    def place_second_order(self, name: str, entry: Mapping[str, Tensor], restored: bool) -> None:
+        """Layer ``name``'s second-order tensors from ``entry``, kept where
+        this rank is one of its gradient workers; ``restored``: the layer
+        counts as decomposed (its tensors are whole, or its factors are and
+        the next step recomputes from them)."""
+        layer, lp = self.layers[name], self.plan.layer(name)
+        held: tuple[HeldTensor, ...] = self.method.held(layer.factors, lp.colocated)
+        dev = layer.adapter.device
+        layer.state.clear()
+        if restored and lp.is_grad_worker(self.rank):
+            for t in held:
+                if t.key in entry:
+                    layer.state[t.key] = entry[t.key].to(dev, layer.inv_dtype).clone()
+        layer.decomposed = restored
