@@ -45,8 +45,8 @@ from kaisa.layers.registry import SkippedModule
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.report import describe, log_registration, memory_usage
-from kaisa.step.nonfinite import NonFiniteSteps
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
+from kaisa.step.skip import SkippedUpdates
 from kaisa.wiring import build, check_runtime_arguments, configure, explained_call
 
 __all__ = ["KFACPreconditioner"]
@@ -183,12 +183,11 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         self._attached = (
             engine.attach(self.step, self.paused) if isinstance(engine, OwnsTheLoop) else None
         )
-        # a step skipped for non-finite gradients takes them from the optimizer it
-        # was given (its next step then skips every parameter); an engine that owns
-        # the loop steps its own optimizer and skips by its own rule
-        self._takes_gradients = optimizer is not None and self._attached is None
-        if self._takes_gradients:
-            self._parts.pipeline.verdict.nonfinite.gradients = NonFiniteSteps.TAKEN
+        # after a step skipped for non-finite gradients the next update changes
+        # nothing either: the optimizer given loses its gradients, or an engine
+        # that steps its own keeps it still by its rule
+        self._skipped_updates = SkippedUpdates(optimizer, engine, self.grad_scaler is not None)
+        self._parts.pipeline.verdict.keep_updates(self._skipped_updates)
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan
         )
@@ -204,7 +203,9 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         gradients, with ``optimizer=`` given, it also sets every gradient of
         the optimizer's parameters to None, so that the optimizer's next
         step changes no weight and no state (torch's optimizers skip a
-        parameter without a gradient); without it, skip ``optimizer.step()``
+        parameter without a gradient); under an engine that steps its own
+        optimizer (DeepSpeed) the engine's next step is kept still
+        (:mod:`kaisa.step.skip`); without either, skip ``optimizer.step()``
         yourself when this returns False.
         """
         if not self._parts.capture.active:
@@ -216,11 +217,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         try:
             pipeline = self._parts.pipeline
             applied = pipeline.step()
-            if not applied and pipeline.verdict.skipped_nonfinite and self._takes_gradients:
-                assert self.optimizer is not None
-                for group in self.optimizer.param_groups:
-                    for param in group["params"]:
-                        param.grad = None
+            self._skipped_updates.after(not applied and pipeline.verdict.skipped_nonfinite)
         finally:
             torch._C._set_grad_enabled(enabled)
         return applied

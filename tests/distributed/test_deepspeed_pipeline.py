@@ -2,10 +2,12 @@
 kaisa runs in the optimizer's step pre-hook inside ``train_batch()``; each
 stage preconditions its own layers with its data-parallel peer, the KL clip
 sums over the stages, and the result equals one process training the whole
-model on the whole batch."""
+model on the whole batch.  A batch with a NaN is skipped, update included:
+the run ends bit-identical to one that left the batch out."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -37,7 +39,11 @@ def data(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def pipeline_run(rank: int, world: int, kl_clip: float) -> dict[str, Any]:
+def pipeline_run(
+    rank: int, world: int, kl_clip: float, nan_at: int | None = None, leave_out: bool = False
+) -> dict[str, Any]:
+    """``nan_at``: replica 0's first micro-batch of that optimizer step holds
+    a NaN, or (``leave_out``) that step's micro-batches are left out."""
     deepspeed = join(rank, world)
     from deepspeed.pipe import PipelineModule
 
@@ -60,14 +66,28 @@ def pipeline_run(rank: int, world: int, kl_clip: float) -> dict[str, Any]:
         model=module, optimizer=optimizer, config=cfg, dist_init_required=False
     )
     precond = KFACPreconditioner(engine, **{**KW, "kl_clip": kl_clip})
-    batches = iter(data(engine.grid.get_data_parallel_id()))
-    for _ in range(STEPS):
-        engine.train_batch(batches)
+    replica = engine.grid.get_data_parallel_id()
+    micro = data(replica)
+    steps = STEPS
+    if nan_at is not None and leave_out:
+        del micro[nan_at * ACCUMULATE : (nan_at + 1) * ACCUMULATE]
+        steps -= 1
+    elif nan_at is not None and replica == 0:
+        x, y = micro[nan_at * ACCUMULATE]
+        micro[nan_at * ACCUMULATE] = (x * float("nan"), y)
+    batches = iter(micro)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            engine.train_batch(batches)
     return {
         "stage": engine.grid.get_stage_id(),
         "layers": sorted(precond.layers),
         "steps": precond.steps,
+        "skipped": engine.skipped_steps,
         "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "momenta": [s["momentum_buffer"].clone() for s in optimizer.state.values()],
+        "warnings": [str(w.message) for w in caught if "non-finite" in str(w.message)],
     }
 
 
@@ -102,3 +122,21 @@ def test_pipeline_stages_equal_one_process(kl_clip: float | None) -> None:
         for name, value in res["params"].items():
             err = float((value - want[name]).norm() / want[name].norm())
             assert err <= 1e-5, (name, err)
+
+
+def test_a_batch_with_a_nan_is_skipped_update_included() -> None:
+    """kaisa runs inside train_batch(), so nothing else could skip the
+    update: it takes the stage's gradients away and marks the step an
+    overflow (both stages, both replicas: the verdict is agreed)."""
+    bad = run_distributed(STAGES * REPLICAS, pipeline_run, 0.001, 1, timeout_s=400)
+    left_out = run_distributed(STAGES * REPLICAS, pipeline_run, 0.001, 1, True, timeout_s=400)
+    for got, want in zip(bad, left_out, strict=True):
+        assert got["skipped"] == 1 and want["skipped"] == 0
+        assert got["steps"] == want["steps"] == STEPS - 1
+        for name, value in got["params"].items():
+            assert torch.equal(value, want["params"][name]), name
+        assert len(got["momenta"]) == len(want["momenta"]) > 0
+        for a, b in zip(got["momenta"], want["momenta"], strict=True):
+            assert torch.equal(a, b)
+        assert len(got["warnings"]) == 1
+        assert "its step marked as an overflow" in got["warnings"][0]

@@ -131,6 +131,10 @@ def pipeline_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, (x, y) in enumerate(data(replica)):
+            if step == case.get("nan_at"):
+                if case.get("leave_out"):
+                    continue
+                x = x * float("nan")
             opt.zero_grad()
             inputs = (x,) if stage.is_first else ()
             if case.get("validate") and step == 2:  # eval() re-runs the shape inference
@@ -144,10 +148,13 @@ def pipeline_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
                     if case["reduction"] == "mean":
                         p.grad /= replicas
             precond.step()
-            out["grads"].append({n: full(p.grad) for n, p in module.named_parameters()})
+            out["grads"].append(
+                {n: full(p.grad) for n, p in module.named_parameters() if p.grad is not None}
+            )
             opt.step()
     out["warnings"] = [str(w.message) for w in caught if "kaisa" in str(w.message)]
     out["params"] = {n: full(p) for n, p in module.named_parameters()}
+    out["momenta"] = [full(s["momentum_buffer"]) for s in opt.state.values()]
     out["factors"] = precond.state_dict()["layers"]
     return out
 
@@ -279,6 +286,26 @@ def test_the_kl_clip_binds() -> None:
     clipped = reference(case, replicas=2)
     free = reference(dict(case, kfac=dict(kl_clip=None)), replicas=2)
     assert rel(free["grads"][0]["1.2.weight"], clipped["grads"][0]["1.2.weight"]) > 1e-3
+
+
+def test_a_batch_with_a_nan_is_skipped_update_included() -> None:
+    """The first stage's input holds a NaN: both stages skip the step (the
+    verdict is agreed over the pipeline), and kaisa takes the gradients of
+    each stage's optimizer away, so the run ends bit-identical to one that
+    left the batch out."""
+    case = dict(schedule="1f1b", kfac={}, reduction="mean", scale_grads=True, nan_at=1)
+    bad = run_distributed(2, pipeline_run, case, timeout_s=90, pg_timeout_s=30)
+    left_out = run_distributed(
+        2, pipeline_run, dict(case, leave_out=True), timeout_s=90, pg_timeout_s=30
+    )
+    for got, want in zip(bad, left_out, strict=True):
+        for name, value in got["params"].items():
+            assert torch.equal(value, want["params"][name]), name
+        assert len(got["momenta"]) == len(want["momenta"]) > 0
+        for a, b in zip(got["momenta"], want["momenta"], strict=True):
+            assert torch.equal(a, b)
+        skips = [w for w in got["warnings"] if "non-finite" in w]
+        assert len(skips) == 1 and "was taken away (set to None)" in skips[0], got["warnings"]
 
 
 def misuse(rank: int, world: int) -> list[str]:

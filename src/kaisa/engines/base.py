@@ -279,6 +279,19 @@ class OwnsTheLoop(Protocol):
         ready (off an accumulation boundary, say)."""
         return None
 
+    def skips_update(self) -> str | None:
+        """Where the engine steps its own optimizer: how its next update is
+        kept from changing anything after a step kaisa skipped for
+        non-finite gradients, in the skip report's words.  None: the user
+        steps the optimizer (kaisa takes the gradients from ``optimizer=``,
+        as under any engine; :mod:`kaisa.step.skip`)."""
+        return None
+
+    def mark_update(self, skipped: bool) -> None:
+        """After every ``step()`` of an engine whose :meth:`skips_update` is
+        not None: whether that step was skipped for non-finite gradients."""
+        return None
+
 
 def unique_parameters(adapters: Sequence[LayerAdapter]) -> list[nn.Parameter]:
     """Every parameter of ``adapters`` once (a packed q/k/v weight is shared)."""

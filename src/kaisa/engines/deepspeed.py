@@ -56,6 +56,7 @@ from kaisa.engines.base import (
 )
 from kaisa.engines.pytorch import unwrap_model
 from kaisa.layers.base import LayerAdapter, param_shape
+from kaisa.step.skip import take_gradients
 
 __all__ = ["DeepSpeedEngine", "is_deepspeed_engine"]
 
@@ -175,6 +176,40 @@ class DeepSpeedEngine(Engine, ShardedReads, OwnsTheLoop):
                 "only when ds_engine.is_gradient_accumulation_boundary() is True (after "
                 "ds_engine.backward(loss), before ds_engine.step())"
             )
+
+    def skips_update(self) -> str:
+        if self._plain_optimizer() is not None:
+            return (
+                "the gradients of DeepSpeed's optimizer were taken away and its step marked "
+                "as an overflow, so engine.step() changes no weight and no state and counts "
+                "the step in engine.skipped_steps"
+            )
+        return (
+            "DeepSpeed's optimizer finds the non-finite gradients itself and skips its "
+            "update (engine.skipped_steps counts it)"
+        )
+
+    def mark_update(self, skipped: bool) -> None:
+        """ZeRO's optimizers and DeepSpeed's fp16/bf16 wrappers check the
+        gradients and skip a non-finite update themselves (counted in
+        ``skipped_steps``, the lr scheduler not stepped).  A plain torch
+        optimizer (ZeRO 0 in fp32; the pipeline engine) checks nothing: kaisa
+        takes its gradients away and sets the ``overflow`` flag the engine
+        reads after the update, so the step counts as one DeepSpeed skipped."""
+        optimizer = self._plain_optimizer()
+        if optimizer is None:
+            return
+        if skipped:
+            take_gradients(optimizer)
+            optimizer.overflow = True  # type: ignore[attr-defined]
+        elif getattr(optimizer, "overflow", False):
+            optimizer.overflow = False  # type: ignore[attr-defined]
+
+    def _plain_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer ``engine.step()`` runs, where it is a torch optimizer
+        rather than one of DeepSpeed's wrappers."""
+        optimizer = self.ds.optimizer
+        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
     def step_is_valid(self) -> bool | Tensor:
         """Under fp16 DeepSpeed skips a step whose scaled gradients overflowed

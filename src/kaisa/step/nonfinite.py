@@ -15,8 +15,10 @@ one host read of a scalar per step — free on CPU.  On an accelerator a
 non-factor step reads nothing (:mod:`kaisa.step.pipeline` decides): its
 verdict stays on the device (:func:`finite_verdict`) and is read with the
 others at the next factor step (:meth:`NonFiniteSteps.settle`), where the
-step synchronises anyway.  Such a step is not skipped — it changes no
-factor or decomposition either way — but it is counted and reported.
+step synchronises anyway.  Such a step is not skipped by kaisa — it changes
+no factor or decomposition either way — but it is counted and reported, and
+an optimizer that reads a ``found_inf`` tensor skips its update on the
+device (:mod:`kaisa.step.skip`).
 """
 
 from __future__ import annotations
@@ -129,20 +131,13 @@ class NonFiniteSteps:
     1st, 2nd, 4th, 8th … skip, so a run that keeps producing them is told
     how many without a warning per step."""
 
-    #: what happens to a skipped step's gradients, as the skip report says it
-    #: (set by the preconditioner: it knows whether it holds the optimizer)
-    TAKEN = (
-        "every gradient of the optimizer's parameters was taken away (set to None), so "
-        "its next step changes no weight and no state"
-    )
-    LEFT = (
-        "the gradients were left as they are: step() returned False, so skip "
-        "optimizer.step() for this batch (or pass optimizer= and kaisa takes them away)"
-    )
-
     def __init__(self) -> None:
         self.count = 0
-        self.gradients = self.LEFT
+        #: what happens to a skipped step's update, as the report says it
+        #: (:class:`kaisa.step.skip.SkippedUpdates` sets it), and that of a
+        #: step whose verdict stayed on the device
+        self.gradients = ""
+        self.deferred_update = "its gradients went through"
         #: (step, verdict on device) of steps run without reading it (:meth:`defer`)
         self.pending: list[tuple[int, Tensor]] = []
         #: verdicts of replayed steps, counted on the device (:meth:`defer_tally`)
@@ -190,7 +185,7 @@ class NonFiniteSteps:
             warnings.warn(
                 f"kaisa: {self.count} step(s) with non-finite gradients so far (the latest at "
                 f"step {step}, a non-factor step whose verdict stayed on the device until the "
-                "next factor step): its gradients went through and it advanced the step count; "
+                f"next factor step): {self.deferred_update}; it advanced the step count, and "
                 "no factor or decomposition saw it. A NaN or Inf loss is the usual cause; the "
                 f"next report comes at {2 * self.count}",
                 stacklevel=5,

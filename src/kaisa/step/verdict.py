@@ -22,6 +22,7 @@ from kaisa.engines.base import Engine
 from kaisa.layers.state import KFACLayer
 from kaisa.step.loss_scaling import LossScaling
 from kaisa.step.nonfinite import NonFiniteSteps, finite_verdict, gradients_finite
+from kaisa.step.skip import SkippedUpdates
 
 __all__ = ["StepVerdict", "Verdict"]
 
@@ -78,6 +79,15 @@ class StepVerdict:
         self.nonfinite = NonFiniteSteps()
         #: whether the last judged step was skipped for non-finite gradients
         self.skipped_nonfinite = False
+        #: what keeps a skipped step's update still (:meth:`keep_updates`)
+        self.updates: SkippedUpdates | None = None
+
+    def keep_updates(self, updates: SkippedUpdates) -> None:
+        """Hand each verdict to what keeps a skipped step's update still, and
+        let the reports say what it does."""
+        self.updates = updates
+        self.nonfinite.gradients = updates.report
+        self.nonfinite.deferred_update = updates.deferred
 
     def judge(self, factor_step: bool, call: int) -> Verdict:
         """This step's verdict; ``call``: the ``step()`` call it is (what a
@@ -90,6 +100,8 @@ class StepVerdict:
             owed = self.scaling.found_inf() is None
             return Verdict(True, None, self.on_device if owed else None, deferred=True)
         self.nonfinite.settle()
+        if self.updates is not None:
+            self.updates.read()
         return self._settled(call)
 
     def deferrable(self) -> bool:
@@ -104,8 +116,12 @@ class StepVerdict:
         )
 
     def on_device(self) -> Tensor | None:
-        """The deferred finiteness verdict of this step's gradients (on the device)."""
-        return finite_verdict(self.engine.local_gradients(self.adapters))
+        """The deferred finiteness verdict of this step's gradients (on the
+        device), handed to the optimizer where it reads one."""
+        finite = finite_verdict(self.engine.local_gradients(self.adapters))
+        if finite is not None and self.updates is not None:
+            self.updates.on_device(finite)
+        return finite
 
     def _settled(self, call: int) -> Verdict:
         """The grad scaler's verdict and the engine's own (DeepSpeed's fp16

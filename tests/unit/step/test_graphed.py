@@ -256,16 +256,24 @@ def test_a_second_step_without_backward_is_refused_after_a_replay(set_to_none: b
     assert precond.steps == 7
 
 
+def _tower_reading_the_optimizer(
+    graphed: bool, **sgd: Any
+) -> tuple[nn.Module, torch.optim.SGD, KFACPreconditioner, list[str]]:
+    """The tower, SGD(``sgd``) whose learning rate kaisa reads, under the
+    accelerator's rule; the recordings' log."""
+    torch.manual_seed(0)
+    model = tower()
+    opt = torch.optim.SGD(model.parameters(), **sgd)
+    kwargs = {k: v for k, v in KW.items() if k != "lr"}
+    precond = KFACPreconditioner(model, optimizer=opt, **kwargs)
+    return model, opt, precond, accelerator_rule(model, precond, graphed)
+
+
 def _train_with_optimizer_lr(lr: float | Tensor, graphed: bool) -> tuple[list[Tensor], list[str]]:
     """SGD whose learning rate kaisa reads from the optimizer (decayed by a
     scheduler), under the accelerator's rule."""
-    torch.manual_seed(0)
-    model = tower()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model, opt, precond, log = _tower_reading_the_optimizer(graphed, lr=lr)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
-    kwargs = {k: v for k, v in KW.items() if k != "lr"}
-    precond = KFACPreconditioner(model, optimizer=opt, **kwargs)
-    log = accelerator_rule(model, precond, graphed)
     g = torch.Generator().manual_seed(1)
     for _ in range(14):
         opt.zero_grad()
@@ -441,3 +449,38 @@ def test_second_order_state_counts_each_new_tensor() -> None:
     state.pop("qg")
     state.clear()
     assert state.generation == 5 and not state
+
+
+def _fused_with_a_bad_step(graphed: bool, left_out: bool) -> tuple[list[Tensor], list[str]]:
+    """Fused SGD, whose update reads kaisa's device verdict as found_inf; a
+    NaN at non-factor step 10 (replayed where ``graphed``), or finite
+    gradients and that update left out."""
+    model, opt, precond, log = _tower_reading_the_optimizer(
+        graphed, lr=0.05, momentum=0.9, fused=True
+    )
+    g = torch.Generator().manual_seed(1)
+    for s in range(14):
+        opt.zero_grad()
+        x = torch.randn(10, 8, generator=g, dtype=torch.float64)
+        loss = model(x).logsumexp(-1).mean()
+        (loss * (float("nan") if s == 10 and not left_out else 1.0)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            precond.step()
+        if not (s == 10 and left_out):
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()] + [
+        st["momentum_buffer"].clone() for st in opt.state.values()
+    ], log
+
+
+def test_a_replayed_step_hands_its_verdict_to_a_fused_optimizer() -> None:
+    """The verdict formed inside the recorded step reaches the optimizer's
+    found_inf at each replay: the NaN step's update is left out, as eagerly."""
+    for graphed in (False, True):
+        want, _ = _fused_with_a_bad_step(graphed, left_out=True)
+        got, log = _fused_with_a_bad_step(graphed, left_out=False)
+        assert all(torch.isfinite(t).all() for t in got)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        assert not graphed or log.count("replay") >= 4

@@ -115,3 +115,73 @@ def test_without_the_optimizer_step_says_false_and_leaves_the_gradients() -> Non
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     assert precond.step() is True
+
+
+FUSED: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd-fused": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, fused=True
+    ),
+    "adamw-fused": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=0.01, weight_decay=0.1, fused=True
+    ),
+}
+
+
+def _deferred_run(
+    make: Callable[[nn.Module], torch.optim.Optimizer], update_left_out: bool
+) -> tuple[nn.Module, list[str]]:
+    """The accelerator's rule on CPU (a non-factor step's verdict stays on the
+    device): step BAD, a non-factor step, has a NaN loss; or, for the
+    reference, finite gradients and no ``optimizer.step()``: kaisa counts the
+    step either way, and the update is left out."""
+    model = _model()
+    opt = make(model)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, factor_update_steps=2, inv_update_steps=4, damping=0.1
+    )
+    precond.read_scalars = False
+    said: list[str] = []
+    for i in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(i)
+        loss = F.cross_entropy(model(x), y)
+        if i == BAD + 1 and not update_left_out:
+            loss = loss * float("nan")
+        loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precond.step()
+        said += [str(w.message) for w in caught if "non-finite" in str(w.message)]
+        if not (i == BAD + 1 and update_left_out):
+            opt.step()
+    model.optimizer_state = copy.deepcopy(opt.state_dict())  # type: ignore[assignment]
+    model.kaisa_steps = (precond.steps, precond.nonfinite_steps)  # type: ignore[assignment]
+    return model, said
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_a_fused_optimizer_skips_the_update_of_a_step_whose_verdict_stayed_on_the_device(
+    name: str,
+) -> None:
+    """kaisa hands the device verdict to an optimizer that reads found_inf (the
+    GradScaler contract): no host read, and the update is left out bit for bit."""
+    got, said = _deferred_run(FUSED[name], update_left_out=False)
+    want, _ = _deferred_run(FUSED[name], update_left_out=True)
+    for a, b in zip(got.parameters(), want.parameters(), strict=True):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+    for key, values in got.optimizer_state["state"].items():
+        for field, value in values.items():
+            assert torch.equal(value, want.optimizer_state["state"][key][field]), (key, field)
+    assert len(said) == 1 and "the optimizer skipped its update on the device" in said[0]
+    # the verdict was read at the next factor step, not in time to skip: the step counted
+    assert got.kaisa_steps == (STEPS, 1) and want.kaisa_steps == (STEPS, 0)
+
+
+def test_another_optimizer_is_told_how_to_have_such_steps_skipped() -> None:
+    """An optimizer that reads no found_inf takes the NaN (the verdict was
+    not read in time); the report says so and what skips such steps."""
+    got, said = _deferred_run(OPTIMIZERS["sgd"], update_left_out=False)
+    assert not all(torch.isfinite(p).all() for p in got.parameters())
+    assert said and "its gradients went through" in said[0]
+    assert "fused=True" in said[0] and "precond.read_scalars = True" in said[0]
