@@ -280,8 +280,10 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
 
     # -- hooks ------------------------------------------------------------------------
     def remove_hooks(self) -> None:
-        """Take every hook kaisa registered off the model (and the engine)."""
+        """Take every hook kaisa registered off the model (and the engine),
+        and its verdict off the optimizer (:mod:`kaisa.step.skip`)."""
         self._parts.capture.remove()
+        self._skipped_updates.detach()
         if self._attached is not None:
             self._attached.remove()
             self._attached = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -363,3 +364,40 @@ def test_a_non_factor_step_on_cuda_does_not_synchronise(lr: str) -> None:
             precond.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def _fused_run(graphed: bool, left_out: bool) -> list[torch.Tensor]:
+    """Fused SGD on the GPU; a NaN loss at non-factor step 4 (replayed where
+    ``graphed``), or a finite one whose update is left out."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Tower().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    precond = KFACPreconditioner(
+        model, optimizer=opt, factor_update_steps=3, inv_update_steps=6, damping=0.05
+    )
+    if graphed:
+        precond.compile(mode="reduce-overhead")
+    for s in range(7):
+        _, tok, y = (t.cuda() for t in data(s))
+        opt.zero_grad()
+        loss = F.cross_entropy(model(tok), y)
+        (loss * (float("nan") if s == 4 and not left_out else 1.0)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the deferred report
+            precond.step()
+        if not (s == 4 and left_out):
+            opt.step()
+    return [p.detach().cpu() for p in model.parameters()] + [
+        st["momentum_buffer"].cpu() for st in opt.state.values()
+    ]
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "replayed"])
+def test_a_fused_optimizer_skips_a_nan_non_factor_step_on_the_device(graphed: bool) -> None:
+    """The non-factor step's verdict stays on the GPU and reaches the fused
+    optimizer's found_inf: its update is left out, bit for bit."""
+    want = _fused_run(graphed, left_out=True)
+    got = _fused_run(graphed, left_out=False)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)

@@ -111,6 +111,13 @@ class SkippedUpdates:
         if self.flag is not None:
             self.flag.zero_()
 
+    def detach(self) -> None:
+        """Hand the optimizer no verdict any more (its ``found_inf`` is kaisa's
+        only while kaisa is attached)."""
+        if self.flag is not None and getattr(self.optimizer, "found_inf", None) is self.flag:
+            del self.optimizer.found_inf  # type: ignore[union-attr]
+        self.flag = None
+
     def after(self, skipped: bool) -> None:
         """Called after every ``step()``: ``skipped`` for non-finite gradients."""
         if self.engine is not None:

@@ -185,3 +185,20 @@ def test_another_optimizer_is_told_how_to_have_such_steps_skipped() -> None:
     assert not all(torch.isfinite(p).all() for p in got.parameters())
     assert said and "its gradients went through" in said[0]
     assert "fused=True" in said[0] and "precond.read_scalars = True" in said[0]
+
+
+def test_the_verdict_is_handed_only_while_attached() -> None:
+    """A fused optimizer reads kaisa's found_inf until remove_hooks(); an
+    unfused one is never given one (its step would refuse it)."""
+    model = _model()
+    fused = FUSED["sgd-fused"](model)
+    precond = KFACPreconditioner(model, optimizer=fused)
+    assert isinstance(fused.found_inf, torch.Tensor)  # type: ignore[attr-defined]
+    precond.remove_hooks()
+    assert not hasattr(fused, "found_inf")
+    plain = OPTIMIZERS["sgd"](model)
+    KFACPreconditioner(model, optimizer=plain)
+    assert not hasattr(plain, "found_inf")
+    scaled = FUSED["adamw-fused"](model)
+    KFACPreconditioner(model, optimizer=scaled, grad_scaler=torch.amp.GradScaler("cpu"))
+    assert not hasattr(scaled, "found_inf")  # the scaler hands its own
