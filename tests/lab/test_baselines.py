@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -109,6 +110,24 @@ def test_muon_steps_a_conv_filter_as_torch_muon_steps_its_flattened_matrix() -> 
             assert torch.equal(grads[n], p)
     assert not torch.equal(model[0].weight, reference["0.weight"])
     assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[1]["lr"] == 0.01
+
+
+def test_muon_newton_schulz_iterations_reach_torch_muon_and_the_record() -> None:
+    """``muon_ns_steps`` is torch Muon's ``ns_steps``; a run's record names it
+    only where it differs from torch's default, so earlier records still
+    describe the same runs."""
+    from kaisa_lab.bench.cases import get_case
+    from kaisa_lab.cli.trainer import make_optimizer
+
+    case = get_case("text-lm")
+    arm = case.arm("muon+kfac")
+    spec = case.spec(arm, case.grid(arm)[0], 0)
+    model = get_task("text-lm").build_model()
+    assert make_optimizer(spec, model).param_groups[0]["ns_steps"] == 5
+    assert "muon_ns_steps" not in spec.to_dict()
+    fewer = dataclasses.replace(spec, muon_ns_steps=2)
+    assert make_optimizer(fewer, model).param_groups[0]["ns_steps"] == 2
+    assert fewer.to_dict()["muon_ns_steps"] == 2
 
 
 def test_muon_zero_grad_clears_the_filters_gradients() -> None:

@@ -28,7 +28,7 @@ from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.optim import BASELINE_LR, KFAC_BASES
 from kaisa_lab.tasks.registry import get_task
 
-__all__ = ["CASES", "KFAC_KNOBS", "Arm", "TrainCase", "get_case"]
+__all__ = ["CASES", "KFAC_KNOBS", "LARGE_BATCH_KNOBS", "Arm", "TrainCase", "get_case"]
 
 #: what a tuned K-FAC arm's follow-ups try at its best lr and warm-up, in order:
 #: curvature refreshed twice as often, and a third of the default damping
@@ -154,6 +154,19 @@ _LM_ARMS = _arms(
 #: the small families: SGD and AdamW, with and without K-FAC
 _SMALL_ARMS = _arms(("sgd", "adamw"), ("sgd", "adamw"), ("sgd", "adamw"))
 
+#: the large-batch study (text-lm at more rows a step, as data-parallel jobs
+#: grow the global batch with the ranks): the peers a user would pick, K-FAC
+#: on each at its defaults, and on Muon with its curvature refreshed more
+#: often (a short large-batch run sees few inverse updates at the defaults)
+LARGE_BATCH_KNOBS: tuple[Mapping[str, Any], ...] = (
+    {"inv_update_steps": 10},
+    {"factor_update_steps": 1, "inv_update_steps": 10},
+)
+_LARGE_BATCH_ARMS = (
+    *_arms(("adamw", "muon"), ("adamw", "muon"), ()),
+    Arm("muon", kfac=True, knobs=LARGE_BATCH_KNOBS),
+)
+
 CASES: dict[str, TrainCase] = {
     case.name: case
     for case in (
@@ -199,6 +212,24 @@ CASES: dict[str, TrainCase] = {
             _LM_ARMS,
             warmups=(0.0, 0.25),
             description="4-block, 256-wide character Transformer (batch 32), to 2.03 bits/char",
+        ),
+        TrainCase(
+            "text-lm-b128",
+            "text-lm",
+            _LARGE_BATCH_ARMS,
+            warmups=(0.0, 0.25),
+            epochs=3,
+            batch_size=128,
+            description="text-lm at batch 128 (the large-batch study), to 2.5 bits/char",
+        ),
+        TrainCase(
+            "text-lm-b512",
+            "text-lm",
+            _LARGE_BATCH_ARMS,
+            warmups=(0.0, 0.25),
+            epochs=2,
+            batch_size=512,
+            description="text-lm at batch 512 (the large-batch study), to 2.5 bits/char",
         ),
         # the suite's own smoke case: minutes, not hours, and every stage of the protocol
         TrainCase(

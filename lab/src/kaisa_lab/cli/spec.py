@@ -72,6 +72,9 @@ class RunSpec:
     #: heavyball's baselines (soap, shampoo) compiled as their library does by
     #: default (the compilation falls in the untimed warm-up), or eager
     compile_baseline: bool = True
+    #: ``muon`` only: Newton–Schulz iterations per step (torch's default 5); a
+    #: lever to measure: fewer, once K-FAC has whitened the direction
+    muon_ns_steps: int = 5
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -104,6 +107,9 @@ class RunSpec:
             "adamw_weight_decay": self.adamw_weight_decay,
             "compile_baseline": self.compile_baseline,
             "kfac": kfac,
+            # written where it differs from torch's: records written before
+            # the option existed still describe the same runs
+            **({"muon_ns_steps": self.muon_ns_steps} if self.muon_ns_steps != 5 else {}),
         }
 
 

@@ -32,6 +32,7 @@ def make_optimizer(spec: RunSpec, model: nn.Module) -> torch.optim.Optimizer:
         adamw_lr=spec.adamw_lr,
         adamw_weight_decay=spec.adamw_weight_decay,
         compile_baseline=spec.compile_baseline,
+        muon_ns_steps=spec.muon_ns_steps,
     )
 
 

@@ -148,6 +148,7 @@ def build_optimizer(
     adamw_lr: float | None = None,
     adamw_weight_decay: float | None = None,
     compile_baseline: bool = True,
+    muon_ns_steps: int = 5,
 ) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``model``'s parameters.
 
@@ -155,7 +156,8 @@ def build_optimizer(
     ``adamw_weight_decay`` are those of the AdamW that ``muon`` runs on the
     embeddings, head, norms and biases (required for ``muon``, unused otherwise).
     ``compile_baseline``: heavyball's optimizers (``soap``, ``shampoo``) with its
-    default ``torch.compile`` (True) or eager.
+    default ``torch.compile`` (True) or eager.  ``muon_ns_steps``: Muon's
+    Newton–Schulz iterations per step.
     """
     check_available(name)
     params = model.parameters()
@@ -174,6 +176,7 @@ def build_optimizer(
             weight_decay=weight_decay,
             adamw_lr=adamw_lr,
             adamw_weight_decay=adamw_weight_decay,
+            ns_steps=muon_ns_steps,
         )
     if name in ("soap", "shampoo"):
         return _heavyball(name, params, lr, weight_decay, compile_baseline)

@@ -110,6 +110,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adamw_weight_decay: float,
         head: str | None = None,
         momentum: float = 0.95,
+        ns_steps: int = 5,
     ) -> None:
         self.split = muon_split(model, head)
         params = dict(model.named_parameters())
@@ -121,7 +122,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 raise ValueError(f"MuonWithAdamW: {name} is not contiguous; cannot view it as 2-D")
             self._views.append((p, p.detach().view(p.shape[0], -1)))
         self.muon = torch.optim.Muon(
-            [v for _, v in self._views], lr=lr, weight_decay=weight_decay, momentum=momentum
+            [v for _, v in self._views],
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            ns_steps=ns_steps,
         )
         self.adamw = torch.optim.AdamW(
             [params[n] for n in self.split.adamw], lr=adamw_lr, weight_decay=adamw_weight_decay
