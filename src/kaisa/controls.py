@@ -121,3 +121,13 @@ class StepControls(PreconditionerView):
     @stacking.setter
     def stacking(self, value: bool) -> None:
         self._parts.pipeline.application.groups.allowed = bool(value)
+
+    @property
+    def factor_step(self) -> bool:
+        """Whether the next :meth:`step` is a factor step: the forward and
+        backward before it are the ones captured.  A loop that runs an extra
+        pass for the statistics alone (a backward against labels sampled from
+        the model, say) runs it then, and its other passes inside
+        :meth:`paused`."""
+        pipeline = self._parts.pipeline
+        return pipeline.schedule.is_factor_step(pipeline.steps)

@@ -19,6 +19,7 @@ and schedule shape are the task's; the warm-up axis is none and the task's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,18 @@ from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.optim import BASELINE_LR, KFAC_BASES
 from kaisa_lab.tasks.registry import get_task
 
-__all__ = ["CASES", "KFAC_KNOBS", "LARGE_BATCH_KNOBS", "Arm", "TrainCase", "get_case"]
+__all__ = [
+    "CASES",
+    "KFAC_KNOBS",
+    "LARGE_BATCH_KNOBS",
+    "LEVER_FIELDS",
+    "Arm",
+    "TrainCase",
+    "get_case",
+]
+
+#: the run fields an arm's lever may set (:mod:`kaisa_lab.levers`)
+LEVER_FIELDS = ("eigen_power", "fisher", "muon_ns_steps")
 
 #: what a tuned K-FAC arm's follow-ups try at its best lr and warm-up, in order:
 #: curvature refreshed twice as often, and a third of the default damping
@@ -43,17 +55,29 @@ class Arm:
     kfac: bool = False
     #: K-FAC variants its follow-ups may try (empty: lr and warm-up only)
     knobs: tuple[Mapping[str, Any], ...] = ()
+    #: a lever under measurement (:mod:`kaisa_lab.levers`): run fields it sets,
+    #: and the short tag its runs' name carries
+    lever: tuple[tuple[str, Any], ...] = ()
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if self.knobs and not self.kfac:
             raise ValueError(f"{self.optimizer}: knobs are K-FAC's; this arm has no K-FAC")
         if self.kfac and self.optimizer not in KFAC_BASES:
             raise ValueError(f"K-FAC does not run on {self.optimizer}")
+        unknown = {k for k, _ in self.lever} - set(LEVER_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"unknown lever field(s) {sorted(unknown)}; choose from {LEVER_FIELDS}"
+            )
+        if bool(self.lever) != bool(self.tag):
+            raise ValueError("an arm with a lever names it by a tag, and only such an arm")
 
     @property
     def kind(self) -> str:
         """What its runs are called (their records' folder): shared by both K-FAC arms."""
-        return f"{self.optimizer}+kfac" if self.kfac else self.optimizer
+        base = f"{self.optimizer}+kfac" if self.kfac else self.optimizer
+        return f"{base}-{self.tag}" if self.tag else base
 
     @property
     def name(self) -> str:
@@ -108,7 +132,7 @@ class TrainCase:
         d = task.defaults
         muon = arm.optimizer == "muon"
         steps = self.steps_per_epoch or d.steps_per_epoch
-        return RunSpec(
+        spec = RunSpec(
             name=arm.kind,
             task=task.name,
             optimizer=arm.optimizer,
@@ -133,6 +157,7 @@ class TrainCase:
             adamw_lr=d.base_lr("adamw") if muon else None,
             adamw_weight_decay=d.decay("adamw") if muon else None,
         )
+        return dataclasses.replace(spec, **dict(arm.lever))
 
 
 def _arms(
@@ -165,6 +190,19 @@ LARGE_BATCH_KNOBS: tuple[Mapping[str, Any], ...] = (
 _LARGE_BATCH_ARMS = (
     *_arms(("adamw", "muon"), ("adamw", "muon"), ()),
     Arm("muon", kfac=True, knobs=LARGE_BATCH_KNOBS),
+)
+
+#: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
+#: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
+#: Monte Carlo Fisher on each base
+_LEVER_ARMS = (
+    *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
+    Arm("muon", kfac=True, lever=(("muon_ns_steps", 3),), tag="ns3"),
+    Arm("muon", kfac=True, lever=(("eigen_power", 0.5),), tag="p0.5"),
+    Arm("adamw", kfac=True, lever=(("eigen_power", 0.5),), tag="p0.5"),
+    Arm("muon", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
+    Arm("adamw", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
+    Arm("sgd", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
 )
 
 CASES: dict[str, TrainCase] = {
@@ -230,6 +268,14 @@ CASES: dict[str, TrainCase] = {
             epochs=2,
             batch_size=512,
             description="text-lm at batch 512 (the large-batch study), to 2.5 bits/char",
+        ),
+        TrainCase(
+            "text-lm-levers",
+            "text-lm",
+            _LEVER_ARMS,
+            warmups=(0.0, 0.25),
+            description="text-lm (batch 32): levers beside K-FAC at its defaults (Muon's "
+            "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher)",
         ),
         # the suite's own smoke case: minutes, not hours, and every stage of the protocol
         TrainCase(

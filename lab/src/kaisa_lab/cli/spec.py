@@ -75,6 +75,11 @@ class RunSpec:
     #: ``muon`` only: Newton–Schulz iterations per step (torch's default 5); a
     #: lever to measure: fewer, once K-FAC has whitened the direction
     muon_ns_steps: int = 5
+    #: levers under measurement (:mod:`kaisa_lab.levers`): the eigen method's
+    #: inverse power (None: the run's method as configured), and the Fisher
+    #: whose G a factor step captures
+    eigen_power: float | None = None
+    fisher: str = "empirical"
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -110,6 +115,8 @@ class RunSpec:
             # written where it differs from torch's: records written before
             # the option existed still describe the same runs
             **({"muon_ns_steps": self.muon_ns_steps} if self.muon_ns_steps != 5 else {}),
+            **({"eigen_power": self.eigen_power} if self.eigen_power is not None else {}),
+            **({"fisher": self.fisher} if self.fisher != "empirical" else {}),
         }
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.levers import FISHERS, PowerEigen, mc_fisher_backward
 from kaisa_lab.optim import build_optimizer
 from kaisa_lab.tasks.base import Task
 
@@ -76,9 +77,18 @@ class Trainer:
 
             # Hooks go on the unwrapped model so layer names (and the
             # --kfac-skip-layers patterns matched against them) do not depend on DDP.
+            options = dict(spec.kfac_kwargs)
+            if spec.eigen_power is not None:
+                options["method"] = PowerEigen(spec.eigen_power)
             self.preconditioner = KFACPreconditioner(
-                self.model, optimizer=self.optimizer, pg_timeout_s=ctx.timeout_s, **spec.kfac_kwargs
+                self.model, optimizer=self.optimizer, pg_timeout_s=ctx.timeout_s, **options
             )
+        if spec.fisher not in FISHERS or (spec.fisher != "empirical" and not spec.kfac):
+            raise ValueError(f"fisher={spec.fisher!r}: one of {FISHERS}, and 'mc' with K-FAC only")
+        #: the sampled labels' own stream (the global one stays as the other runs see it)
+        self._mc = (
+            torch.Generator().manual_seed(10_000 + spec.seed) if spec.fisher == "mc" else None
+        )
 
     def __enter__(self) -> Trainer:
         return self
@@ -102,8 +112,12 @@ class Trainer:
         """One optimizer step on a batch; returns the (detached) batch loss."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.loss(self.net(x), y)
-        loss.backward()
+        precond = self.preconditioner
+        if self._mc is not None and precond.factor_step:
+            loss = mc_fisher_backward(self.net, x, y, self.task.loss, precond.paused, self._mc)
+        else:
+            loss = self.task.loss(self.net(x), y)
+            loss.backward()
         if self.preconditioner is not None:
             self.preconditioner.step()
         self.optimizer.step()
