@@ -4,6 +4,7 @@ definition, and carried by a case's arm into its runs and their records."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -125,3 +126,17 @@ def test_an_arms_lever_reaches_its_runs_and_their_records() -> None:
         Arm("sgd", kfac=True, lever=(("damping", 1.0),), tag="d")
     with pytest.raises(ValueError, match="names it by a tag"):
         Arm("sgd", kfac=True, lever=(("fisher", "mc"),))
+
+
+def test_the_monte_carlo_fisher_without_kfac_is_refused() -> None:
+    from kaisa_lab.cli.distributed import DistContext
+    from kaisa_lab.cli.trainer import Trainer
+    from kaisa_lab.tasks.registry import get_task
+
+    case = get_case("quick")
+    spec = case.spec(case.arm("sgd"), case.grid(case.arm("sgd"))[0], 0)
+    ctx = DistContext(device=torch.device("cpu"))
+    for fisher in ("mc", "type-2"):
+        bad = dataclasses.replace(spec, fisher=fisher)
+        with pytest.raises(ValueError, match=r"one of \('empirical', 'mc'\)"):
+            Trainer(bad, get_task(spec.task), ctx)

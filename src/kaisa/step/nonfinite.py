@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kaisa.step.skip import LEFT
+
 __all__ = ["NonFiniteSteps", "VerdictTally", "finite_verdict", "gradients_finite"]
 
 
@@ -136,7 +138,7 @@ class NonFiniteSteps:
         #: what happens to a skipped step's update, as the report says it
         #: (:class:`kaisa.step.skip.SkippedUpdates` sets it), and that of a
         #: step whose verdict stayed on the device
-        self.gradients = ""
+        self.gradients = LEFT
         self.deferred_update = "its gradients went through"
         #: (step, verdict on device) of steps run without reading it (:meth:`defer`)
         self.pending: list[tuple[int, Tensor]] = []

@@ -28,7 +28,7 @@ import torch
 
 from kaisa.engines.base import Engine, OwnsTheLoop
 
-__all__ = ["SkippedUpdates", "reads_found_inf", "take_gradients"]
+__all__ = ["LEFT", "TAKEN", "SkippedUpdates", "reads_found_inf", "take_gradients"]
 
 TAKEN = (
     "every gradient of the optimizer's parameters was taken away (set to None), so "
@@ -68,9 +68,10 @@ class SkippedUpdates:
     def __init__(
         self, optimizer: torch.optim.Optimizer | None, engine: Engine, scaled: bool
     ) -> None:
-        rule = engine.skips_update() if isinstance(engine, OwnsTheLoop) else None
+        owner = engine if isinstance(engine, OwnsTheLoop) else None
+        rule = owner.skips_update() if owner is not None else None
         #: the engine told after every step (its rule keeps its own update still)
-        self.engine = engine if rule is not None and isinstance(engine, OwnsTheLoop) else None
+        self.engine = owner if rule is not None else None
         #: the optimizer whose gradients kaisa takes away (the user steps it)
         self.optimizer = optimizer if rule is None else None
         #: what happens to a skipped step's update, as the skip report says it
@@ -79,6 +80,10 @@ class SkippedUpdates:
         #: optimizer's update as its ``found_inf`` (None: it reads none, or a
         #: ``GradScaler`` hands it its own)
         self.flag: torch.Tensor | None = None
+        #: a verdict has been written into :attr:`flag` on the device (from then
+        #: on a step whose verdict is read clears it: a replayed step writes it
+        #: with no Python run, so once is for good)
+        self._written = False
         if self.optimizer is not None and not scaled and reads_found_inf(self.optimizer):
             device = self.optimizer.param_groups[0]["params"][0].device
             self.flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -104,11 +109,13 @@ class SkippedUpdates:
         recorded in a graph): the update reads it."""
         if self.flag is not None:
             self.flag.copy_(finite.logical_not())
+            self._written = True
 
     def read(self) -> None:
         """A verdict read on the host: the flag is clear (a skip takes the
-        gradients away instead, :meth:`after`)."""
-        if self.flag is not None:
+        gradients away instead, :meth:`after`).  Nothing to do where no
+        verdict was ever left on the device (every step on CPU)."""
+        if self.flag is not None and self._written:
             self.flag.zero_()
 
     def detach(self) -> None:
