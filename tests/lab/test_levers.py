@@ -13,7 +13,7 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa_lab.bench.cases import Arm, get_case
-from kaisa_lab.levers import PowerEigen, mc_fisher_backward
+from kaisa_lab.levers import PowerEigen, mc_fisher_backward, subsample_positions
 
 DAMPING = 0.05
 
@@ -140,3 +140,74 @@ def test_the_monte_carlo_fisher_without_kfac_is_refused() -> None:
         bad = dataclasses.replace(spec, fisher=fisher)
         with pytest.raises(ValueError, match=r"one of \('empirical', 'mc'\)"):
             Trainer(bad, get_task(spec.task), ctx)
+
+
+def _sequence_layer() -> tuple[nn.Linear, torch.Tensor]:
+    torch.manual_seed(1)
+    return nn.Linear(5, 3).double(), torch.randn(4, 8, 5, dtype=torch.float64)
+
+
+def _float64_precond(net: nn.Module) -> KFACPreconditioner:
+    return KFACPreconditioner(
+        net,
+        damping=DAMPING,
+        lr=0.1,
+        factor_dtype=torch.float64,
+        factor_compute_dtype=torch.float64,
+        inv_dtype=torch.float64,
+    )
+
+
+def test_factors_from_a_fraction_of_the_positions_are_those_positions_statistics() -> None:
+    """A: the mean of the kept rows' [a, 1][a, 1]ᵀ; G: that of a backward whose
+    output gradient is the true one on the kept positions, scaled by
+    sqrt(T/k), and zero elsewhere (G sums over positions, so it stays
+    unbiased)."""
+    net, x = _sequence_layer()
+    twin = copy.deepcopy(net)
+    precond, reference = _float64_precond(net), _float64_precond(twin)
+    subsample_positions(precond.layers, 0.375, torch.Generator().manual_seed(5))
+    out = net(x)
+    grads: list[torch.Tensor] = []
+    out.register_hook(grads.append)
+    out.square().sum(-1).mean().backward()
+    precond.step()
+    draws = torch.Generator().manual_seed(5)
+    kept_a, kept_g = (torch.randperm(8, generator=draws)[:3].sort().values for _ in range(2))
+    rows = torch.cat([x[:, kept_a].reshape(-1, 5), torch.ones(12, 1, dtype=torch.float64)], 1)
+    layer = next(iter(precond.layers.values()))
+    got_a = layer.factor("A")
+    assert got_a is not None
+    torch.testing.assert_close(got_a, rows.T @ rows / 12, rtol=1e-12, atol=0)
+    mask = torch.zeros(1, 8, 1, dtype=torch.float64)
+    mask[0, kept_g] = (8 / 3) ** 0.5
+    twin(x).backward(grads[0] * mask)
+    reference.step()
+    got_g, want_g = (next(iter(p.layers.values())).factor("G") for p in (precond, reference))
+    assert got_g is not None and want_g is not None
+    torch.testing.assert_close(got_g, want_g, rtol=1e-12, atol=0)
+    assert not torch.equal(kept_a, kept_g)
+
+
+def test_every_position_kept_leaves_the_factors_as_they_were() -> None:
+    net, x = _sequence_layer()
+    twin = copy.deepcopy(net)
+    precond, reference = _float64_precond(net), _float64_precond(twin)
+    subsample_positions(precond.layers, 1.0, torch.Generator().manual_seed(5))
+    for model, p in ((net, precond), (twin, reference)):
+        model(x).square().sum(-1).mean().backward()
+        p.step()
+    for name in ("A", "G"):
+        got, want = (next(iter(p.layers.values())).factor(name) for p in (precond, reference))
+        assert got is not None and want is not None and torch.equal(got, want)
+
+
+def test_a_position_fraction_outside_the_unit_interval_or_on_a_convolution_is_refused() -> None:
+    net, _ = _sequence_layer()
+    precond = _float64_precond(net)
+    for f in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"position_fraction must be in \(0, 1\]"):
+            subsample_positions(precond.layers, f, torch.Generator())
+    conv = KFACPreconditioner(nn.Conv1d(2, 3, 3), lr=0.1)
+    with pytest.raises(ValueError, match="is a convolution"):
+        subsample_positions(conv.layers, 0.5, torch.Generator())

@@ -13,21 +13,30 @@ run's record only where it is set) and an arm's variant in a case
   gradient from the true labels in a second, uncaptured pass
   (:func:`mc_fisher_backward`: a factor step costs a forward and a
   backward more);
-- ``muon_ns_steps``: Muon's Newton–Schulz iterations (the optimizer's).
+- ``muon_ns_steps``: Muon's Newton–Schulz iterations (the optimizer's);
+- ``position_fraction`` *f*: each factor statistic of a sequence layer
+  read from a random ``⌈f·T⌉`` of a call's ``T`` positions
+  (:func:`subsample_positions`): a factor step's Grams cost *f* of theirs,
+  A stays a mean over the rows read and G a sum over positions (its kept
+  positions weighted ``T/k``), so each is unbiased.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from kaisa.core.specs import FactorSpec
+from kaisa.core.specs import FactorSource, FactorSpec
+from kaisa.layers.base import LayerAdapter
+from kaisa.layers.convolution import ConvAdapter
 from kaisa.methods import eigen
 
-__all__ = ["FISHERS", "PowerEigen", "mc_fisher_backward"]
+__all__ = ["FISHERS", "PowerEigen", "mc_fisher_backward", "subsample_positions"]
 
 #: what ``RunSpec.fisher`` may be
 FISHERS = ("empirical", "mc")
@@ -80,3 +89,40 @@ def mc_fisher_backward(
         true = loss(net(x), target)
         true.backward()
     return true
+
+
+def subsample_positions(layers: Any, fraction: float, generator: torch.Generator) -> None:
+    """Read each factor statistic of ``layers`` (``precond.layers``) from a
+    random ``⌈fraction·T⌉`` of a call's ``T`` positions (drawn by
+    ``generator``, afresh for each term).
+
+    The adapter's rows (``[batch, positions, features]``) are cut before the
+    Gram.  A counts the rows it read, so it stays their mean; G counts the
+    data points and sums over positions, so its kept rows are scaled by
+    ``sqrt(T/k)``.  A layer with one position per call is read whole;
+    convolutions (whose A never builds its rows) are refused."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"position_fraction must be in (0, 1]; got {fraction}")
+    for layer in layers.values():
+        adapter = layer.adapter
+        if isinstance(adapter, ConvAdapter):
+            raise ValueError(f"position_fraction: layer {layer.name!r} is a convolution")
+        adapter.rows_for = _subsampled(adapter, fraction, generator)
+
+
+def _subsampled(
+    adapter: LayerAdapter, fraction: float, generator: torch.Generator
+) -> Callable[[FactorSource, Tensor], Tensor]:
+    def rows_for(source: FactorSource, tensor: Tensor) -> Tensor:
+        rows = LayerAdapter.rows_for(adapter, source, tensor)
+        positions = int(rows.shape[1])
+        kept = math.ceil(fraction * positions)
+        if kept >= positions:
+            return rows
+        index = torch.randperm(positions, generator=generator)[:kept].sort().values
+        rows = rows.index_select(1, index.to(rows.device))
+        if source is FactorSource.OUTPUT_GRAD:
+            rows = rows * math.sqrt(positions / kept)
+        return rows
+
+    return rows_for

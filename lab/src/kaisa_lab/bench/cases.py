@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: the run fields an arm's lever may set (:mod:`kaisa_lab.levers`)
-LEVER_FIELDS = ("eigen_power", "fisher", "muon_ns_steps")
+LEVER_FIELDS = ("eigen_power", "fisher", "muon_ns_steps", "position_fraction")
 
 #: what a tuned K-FAC arm's follow-ups try at its best lr and warm-up, in order:
 #: curvature refreshed twice as often, and a third of the default damping

@@ -80,6 +80,9 @@ class RunSpec:
     #: whose G a factor step captures
     eigen_power: float | None = None
     fisher: str = "empirical"
+    #: the fraction of a sequence layer's positions its factor statistics read
+    #: (None: every position)
+    position_fraction: float | None = None
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -117,6 +120,11 @@ class RunSpec:
             **({"muon_ns_steps": self.muon_ns_steps} if self.muon_ns_steps != 5 else {}),
             **({"eigen_power": self.eigen_power} if self.eigen_power is not None else {}),
             **({"fisher": self.fisher} if self.fisher != "empirical" else {}),
+            **(
+                {"position_fraction": self.position_fraction}
+                if self.position_fraction is not None
+                else {}
+            ),
         }
 
 

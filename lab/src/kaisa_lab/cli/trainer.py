@@ -15,7 +15,7 @@ from torch import nn
 
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.spec import RunSpec
-from kaisa_lab.levers import FISHERS, PowerEigen, mc_fisher_backward
+from kaisa_lab.levers import FISHERS, PowerEigen, mc_fisher_backward, subsample_positions
 from kaisa_lab.optim import build_optimizer
 from kaisa_lab.tasks.base import Task
 
@@ -82,6 +82,14 @@ class Trainer:
                 options["method"] = PowerEigen(spec.eigen_power)
             self.preconditioner = KFACPreconditioner(
                 self.model, optimizer=self.optimizer, pg_timeout_s=ctx.timeout_s, **options
+            )
+        if spec.position_fraction is not None:
+            if not spec.kfac:
+                raise ValueError("position_fraction: a K-FAC run's option")
+            subsample_positions(
+                self.preconditioner.layers,
+                spec.position_fraction,
+                torch.Generator().manual_seed(20_000 + spec.seed),
             )
         if spec.fisher not in FISHERS or (spec.fisher != "empirical" and not spec.kfac):
             raise ValueError(f"fisher={spec.fisher!r}: one of {FISHERS}, and 'mc' with K-FAC only")

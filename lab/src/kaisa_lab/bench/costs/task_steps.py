@@ -53,7 +53,7 @@ from kaisa.core.specs import FactorKind
 from kaisa_lab.bench.timer import interleave
 from kaisa_lab.bench.timing import Row, TimingCase, register
 
-__all__ = ["TaskArm", "floor_blocks", "kfac_keywords", "parse_kfac_kwargs"]
+__all__ = ["TaskArm", "floor_blocks", "kfac_keywords", "parse_kfac_kwargs", "task_batches"]
 
 #: at most this many distinct batches, cycled (each arm sees them in the same order)
 MAX_BATCHES = 256
@@ -95,6 +95,13 @@ def kfac_keywords(task: Any, optimizer: str, kfac: str, extra: Mapping[str, Any]
         raise ValueError(f"kfac: 'task' or 'defaults'; got {kfac!r}")
     base = task.kfac_for(optimizer) if kfac == "task" else {}
     return {"loss_average": task.loss_average, **base, **extra}
+
+
+def task_batches(data: Any, order: Tensor, size: int, wanted: int) -> list[Any]:
+    """Up to ``wanted`` (at most :data:`MAX_BATCHES`) consecutive batches of
+    ``size`` from the training split in ``order``, which the arms cycle through."""
+    count = min(MAX_BATCHES, wanted, len(order) // size)
+    return [data.train.get_batch(order[i * size : (i + 1) * size]) for i in range(count)]
 
 
 def _updates(value: Any, step: int) -> bool:
@@ -214,8 +221,7 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         data = task.load()
         bs = task.defaults.batch_size
         order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
-        count = min(MAX_BATCHES, (options["rounds"] + 1) * options["block"], len(order) // bs)
-        batches = [data.train.get_batch(order[i * bs : (i + 1) * bs]) for i in range(count)]
+        batches = task_batches(data, order, bs, (options["rounds"] + 1) * options["block"])
         names = options["arms"] or [task.defaults.optimizer, f"{task.defaults.optimizer}+kfac"]
         arms: dict[str, Callable[[], object]] = {}
         built: dict[str, TaskArm] = {}

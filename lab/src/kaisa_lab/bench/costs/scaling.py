@@ -1,0 +1,336 @@
+"""Time to target on W data-parallel ranks, forecast from the steps the suite
+measured at each global batch.
+
+A data-parallel job keeps its per-rank batch ``b`` and grows the global batch
+with the ranks: on W ranks it trains at ``W·b``. The large-batch study's
+cases (``text-lm`` at 32, ``text-lm-b128``, ``text-lm-b512``) measure each
+arm's steps to target at those global batches under the tuning protocol; this
+case turns them into time on ``W = B / b`` ranks:
+
+    time(W) = steps(B) × (step on one rank at batch b + what W ranks add)
+
+- **steps(B)**: the median over the case's held-out seeds at the arm's
+  selected setting (a seed that missed the target counts as never), from
+  the campaign's records; a batch whose arm is not held out yet is not
+  forecast (its row says so);
+- **the step on one rank**: measured here, every arm at the per-rank batch
+  with its selected K-FAC knobs, interleaved (:func:`kaisa_lab.bench.timer.
+  interleave`) on the same batches, on the device named in the record;
+- **what W ranks add** (modelled by the planner's cost model with the given
+  links): the gradients' all-reduce every step (DDP's buckets of 25 MB, one
+  collective each) and, for a K-FAC arm, its collectives amortised over its
+  intervals — factors reduced to their owners, second-order broadcasts, the
+  preconditioned gradients under MEM/HYBRID-OPT (:func:`kaisa.planner.
+  forecast.forecast`'s ``factor_comm``, ``inverse_comm``, ``grad_comm``).
+  Decompositions spread over the owners on W ranks, so the one-rank step is
+  an upper bound on a K-FAC arm's compute.
+
+The table gives each arm's forecast per W, the best first-order arm's, and
+the crossover: the least W at which a K-FAC arm's forecast is below every
+first-order arm's. The plot draws steps against batch and the forecast time
+against W.
+
+    kaisa bench run large-batch-forecast
+    kaisa bench report large-batch-forecast --table forecast --plot docs/reports/large-batch.png
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kaisa.planner.costs import CostModel
+from kaisa.planner.forecast import forecast, layer_costs
+from kaisa_lab.bench.campaign import Campaign
+from kaisa_lab.bench.cases import get_case
+from kaisa_lab.bench.costs.plan_paper import Links, gpu_costs
+from kaisa_lab.bench.costs.task_steps import TaskArm, task_batches
+from kaisa_lab.bench.records import RecordStore
+from kaisa_lab.bench.report import TIE
+from kaisa_lab.bench.timer import interleave
+from kaisa_lab.bench.timing import Records, Row, TimingCase, register
+
+__all__ = ["CASE", "comm_seconds", "crossover", "heldout_steps"]
+
+#: K-FAC's collectives, of the planner's stages
+COMM_STAGES = ("factor_comm", "inverse_comm", "grad_comm")
+#: DDP's default gradient bucket
+BUCKET_BYTES = 25 * 2**20
+
+
+def heldout_steps(campaign: Campaign) -> dict[str, tuple[float, Mapping[str, Any]] | None]:
+    """Per arm: (median held-out steps to target, a miss counting as never; the
+    selected K-FAC knobs), or None while the arm is not held out on every seed."""
+    seeds = campaign.protocol.heldout_seeds
+    out: dict[str, tuple[float, Mapping[str, Any]] | None] = {}
+    for arm in campaign.case.arms:
+        state = campaign.state(arm)
+        records = [] if state.selected is None else campaign.records(arm, state.selected, seeds)
+        if state.selected is None or len(records) < len(seeds):
+            out[arm.name] = None
+            continue
+        steps = [
+            float(r["result"]["steps_to_target"]) if r["result"]["reached"] else math.inf
+            for r in records
+        ]
+        out[arm.name] = (statistics.median(steps), dict(state.selected.kfac))
+    return out
+
+
+def comm_seconds(
+    model: nn.Module, world: int, cost: CostModel, kfac: Mapping[str, Any] | None
+) -> dict[str, float]:
+    """Seconds per step that ``world`` ranks add to one rank's step: DDP's
+    gradient all-reduce and, with ``kfac`` (preconditioner keywords), K-FAC's
+    collectives amortised over its intervals (the slowest rank's)."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    calls = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+    out = {"allreduce": cost.collective(grad_bytes, world, calls, allreduce=True)}
+    if kfac is not None:
+        layers = layer_costs(model, device="cuda", **kfac)
+        plan = forecast(layers, world, cost, **kfac)
+        for stage in COMM_STAGES:
+            out[stage] = float(plan.seconds[stage].max()) if stage in plan.seconds else 0.0
+    return out
+
+
+def crossover(
+    times: Mapping[int, Mapping[str, float]], kfac_arms: Sequence[str], peers: Sequence[str]
+) -> tuple[int, str] | None:
+    """The least W at which some K-FAC arm's forecast beats every peer's by more
+    than a tie (:data:`kaisa_lab.bench.report.TIE`), and that arm."""
+    for world in sorted(times):
+        row = times[world]
+        rivals = [row[p] for p in peers if p in row]
+        ours = {a: row[a] for a in kfac_arms if a in row}
+        if not rivals or not ours:
+            continue
+        arm = min(ours, key=ours.__getitem__)
+        if ours[arm] < (1 - TIE) * min(rivals):
+            return world, arm
+    return None
+
+
+def _cost(options: Mapping[str, Any]) -> CostModel:
+    """The links' cost model (only its collectives are used: the compute is measured)."""
+    links = Links(**options["links"])
+    return replace(gpu_costs(links, options["tflops"]), device=f"given: {options['kind']}")
+
+
+def measure(options: Mapping[str, Any]) -> list[Row]:
+    from kaisa_lab.tasks import get_task
+
+    store = RecordStore(Path(options["records"]))
+    b = int(options["per_rank_batch"])
+    cost = _cost(options)
+    found: list[tuple[str, int, str, float | None, Mapping[str, Any] | None]] = []
+    task_name = None
+    for case_name in options["cases"]:
+        case = get_case(case_name)
+        task_name = task_name or case.task
+        if case.task != task_name:
+            raise ValueError(f"cases: {case_name} is on {case.task}, the others on {task_name}")
+        batch = case.batch_size or get_task(case.task).defaults.batch_size
+        if batch % b:
+            raise ValueError(f"per_rank_batch {b} does not divide {case_name}'s batch {batch}")
+        campaign = Campaign(case, store)
+        for name, held in heldout_steps(campaign).items():
+            if options["arms"] and name not in options["arms"]:
+                continue
+            steps, knobs = (None, None) if held is None else held
+            found.append((case_name, batch, name, steps, knobs))
+    assert task_name is not None
+    task = get_task(task_name)
+    data = task.load()
+    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
+    batches = task_batches(data, order, b, (options["rounds"] + 1) * options["block"])
+    built: dict[str, TaskArm] = {}
+    for _case, batch, name, steps, knobs in found:
+        if steps is None or knobs is None:
+            continue
+        optimizer = name.split("+")[0].split(" ")[0]
+        kfac = "+kfac" in name
+        keywords = {"loss_average": task.loss_average, **knobs} if kfac else None
+        label = f"{name} @ {batch}"
+        built[label] = TaskArm(task, f"{optimizer}+kfac" if kfac else optimizer, keywords, batches)
+    timed = {}
+    if built:
+        for _ in range(options["block"]):  # a warm turn (lazy set-up, first decompositions)
+            for arm in built.values():
+                arm()
+        timed = interleave(built, rounds=options["rounds"], block=options["block"], warmup=0)
+    torch.manual_seed(0)
+    model = task.build_model()
+    rows = []
+    for case_name, batch, name, steps, knobs in found:
+        label = f"{name} @ {batch}"
+        world = batch // b
+        config: dict[str, Any] = {
+            "task": task_name,
+            "case": case_name,
+            "arm": name,
+            "batch": batch,
+            "per_rank_batch": b,
+            "world": world,
+            "kfac": None if knobs is None or "+kfac" not in name else dict(knobs),
+            "cost_model": asdict(cost),
+        }
+        result: dict[str, Any] = {"steps": steps, "measured": label in timed}
+        if label in timed:
+            step_s = timed[label].summary()["mean_ms"] / 1e3
+            keywords = None
+            if "+kfac" in name:
+                keywords = {"loss_average": task.loss_average, **dict(knobs or {})}
+            comm = comm_seconds(model, world, cost, keywords)
+            assert steps is not None
+            result.update(
+                step_ms=1e3 * step_s,
+                comm_ms={k: 1e3 * v for k, v in comm.items()},
+                forecast_s=None if math.isinf(steps) else steps * (step_s + sum(comm.values())),
+            )
+        rows.append(Row(f"{name} @ {batch} (W={world})", config, result))
+    return rows
+
+
+def _by_world(records: Records) -> dict[int, dict[str, Mapping[str, Any]]]:
+    """Records by W, each W's arms in the order the run's options name them."""
+    order = list(records[0]["config"].get("options", {}).get("arms") or []) if records else []
+    rank = {name: i for i, name in enumerate(order)}
+    out: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for r in sorted(records, key=lambda r: rank.get(r["config"]["arm"], len(rank))):
+        out.setdefault(r["config"]["world"], {})[r["config"]["arm"]] = r
+    return out
+
+
+def forecast_table(records: Records) -> str:
+    if not records:
+        return "No records yet: `kaisa bench run large-batch-forecast`."
+    lines = [
+        "| global batch | ranks W | arm | held-out steps | step on one rank (ms) "
+        "| W ranks add (ms) | forecast time (s) | vs best first-order |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    times: dict[int, dict[str, float]] = {}
+    kfac_arms: set[str] = set()
+    peers: set[str] = set()
+    for world, arms in sorted(_by_world(records).items()):
+        firsts = [
+            r["result"]["forecast_s"]
+            for name, r in arms.items()
+            if "+kfac" not in name and r["result"].get("forecast_s") is not None
+        ]
+        best = min(firsts) if firsts else None
+        for name, r in arms.items():
+            res, c = r["result"], r["config"]
+            (kfac_arms if "+kfac" in name else peers).add(name)
+            if not res["measured"]:
+                lines.append(f"| {c['batch']} | {world} | {name} | not held out yet | | | | |")
+                continue
+            t = res["forecast_s"]
+            if t is not None:
+                times.setdefault(world, {})[name] = t
+            ratio = f"{t / best:.2f}" if t is not None and best else "-"
+            steps = "never" if math.isinf(res["steps"]) else f"{res['steps']:g}"
+            lines.append(
+                f"| {c['batch']} | {world} | {name} | {steps} | {res['step_ms']:.1f} | "
+                f"{sum(res['comm_ms'].values()):.2f} | "
+                f"{'-' if t is None else f'{t:.1f}'} | {ratio} |"
+            )
+    cross = crossover(times, sorted(kfac_arms), sorted(peers))
+    first = records[0]["config"]
+    model = first["cost_model"]["device"]
+    env = records[0]["environment"]
+    m = env["machine"]
+    where = f"{m['gpu'] or m['cpu']} ({m['cpus']} CPUs, {env['threads']} torch thread(s))"
+    lines.append("")
+    lines.append(
+        f"Per-rank batch {first['per_rank_batch']}; step measured on {where}; links: {model}. "
+        + (
+            f"Crossover: {cross[1]} is forecast faster than every first-order arm (by more "
+            f"than {TIE:.0%}) from W = {cross[0]}."
+            if cross
+            else f"No crossover: no K-FAC arm is forecast faster than every first-order arm "
+            f"by more than {TIE:.0%} at any W measured."
+        )
+    )
+    return "\n".join(lines)
+
+
+def plot(records: Records, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    arms: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        if r["result"]["measured"]:
+            arms.setdefault(r["config"]["arm"], []).append(r)
+    for name, rs in sorted(arms.items()):
+        rs = sorted(rs, key=lambda r: r["config"]["batch"])
+        finite = [r for r in rs if r["result"]["forecast_s"] is not None]
+        style = "-o" if "+kfac" in name else "--s"
+        left.plot(
+            [r["config"]["batch"] for r in finite],
+            [r["result"]["steps"] for r in finite],
+            style,
+            label=name,
+        )
+        right.plot(
+            [r["config"]["world"] for r in finite],
+            [r["result"]["forecast_s"] for r in finite],
+            style,
+            label=name,
+        )
+    for ax, (x, y) in (
+        (left, ("global batch", "held-out steps to target")),
+        (right, ("ranks W (per-rank batch fixed)", "forecast time to target (s)")),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+CASE = register(
+    TimingCase(
+        name="large-batch-forecast",
+        description="time to target on W ranks at a fixed per-rank batch: held-out steps at "
+        "each global batch × the step on one rank, measured, + the links' collectives, modelled",
+        measure=measure,
+        options={
+            "cases": ["text-lm", "text-lm-b128", "text-lm-b512"],
+            "arms": ["adamw", "muon", "adamw+kfac", "muon+kfac", "muon+kfac tuned"],
+            "records": "benchmarks/records",
+            "per_rank_batch": 2,
+            # H100 nodes of 8: NVLink inside, 400 Gb/s InfiniBand per GPU between
+            "links": {
+                "gpus_per_node": 8,
+                "link_gbit": 400.0,
+                "intra_gbit": 3600.0,
+                "intra_latency_us": 3.0,
+            },
+            "kind": "H100 nodes of 8, NVLink inside (3600 Gb/s per GPU), 400 Gb/s "
+            "InfiniBand per GPU between",
+            "tflops": 100.0,
+            "rounds": 10,
+            "block": 10,
+        },
+        quick={"cases": ["text-lm"], "rounds": 1, "block": 2},
+        tables={"forecast": forecast_table},
+        plot=plot,
+        in_make_bench=False,
+    )
+)
