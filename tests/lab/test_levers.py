@@ -211,3 +211,30 @@ def test_a_position_fraction_outside_the_unit_interval_or_on_a_convolution_is_re
     conv = KFACPreconditioner(nn.Conv1d(2, 3, 3), lr=0.1)
     with pytest.raises(ValueError, match="is a convolution"):
         subsample_positions(conv.layers, 0.5, torch.Generator())
+
+
+def test_kfac_on_muons_adamw_part_registers_the_embeddings_and_head_only() -> None:
+    """Every layer owning a parameter Muon steps is left to Muon (the packed
+    attention's q/k/v rows included); the rest are K-FAC's."""
+    from kaisa_lab.cli.distributed import DistContext
+    from kaisa_lab.cli.trainer import Trainer
+    from kaisa_lab.tasks.registry import get_task
+
+    case = get_case("text-lm-levers")
+    arm = case.arm("muon+kfac-adamw-part")
+    spec = case.spec(arm, case.grid(arm)[0], 0)
+    assert spec.to_dict()["kfac_layers"] == "adamw-part"
+    ctx = DistContext(device=torch.device("cpu"))
+    with Trainer(spec, get_task(spec.task), ctx) as trainer:
+        registered = set(trainer.preconditioner.layers)
+        owners = {name.rpartition(".")[0] for name in trainer.optimizer.split.muon}
+    with Trainer(
+        case.spec(case.arm("muon+kfac"), case.grid(arm)[0], 0), get_task(spec.task), ctx
+    ) as full:
+        everything = set(full.preconditioner.layers)
+    left = everything - registered
+    assert registered == {"tok", "pos", "head"}
+    assert {n.removesuffix(".q").removesuffix(".k").removesuffix(".v") for n in left} == owners
+    adamw = dataclasses.replace(spec, optimizer="adamw", adamw_lr=None, adamw_weight_decay=None)
+    with pytest.raises(ValueError, match="'adamw-part' under muon only"):
+        Trainer(adamw, get_task(spec.task), ctx)

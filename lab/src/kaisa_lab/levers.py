@@ -18,12 +18,16 @@ run's record only where it is set) and an arm's variant in a case
   read from a random ``⌈f·T⌉`` of a call's ``T`` positions
   (:func:`subsample_positions`): a factor step's Grams cost *f* of theirs,
   A stays a mean over the rows read and G a sum over positions (its kept
-  positions weighted ``T/k``), so each is unbiased.
+  positions weighted ``T/k``), so each is unbiased;
+- ``kfac_layers="adamw-part"``: under Muon, K-FAC on the layers Muon hands
+  to AdamW only (embeddings, head; :func:`adamw_part_skips`), Muon's
+  matrices left to Muon alone.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -36,10 +40,19 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.layers.convolution import ConvAdapter
 from kaisa.methods import eigen
 
-__all__ = ["FISHERS", "PowerEigen", "mc_fisher_backward", "subsample_positions"]
+__all__ = [
+    "FISHERS",
+    "KFAC_LAYERS",
+    "PowerEigen",
+    "adamw_part_skips",
+    "mc_fisher_backward",
+    "subsample_positions",
+]
 
 #: what ``RunSpec.fisher`` may be
 FISHERS = ("empirical", "mc")
+#: what ``RunSpec.kfac_layers`` may be
+KFAC_LAYERS = ("all", "adamw-part")
 
 
 class PowerEigen(eigen.EigenMethod):
@@ -126,3 +139,12 @@ def _subsampled(
         return rows
 
     return rows_for
+
+
+def adamw_part_skips(muon_params: Sequence[str]) -> list[str]:
+    """``skip_layers`` patterns that leave out every layer owning one of
+    ``muon_params`` (parameter names, ``blocks.0.linear1.weight``): the
+    module itself, and the q/k/v rows kaisa registers for an attention's
+    packed projection (``blocks.0.self_attn.q``)."""
+    modules = dict.fromkeys(name.rpartition(".")[0] for name in muon_params)
+    return [rf"^{re.escape(m)}(\.[qkv])?$" for m in modules]

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: the run fields an arm's lever may set (:mod:`kaisa_lab.levers`)
-LEVER_FIELDS = ("eigen_power", "fisher", "muon_ns_steps", "position_fraction")
+LEVER_FIELDS = ("eigen_power", "fisher", "muon_ns_steps", "position_fraction", "kfac_layers")
 
 #: what a tuned K-FAC arm's follow-ups try at its best lr and warm-up, in order:
 #: curvature refreshed twice as often, and a third of the default damping
@@ -194,7 +194,8 @@ _LARGE_BATCH_ARMS = (
 
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
-#: Monte Carlo Fisher on each base
+#: Monte Carlo Fisher on each base, factor statistics from an eighth of the
+#: positions, K-FAC on Muon's AdamW part only
 _LEVER_ARMS = (
     *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
     Arm("muon", kfac=True, lever=(("muon_ns_steps", 3),), tag="ns3"),
@@ -203,6 +204,8 @@ _LEVER_ARMS = (
     Arm("muon", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
     Arm("adamw", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
     Arm("sgd", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
+    Arm("muon", kfac=True, lever=(("position_fraction", 0.125),), tag="pos0.125"),
+    Arm("muon", kfac=True, lever=(("kfac_layers", "adamw-part"),), tag="adamw-part"),
 )
 
 CASES: dict[str, TrainCase] = {
@@ -271,7 +274,9 @@ CASES: dict[str, TrainCase] = {
             _LEVER_ARMS,
             warmups=(0.0, 0.25),
             description="text-lm (batch 32): levers beside K-FAC at its defaults (Muon's "
-            "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher)",
+            "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
+            "factor statistics from an eighth of the positions, K-FAC on Muon's AdamW part "
+            "only)",
         ),
         # the suite's own smoke case: minutes, not hours, and every stage of the protocol
         TrainCase(

@@ -83,6 +83,9 @@ class RunSpec:
     #: the fraction of a sequence layer's positions its factor statistics read
     #: (None: every position)
     position_fraction: float | None = None
+    #: which layers K-FAC preconditions: "all" it registers, or under Muon
+    #: "adamw-part", the ones Muon hands to AdamW (embeddings, head)
+    kfac_layers: str = "all"
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -120,6 +123,7 @@ class RunSpec:
             **({"muon_ns_steps": self.muon_ns_steps} if self.muon_ns_steps != 5 else {}),
             **({"eigen_power": self.eigen_power} if self.eigen_power is not None else {}),
             **({"fisher": self.fisher} if self.fisher != "empirical" else {}),
+            **({"kfac_layers": self.kfac_layers} if self.kfac_layers != "all" else {}),
             **(
                 {"position_fraction": self.position_fraction}
                 if self.position_fraction is not None

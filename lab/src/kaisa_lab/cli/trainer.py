@@ -15,8 +15,15 @@ from torch import nn
 
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.spec import RunSpec
-from kaisa_lab.levers import FISHERS, PowerEigen, mc_fisher_backward, subsample_positions
-from kaisa_lab.optim import build_optimizer
+from kaisa_lab.levers import (
+    FISHERS,
+    KFAC_LAYERS,
+    PowerEigen,
+    adamw_part_skips,
+    mc_fisher_backward,
+    subsample_positions,
+)
+from kaisa_lab.optim import MuonWithAdamW, build_optimizer
 from kaisa_lab.tasks.base import Task
 
 __all__ = ["Trainer", "make_optimizer", "weights_fingerprint"]
@@ -78,6 +85,17 @@ class Trainer:
             # Hooks go on the unwrapped model so layer names (and the
             # --kfac-skip-layers patterns matched against them) do not depend on DDP.
             options = dict(spec.kfac_kwargs)
+            if spec.kfac_layers not in KFAC_LAYERS or (
+                spec.kfac_layers != "all" and spec.optimizer != "muon"
+            ):
+                raise ValueError(
+                    f"kfac_layers={spec.kfac_layers!r}: one of {KFAC_LAYERS}, "
+                    "'adamw-part' under muon only"
+                )
+            if spec.kfac_layers == "adamw-part":
+                assert isinstance(self.optimizer, MuonWithAdamW)
+                skips = adamw_part_skips(self.optimizer.split.muon)
+                options["skip_layers"] = [*options.get("skip_layers", ()), *skips]
             if spec.eigen_power is not None:
                 options["method"] = PowerEigen(spec.eigen_power)
             self.preconditioner = KFACPreconditioner(
