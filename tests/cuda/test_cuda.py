@@ -401,3 +401,21 @@ def test_a_fused_optimizer_skips_a_nan_non_factor_step_on_the_device(graphed: bo
     got = _fused_run(graphed, left_out=False)
     for a, b in zip(got, want, strict=True):
         assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_the_large_batch_forecast_measures_the_step_on_the_gpu(tmp_path: Any) -> None:
+    """`kaisa bench run large-batch-forecast --device cuda`: every arm held out
+    on text-lm is timed on the GPU, which its record names."""
+    from pathlib import Path
+
+    from kaisa_lab.bench.records import RecordStore
+    from kaisa_lab.bench.timing import latest
+    from kaisa_lab.cli.main import main
+
+    committed = Path(__file__).resolve().parents[2] / "benchmarks" / "records"
+    argv = ["bench", "run", "large-batch-forecast", "--quick", "--device", "cuda"]
+    assert main([*argv, "--records", str(tmp_path), f"--option=records={committed}"]) == 0
+    records = latest(RecordStore(tmp_path), "large-batch-forecast")
+    assert records and all(r["result"]["measured"] for r in records)
+    assert {r["config"]["options"]["device"] for r in records} == {"cuda"}
+    assert all(r["environment"]["machine"]["gpu"] for r in records)

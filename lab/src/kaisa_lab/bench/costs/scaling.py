@@ -15,7 +15,8 @@ case turns them into time on ``W = B / b`` ranks:
   forecast (its row says so);
 - **the step on one rank**: measured here, every arm at the per-rank batch
   with its selected K-FAC knobs, interleaved (:func:`kaisa_lab.bench.timer.
-  interleave`) on the same batches, on the device named in the record;
+  interleave`) on the same batches, on the device named in the record
+  (``--device cuda``: on the GPU, synchronised);
 - **what W ranks add** (modelled by the planner's cost model with the given
   links): the gradients' all-reduce every step (DDP's buckets of 25 MB, one
   collective each) and, for a K-FAC arm, its collectives amortised over its
@@ -30,7 +31,8 @@ the crossover: the least W at which a K-FAC arm's forecast is below every
 first-order arm's. The plot draws steps against batch and the forecast time
 against W.
 
-    kaisa bench run large-batch-forecast
+    kaisa bench run large-batch-forecast                 # the step measured on this CPU
+    kaisa bench run large-batch-forecast --device cuda   # ... on this GPU
     kaisa bench report large-batch-forecast --table forecast --plot docs/reports/large-batch.png
 """
 
@@ -150,7 +152,11 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
     task = get_task(task_name)
     data = task.load()
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
-    batches = task_batches(data, order, b, (options["rounds"] + 1) * options["block"])
+    device = options["device"]
+    batches = [
+        (x.to(device), y.to(device))
+        for x, y in task_batches(data, order, b, (options["rounds"] + 1) * options["block"])
+    ]
     built: dict[str, TaskArm] = {}
     for _case, batch, name, steps, knobs in found:
         if steps is None or knobs is None:
@@ -159,13 +165,18 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         kfac = "+kfac" in name
         keywords = {"loss_average": task.loss_average, **knobs} if kfac else None
         label = f"{name} @ {batch}"
-        built[label] = TaskArm(task, f"{optimizer}+kfac" if kfac else optimizer, keywords, batches)
+        built[label] = TaskArm(
+            task, f"{optimizer}+kfac" if kfac else optimizer, keywords, batches, device
+        )
     timed = {}
     if built:
         for _ in range(options["block"]):  # a warm turn (lazy set-up, first decompositions)
             for arm in built.values():
                 arm()
-        timed = interleave(built, rounds=options["rounds"], block=options["block"], warmup=0)
+        sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
+        timed = interleave(
+            built, rounds=options["rounds"], block=options["block"], warmup=0, sync=sync
+        )
     torch.manual_seed(0)
     model = task.build_model()
     rows = []
@@ -327,10 +338,12 @@ CASE = register(
             "tflops": 100.0,
             "rounds": 10,
             "block": 10,
+            "device": "cpu",
         },
         quick={"cases": ["text-lm"], "rounds": 1, "block": 2},
         tables={"forecast": forecast_table},
         plot=plot,
         in_make_bench=False,
+        device="any",
     )
 )

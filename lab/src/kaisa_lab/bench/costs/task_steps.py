@@ -111,11 +111,17 @@ def _updates(value: Any, step: int) -> bool:
 
 
 class TaskArm:
-    """One arm on a task: a training step per call, on the next shared batch;
-    times ``precond.step()`` and the process's CPU time as it goes."""
+    """One arm on a task: a training step per call, on the next shared batch
+    (``batches`` on ``device``, where the model is built); times
+    ``precond.step()`` and the process's CPU time as it goes."""
 
     def __init__(
-        self, task: Any, name: str, keywords: Mapping[str, Any] | None, batches: list[Any]
+        self,
+        task: Any,
+        name: str,
+        keywords: Mapping[str, Any] | None,
+        batches: list[Any],
+        device: str = "cpu",
     ):
         from kaisa_lab.optim.build import build_optimizer
 
@@ -125,7 +131,7 @@ class TaskArm:
         d = task.defaults
         torch.manual_seed(0)
         self.task = task
-        self.model = task.build_model()
+        self.model = task.build_model().to(device)
         self.opt = build_optimizer(
             optimizer,
             self.model,
