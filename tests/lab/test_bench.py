@@ -354,6 +354,14 @@ def test_an_arm_with_knobs_must_have_kfac() -> None:
     assert math.isfinite(get_case("text-lm").prior_lr("shampoo"))
 
 
+def test_the_summary_lists_each_tasks_case_and_its_larger_batches() -> None:
+    from kaisa_lab.bench.cases import summary_cases
+
+    names = [c.name for c in summary_cases()]
+    assert {"text-lm", "text-cnn", "text-lm-large", "text-lm-b128", "text-lm-b512"} <= set(names)
+    assert "text-lm-levers" not in names and "quick" not in names
+
+
 def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> None:
     from kaisa_lab.bench.report import markdown_summary, verdict
 
@@ -362,11 +370,11 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> Non
     campaign.refresh()
     rows = {r.arm.name: r for r in heldout_rows(campaign)}
     table = markdown_summary([campaign])
-    (line,) = [row for row in table.splitlines() if row.startswith("| quick | sgd |")]
+    (line,) = [row for row in table.splitlines() if row.startswith("| quick | 64 | sgd |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     base, kfac = rows["sgd"].median_time_s, rows["sgd+kfac"].median_time_s
     expected = "-" if math.isinf(base) or math.isinf(kfac) else f"{kfac / base:.2f}×"
-    assert cells[3] == expected
+    assert cells[4] == expected
     assert verdict(0.8) == "add K-FAC" and verdict(1.2) == "keep the optimizer alone"
     assert verdict(1.03) == "a tie" and verdict(math.nan) == "neither reaches the target"
     assert verdict(0.0) == "add K-FAC" and "misses" in verdict(math.inf)

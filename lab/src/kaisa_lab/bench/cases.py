@@ -37,6 +37,7 @@ __all__ = [
     "Arm",
     "TrainCase",
     "get_case",
+    "summary_cases",
 ]
 
 #: the run fields an arm's lever may set (:mod:`kaisa_lab.levers`)
@@ -301,3 +302,9 @@ def get_case(name: str) -> TrainCase:
         return CASES[name]
     except KeyError:
         raise KeyError(f"unknown case {name!r}; choose from {', '.join(CASES)}") from None
+
+
+def summary_cases() -> list[TrainCase]:
+    """The rows of "which K-FAC to use when": each task's own case, and the
+    cases that only change its global batch (``text-lm-b128``)."""
+    return [c for c in CASES.values() if c.name in (c.task, f"{c.task}-b{c.batch_size}")]

@@ -29,7 +29,7 @@ import torch
 from kaisa_lab.bench import costs as _costs  # registers the cost cases
 from kaisa_lab.bench.ab import ab, markdown_ab
 from kaisa_lab.bench.campaign import Campaign, selections, work
-from kaisa_lab.bench.cases import CASES, get_case
+from kaisa_lab.bench.cases import CASES, get_case, summary_cases
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
     FairnessError,
@@ -167,7 +167,7 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         return _list()
     if args.bench_command == "summary":
         store = RecordStore(args.records)
-        families = [Campaign(c, store) for c in CASES.values() if c.name == c.task]
+        families = [Campaign(c, store) for c in summary_cases()]
         return _print_fair(lambda: markdown_summary(families), "summary")
     if args.bench_command == "ab":
         return _run_ab(args, error)

@@ -24,6 +24,7 @@ from typing import Any
 
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
+from kaisa_lab.tasks.registry import get_task
 
 __all__ = [
     "ArmRow",
@@ -174,7 +175,8 @@ def verdict(ratio: float) -> str:
 
 
 def markdown_summary(campaigns: Sequence[Campaign]) -> str:
-    """Which K-FAC to use when: per family and base optimizer, held-out medians.
+    """Which K-FAC to use when: per family, global batch and base optimizer,
+    held-out medians.
 
     Each row: the base optimizer's median time to target, K-FAC at the library's
     defaults and tuned as ratios of it, the best first-order arm of the family
@@ -184,9 +186,9 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
     the seeds that happen to be done is not the comparison the protocol
     defines."""
     lines = [
-        "| family | base optimizer | base: time to target (s) | + K-FAC, library defaults "
-        "| + K-FAC, tuned | best first-order | defaults vs best | at the defaults |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | batch | base optimizer | base: time to target (s) | + K-FAC, library "
+        "defaults | + K-FAC, tuned | best first-order | defaults vs best | at the defaults |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for campaign in campaigns:
         rows = heldout_rows(campaign)
@@ -197,6 +199,7 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
         if not first:
             continue
         peer = min(first.values(), key=lambda r: r.median_time_s)
+        batch = campaign.case.batch_size or get_task(campaign.case.task).defaults.batch_size
         for optimizer, base in first.items():
             defaults = next(
                 (
@@ -211,7 +214,7 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
             tuned = next((r for r in rows if r.arm.knobs and r.arm.optimizer == optimizer), None)
             ratio = _quotient(defaults.median_time_s, base.median_time_s)
             lines.append(
-                f"| {campaign.case.name} | {optimizer} | {_time(base.median_time_s)} "
+                f"| {campaign.case.name} | {batch} | {optimizer} | {_time(base.median_time_s)} "
                 f"| {_times(defaults, base)} | {_times(tuned, base)} "
                 f"| {peer.arm.optimizer} ({_time(peer.median_time_s)} s) "
                 f"| {_times(defaults, peer)} | {verdict(ratio)} |"
