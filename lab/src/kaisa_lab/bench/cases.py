@@ -256,7 +256,8 @@ CASES: dict[str, TrainCase] = {
             description="4-block, 256-wide character Transformer (batch 32), to 2.03 bits/char",
         ),
         # the large-batch study: batch 32 is the text-lm case; a larger batch
-        # needs fewer steps, so a shorter budget
+        # needs fewer steps, so a shorter budget, read more often (every 10
+        # and 5 steps, text-lm's every 20) to keep the steps' resolution
         *(
             TrainCase(
                 f"text-lm-b{batch}",
@@ -264,10 +265,11 @@ CASES: dict[str, TrainCase] = {
                 _LARGE_BATCH_ARMS,
                 warmups=(0.0, 0.25),
                 epochs=epochs,
+                evals_per_epoch=evals,
                 batch_size=batch,
                 description=f"text-lm at batch {batch} (the large-batch study), to 2.5 bits/char",
             )
-            for batch, epochs in ((128, 3), (512, 2))
+            for batch, epochs, evals in ((128, 3, 20), (512, 2, 40))
         ),
         TrainCase(
             "text-lm-levers",
