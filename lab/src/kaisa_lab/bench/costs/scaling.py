@@ -5,7 +5,8 @@ A data-parallel job keeps its per-rank batch ``b`` and grows the global batch
 with the ranks: on W ranks it trains at ``W·b``. The large-batch study's
 cases (``text-lm`` at 32, ``text-lm-b128``, ``text-lm-b512``) measure each
 arm's steps to target at those global batches under the tuning protocol; this
-case turns them into time on ``W = B / b`` ranks:
+case turns them into time on ``W = B / b`` ranks, for each per-rank batch
+``b`` given (2: batch 32, 128, 512 on 16, 64, 256 ranks; 8: on 4, 16, 64):
 
     time(W) = steps(B) × (step on one rank at batch b + what W ranks add)
 
@@ -126,13 +127,15 @@ def _cost(options: Mapping[str, Any]) -> CostModel:
     return replace(gpu_costs(links, options["tflops"]), device=f"given: {options['kind']}")
 
 
-def measure(options: Mapping[str, Any]) -> list[Row]:
+#: one arm at one global batch: (case, batch, arm, held-out steps, selected knobs)
+Found = tuple[str, int, str, float | None, Mapping[str, Any] | None]
+
+
+def _found(options: Mapping[str, Any], store: RecordStore) -> tuple[str, list[Found]]:
+    """The task the cases share, and every arm of every case with its held-out steps."""
     from kaisa_lab.tasks import get_task
 
-    store = RecordStore(Path(options["records"]))
-    b = int(options["per_rank_batch"])
-    cost = _cost(options)
-    found: list[tuple[str, int, str, float | None, Mapping[str, Any] | None]] = []
+    found: list[Found] = []
     task_name = None
     for case_name in options["cases"]:
         case = get_case(case_name)
@@ -140,16 +143,27 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         if case.task != task_name:
             raise ValueError(f"cases: {case_name} is on {case.task}, the others on {task_name}")
         batch = case.batch_size or get_task(case.task).defaults.batch_size
-        if batch % b:
-            raise ValueError(f"per_rank_batch {b} does not divide {case_name}'s batch {batch}")
-        campaign = Campaign(case, store)
-        for name, held in heldout_steps(campaign).items():
+        for b in options["per_rank_batch"]:
+            if batch % b:
+                raise ValueError(f"per_rank_batch {b} does not divide {case_name}'s batch {batch}")
+        for name, held in heldout_steps(Campaign(case, store)).items():
             if options["arms"] and name not in options["arms"]:
                 continue
             steps, knobs = (None, None) if held is None else held
             found.append((case_name, batch, name, steps, knobs))
     assert task_name is not None
-    task = get_task(task_name)
+    return task_name, found
+
+
+def _keywords(task: Any, name: str, knobs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A K-FAC arm's preconditioner keywords at its selected knobs (None: no K-FAC)."""
+    return {"loss_average": task.loss_average, **(knobs or {})} if "+kfac" in name else None
+
+
+def _step_ms(
+    task: Any, found: Sequence[Found], b: int, options: Mapping[str, Any]
+) -> dict[str, float]:
+    """Each held-out arm's mean step (ms) at batch ``b`` on the device, interleaved."""
     data = task.load()
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
     device = options["device"]
@@ -159,64 +173,67 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
     ]
     built: dict[str, TaskArm] = {}
     for _case, batch, name, steps, knobs in found:
-        if steps is None or knobs is None:
-            continue
-        optimizer = name.split("+")[0].split(" ")[0]
-        kfac = "+kfac" in name
-        keywords = {"loss_average": task.loss_average, **knobs} if kfac else None
-        label = f"{name} @ {batch}"
-        built[label] = TaskArm(
-            task, f"{optimizer}+kfac" if kfac else optimizer, keywords, batches, device
-        )
-    timed = {}
-    if built:
-        for _ in range(options["block"]):  # a warm turn (lazy set-up, first decompositions)
-            for arm in built.values():
-                arm()
-        sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
-        timed = interleave(
-            built, rounds=options["rounds"], block=options["block"], warmup=0, sync=sync
-        )
+        if steps is not None:
+            optimizer = name.split("+")[0].split(" ")[0]
+            arm = f"{optimizer}+kfac" if "+kfac" in name else optimizer
+            keywords = _keywords(task, name, knobs)
+            built[f"{name} @ {batch}"] = TaskArm(task, arm, keywords, batches, device)
+    if not built:
+        return {}
+    for _ in range(options["block"]):  # a warm turn (lazy set-up, first decompositions)
+        for each in built.values():
+            each()
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
+    timed = interleave(built, rounds=options["rounds"], block=options["block"], warmup=0, sync=sync)
+    return {label: t.summary()["mean_ms"] for label, t in timed.items()}
+
+
+def measure(options: Mapping[str, Any]) -> list[Row]:
+    from kaisa_lab.tasks import get_task
+
+    cost = _cost(options)
+    task_name, found = _found(options, RecordStore(Path(options["records"])))
+    task = get_task(task_name)
     torch.manual_seed(0)
     model = task.build_model()
     rows = []
-    for case_name, batch, name, steps, knobs in found:
-        label = f"{name} @ {batch}"
-        world = batch // b
-        config: dict[str, Any] = {
-            "task": task_name,
-            "case": case_name,
-            "arm": name,
-            "batch": batch,
-            "per_rank_batch": b,
-            "world": world,
-            "kfac": None if knobs is None or "+kfac" not in name else dict(knobs),
-            "cost_model": asdict(cost),
-        }
-        result: dict[str, Any] = {"steps": steps, "measured": label in timed}
-        if label in timed:
-            step_s = timed[label].summary()["mean_ms"] / 1e3
-            keywords = None
-            if "+kfac" in name:
-                keywords = {"loss_average": task.loss_average, **dict(knobs or {})}
-            comm = comm_seconds(model, world, cost, keywords)
-            assert steps is not None
-            result.update(
-                step_ms=1e3 * step_s,
-                comm_ms={k: 1e3 * v for k, v in comm.items()},
-                forecast_s=None if math.isinf(steps) else steps * (step_s + sum(comm.values())),
-            )
-        rows.append(Row(f"{name} @ {batch} (W={world})", config, result))
+    for b in options["per_rank_batch"]:
+        step_ms = _step_ms(task, found, b, options)
+        for case_name, batch, name, steps, knobs in found:
+            world = batch // b
+            config: dict[str, Any] = {
+                "task": task_name,
+                "case": case_name,
+                "arm": name,
+                "batch": batch,
+                "per_rank_batch": b,
+                "world": world,
+                "kfac": _keywords(task, name, knobs),
+                "cost_model": asdict(cost),
+            }
+            ms = step_ms.get(f"{name} @ {batch}")
+            result: dict[str, Any] = {"steps": steps, "measured": ms is not None}
+            if ms is not None and steps is not None:
+                comm = comm_seconds(model, world, cost, _keywords(task, name, knobs))
+                step_s = ms / 1e3 + sum(comm.values())
+                result.update(
+                    step_ms=ms,
+                    comm_ms={k: 1e3 * v for k, v in comm.items()},
+                    forecast_s=None if math.isinf(steps) else steps * step_s,
+                )
+            rows.append(Row(f"{name} @ {batch} (W={world})", config, result))
     return rows
 
 
-def _by_world(records: Records) -> dict[int, dict[str, Mapping[str, Any]]]:
-    """Records by W, each W's arms in the order the run's options name them."""
+def _by_world(records: Records) -> dict[tuple[int, int], dict[str, Mapping[str, Any]]]:
+    """Records by (per-rank batch, W), each group's arms in the order the run's
+    options name them."""
     order = list(records[0]["config"].get("options", {}).get("arms") or []) if records else []
     rank = {name: i for i, name in enumerate(order)}
-    out: dict[int, dict[str, Mapping[str, Any]]] = {}
+    out: dict[tuple[int, int], dict[str, Mapping[str, Any]]] = {}
     for r in sorted(records, key=lambda r: rank.get(r["config"]["arm"], len(rank))):
-        out.setdefault(r["config"]["world"], {})[r["config"]["arm"]] = r
+        c = r["config"]
+        out.setdefault((c["per_rank_batch"], c["world"]), {})[c["arm"]] = r
     return out
 
 
@@ -224,14 +241,14 @@ def forecast_table(records: Records) -> str:
     if not records:
         return "No records yet: `kaisa bench run large-batch-forecast`."
     lines = [
-        "| global batch | ranks W | arm | held-out steps | step on one rank (ms) "
-        "| W ranks add (ms) | forecast time (s) | vs best first-order |",
-        "|---|---|---|---|---|---|---|---|",
+        "| per-rank batch | global batch | ranks W | arm | held-out steps "
+        "| step on one rank (ms) | W ranks add (ms) | forecast time (s) | vs best first-order |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    times: dict[int, dict[str, float]] = {}
+    times: dict[int, dict[int, dict[str, float]]] = {}
     kfac_arms: set[str] = set()
     peers: set[str] = set()
-    for world, arms in sorted(_by_world(records).items()):
+    for (b, world), arms in sorted(_by_world(records).items()):
         firsts = [
             r["result"]["forecast_s"]
             for name, r in arms.items()
@@ -241,36 +258,38 @@ def forecast_table(records: Records) -> str:
         for name, r in arms.items():
             res, c = r["result"], r["config"]
             (kfac_arms if "+kfac" in name else peers).add(name)
+            head = f"| {b} | {c['batch']} | {world} | {name} |"
             if not res["measured"]:
-                lines.append(f"| {c['batch']} | {world} | {name} | not held out yet | | | | |")
+                lines.append(f"{head} not held out yet | | | | |")
                 continue
             t = res["forecast_s"]
             if t is not None:
-                times.setdefault(world, {})[name] = t
+                times.setdefault(b, {}).setdefault(world, {})[name] = t
             ratio = f"{t / best:.2f}" if t is not None and best else "-"
             steps = "never" if math.isinf(res["steps"]) else f"{res['steps']:g}"
             lines.append(
-                f"| {c['batch']} | {world} | {name} | {steps} | {res['step_ms']:.1f} | "
-                f"{sum(res['comm_ms'].values()):.2f} | "
+                f"{head} {steps} | {res['step_ms']:.1f} | {sum(res['comm_ms'].values()):.2f} | "
                 f"{'-' if t is None else f'{t:.1f}'} | {ratio} |"
             )
-    cross = crossover(times, sorted(kfac_arms), sorted(peers))
-    first = records[0]["config"]
-    model = first["cost_model"]["device"]
     env = records[0]["environment"]
     m = env["machine"]
     where = f"{m['gpu'] or m['cpu']} ({m['cpus']} CPUs, {env['threads']} torch thread(s))"
     lines.append("")
     lines.append(
-        f"Per-rank batch {first['per_rank_batch']}; step measured on {where}; links: {model}. "
-        + (
-            f"Crossover: {cross[1]} is forecast faster than every first-order arm (by more "
-            f"than {TIE:.0%}) from W = {cross[0]}."
-            if cross
-            else f"No crossover: no K-FAC arm is forecast faster than every first-order arm "
-            f"by more than {TIE:.0%} at any W measured."
-        )
+        f"Step measured on {where}; links: {records[0]['config']['cost_model']['device']}."
     )
+    for b in sorted({r["config"]["per_rank_batch"] for r in records}):
+        cross = crossover(times.get(b, {}), sorted(kfac_arms), sorted(peers))
+        lines.append(
+            f"Per-rank batch {b}: "
+            + (
+                f"{cross[1]} is forecast faster than every first-order arm (by more than "
+                f"{TIE:.0%}) from W = {cross[0]}."
+                if cross
+                else f"no K-FAC arm is forecast faster than every first-order arm by more "
+                f"than {TIE:.0%} at any W measured."
+            )
+        )
     return "\n".join(lines)
 
 
@@ -280,27 +299,27 @@ def plot(records: Records, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    arms: dict[str, list[Mapping[str, Any]]] = {}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    lines: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
     for r in records:
-        if r["result"]["measured"]:
-            arms.setdefault(r["config"]["arm"], []).append(r)
-    for name, rs in sorted(arms.items()):
+        if r["result"]["measured"] and r["result"]["forecast_s"] is not None:
+            lines.setdefault((r["config"]["arm"], r["config"]["per_rank_batch"]), []).append(r)
+    first_b = min((b for _, b in lines), default=None)
+    markers = dict(zip(sorted({b for _, b in lines}), "osD^v"))
+    colours = {name: f"C{i}" for i, name in enumerate(sorted({n for n, _ in lines}))}
+    for (name, b), rs in sorted(lines.items()):
         rs = sorted(rs, key=lambda r: r["config"]["batch"])
-        finite = [r for r in rs if r["result"]["forecast_s"] is not None]
-        style = "-o" if "+kfac" in name else "--s"
-        left.plot(
-            [r["config"]["batch"] for r in finite],
-            [r["result"]["steps"] for r in finite],
-            style,
-            label=name,
-        )
-        right.plot(
-            [r["config"]["world"] for r in finite],
-            [r["result"]["forecast_s"] for r in finite],
-            style,
-            label=name,
-        )
+        style = {
+            "color": colours[name],
+            "marker": markers[b],
+            "linestyle": "-" if "+kfac" in name else "--",
+        }
+        if b == first_b:  # the steps do not depend on the per-rank batch
+            batches = [r["config"]["batch"] for r in rs]
+            left.plot(batches, [r["result"]["steps"] for r in rs], label=name, **style)
+        worlds = [r["config"]["world"] for r in rs]
+        times = [r["result"]["forecast_s"] for r in rs]
+        right.plot(worlds, times, label=f"{name}, {b} per rank", **style)
     for ax, (x, y) in (
         (left, ("global batch", "held-out steps to target")),
         (right, ("ranks W (per-rank batch fixed)", "forecast time to target (s)")),
@@ -325,7 +344,8 @@ CASE = register(
             "cases": ["text-lm", "text-lm-b128", "text-lm-b512"],
             "arms": ["adamw", "muon", "adamw+kfac", "muon+kfac", "muon+kfac tuned"],
             "records": "benchmarks/records",
-            "per_rank_batch": 2,
+            # 2: batch 32, 128, 512 on 16, 64, 256 ranks; 8: on 4, 16, 64
+            "per_rank_batch": [2, 8],
             # H100 nodes of 8: NVLink inside, 400 Gb/s InfiniBand per GPU between
             "links": {
                 "gpus_per_node": 8,
@@ -340,7 +360,7 @@ CASE = register(
             "block": 10,
             "device": "cpu",
         },
-        quick={"cases": ["text-lm"], "rounds": 1, "block": 2},
+        quick={"cases": ["text-lm"], "per_rank_batch": [2], "rounds": 1, "block": 2},
         tables={"forecast": forecast_table},
         plot=plot,
         in_make_bench=False,
