@@ -8,6 +8,7 @@ the GPU is compared with float64 on the CPU at float32 accuracy.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import warnings
@@ -419,3 +420,22 @@ def test_the_large_batch_forecast_measures_the_step_on_the_gpu(tmp_path: Any) ->
     assert records and all(r["result"]["measured"] for r in records)
     assert {r["config"]["options"]["device"] for r in records} == {"cuda"}
     assert all(r["environment"]["machine"]["gpu"] for r in records)
+
+
+def test_step_cost_times_the_read_verdict_and_the_fused_skip_on_the_gpu(tmp_path: Any) -> None:
+    """The step-cost variants that price an exact NaN skip on an accelerator
+    (the verdict read every step; a fused SGD taking it on the device, replayed)
+    are measured, each beside plain SGD."""
+    from kaisa_lab.bench.records import RecordStore
+    from kaisa_lab.bench.timing import latest
+    from kaisa_lab.cli.main import main
+
+    variants = '["sgd", "kfac eigen f=10 inv=100 read", "sgd fused", ' + (
+        '"kfac eigen f=10 inv=100 fused replayed"]'
+    )
+    argv = ["bench", "run", "step-cost", "--quick", "--device", "cuda", "--option=device=cuda"]
+    options = [f"--option=variants={variants}", "--option=reference_src=null"]
+    assert main([*argv, *options, "--records", str(tmp_path)]) == 0
+    records = latest(RecordStore(tmp_path), "step-cost")
+    assert {r["config"]["variant"] for r in records} == set(json.loads(variants))
+    assert all(r["result"]["mean_ms"] > 0 for r in records)

@@ -115,11 +115,19 @@ def test_step_cost_times_only_the_chosen_variants(tmp_path: Path) -> None:
     assert "no kfac-pytorch arm" in TIMING_CASES["step-cost"].tables["reference"](records)
 
 
-def test_step_cost_refuses_the_replayed_variant_off_cuda() -> None:
+@pytest.mark.parametrize(
+    "variant",
+    ["kfac eigen f=10 inv=100 replayed", "kfac eigen f=10 inv=100 read", "sgd fused"],
+)
+def test_step_cost_refuses_the_accelerators_variants_off_cuda(variant: str) -> None:
+    from kaisa_lab.bench.costs.steps import CUDA_ONLY, _variants
+
     case = TIMING_CASES["step-cost"]
-    options = case.resolve({"variants": ["kfac eigen f=10 inv=100 replayed"]}, quick=True)
-    with pytest.raises(ValueError, match="device=cuda"):
+    options = case.resolve({"variants": [variant]}, quick=True)
+    with pytest.raises(ValueError, match="need device=cuda"):
         case.measure(options)
+    everything = _variants(case.resolve({"variants": None}, quick=True))
+    assert everything and not set(everything) & CUDA_ONLY
 
 
 def test_ab_times_step_cost_on_two_trees(tmp_path: Path) -> None:

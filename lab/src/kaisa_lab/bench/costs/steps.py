@@ -9,7 +9,13 @@ momentum, and K-FAC variants beside the plain step:
 - ``kfac eigen f=10 inv=100``: factors every 10 steps, inverses every 100;
 - ``kfac inverse f=1 inv=10``: the inverse method at 1/10;
 - ``kfac eigen f=10 inv=100 replayed`` (CUDA only): ``precond.compile(mode=
-  "reduce-overhead")``, non-factor steps replayed as a CUDA graph.
+  "reduce-overhead")``, non-factor steps replayed as a CUDA graph;
+- ``kfac eigen f=10 inv=100 read`` (CUDA only): ``precond.read_scalars =
+  True``, every step's verdict read on the host (what an exact skip of a
+  non-finite step costs an unfused optimizer: no replay, one read per step);
+- ``sgd fused`` and ``kfac eigen f=10 inv=100 fused replayed`` (CUDA only):
+  torch's fused SGD, which takes kaisa's verdict on the device and skips a
+  non-finite step there, replayed.
 
 Every arm of a model (variant × library) is timed in turns
 (:func:`~kaisa_lab.bench.timer.interleave`: ``block`` steps of each arm,
@@ -60,6 +66,7 @@ from kaisa_lab.bench.timer import interleave
 from kaisa_lab.bench.timing import Row, TimingCase, register
 
 __all__ = [
+    "CUDA_ONLY",
     "REPLAYED",
     "VARIANTS",
     "StepArm",
@@ -83,9 +90,24 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "kfac eigen f=10 inv=100 replayed": dict(
         factor_update_steps=10, inv_update_steps=100, compute_method="eigen"
     ),
+    # what a NaN step's exact skip costs on an accelerator: the verdict read
+    # every step (no replay then), against a fused SGD that skips on the device
+    "kfac eigen f=10 inv=100 read": dict(
+        factor_update_steps=10, inv_update_steps=100, compute_method="eigen"
+    ),
+    "sgd fused": None,
+    "kfac eigen f=10 inv=100 fused replayed": dict(
+        factor_update_steps=10, inv_update_steps=100, compute_method="eigen"
+    ),
 }
 #: variants timed with ``precond.compile(mode="reduce-overhead")`` (kaisa, CUDA only)
-REPLAYED = frozenset({"kfac eigen f=10 inv=100 replayed"})
+REPLAYED = frozenset({"kfac eigen f=10 inv=100 replayed", "kfac eigen f=10 inv=100 fused replayed"})
+#: variants whose preconditioner reads every step's scalars (``read_scalars=True``)
+READ = frozenset({"kfac eigen f=10 inv=100 read"})
+#: variants whose SGD is torch's fused one (it takes kaisa's verdict on the device)
+FUSED = frozenset({"sgd fused", "kfac eigen f=10 inv=100 fused replayed"})
+#: variants that only mean something on an accelerator (kaisa's, CUDA only)
+CUDA_ONLY = REPLAYED | READ | FUSED
 #: distinct batches cycled through (no subnormal drift, no data loading cost)
 POOL = 8
 #: the repository this module lives in
@@ -164,10 +186,14 @@ class StepArm:
         device: str = "cpu",
         preconditioner: Preconditioner | None = None,
         replayed: bool = False,
+        read: bool = False,
+        fused: bool = False,
     ) -> None:
         torch.manual_seed(0)
         self.model = STEP_MODELS[model_name]().to(device)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.opt = torch.optim.SGD(
+            self.model.parameters(), lr=0.01, momentum=0.9, fused=fused or None
+        )
         self.precond: Any = None
         if kfac is not None:
             if preconditioner is None:  # kaisa reads the learning rate from the optimizer
@@ -176,6 +202,8 @@ class StepArm:
                 self.precond = preconditioner(self.model, lr=0.01, **kfac)
             if replayed:
                 self.precond.compile(mode="reduce-overhead")
+            if read:
+                self.precond.read_scalars = True
         self.xs = torch.randn(POOL, batch, 1, 28, 28, device=device)
         self.ys = torch.randint(0, 10, (POOL, batch), device=device)
         self.index = 0
@@ -206,12 +234,15 @@ def _variants(options: Mapping[str, Any]) -> list[str]:
     chosen = options["variants"]
     cuda = str(options["device"]).startswith("cuda")
     if chosen is None:
-        return [v for v in VARIANTS if cuda or v not in REPLAYED]
+        return [v for v in VARIANTS if cuda or v not in CUDA_ONLY]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
         raise ValueError(f"step-cost: unknown variants {unknown}; known: {list(VARIANTS)}")
-    if not cuda and any(v in REPLAYED for v in chosen):
-        raise ValueError("step-cost: the replayed variant needs device=cuda (CUDA graphs)")
+    if not cuda and any(v in CUDA_ONLY for v in chosen):
+        raise ValueError(
+            f"step-cost: the variants {sorted(CUDA_ONLY)} need device=cuda (CUDA graphs, "
+            "a verdict kept on the device)"
+        )
     return list(chosen)
 
 
@@ -235,13 +266,14 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         for variant in variants:
             kfac = VARIANTS[variant]
             for library, preconditioner in libraries.items():
-                if library != "kaisa" and (kfac is None or variant in REPLAYED):
-                    continue  # one SGD arm; CUDA graph replay is kaisa's
+                if library != "kaisa" and (kfac is None or variant in CUDA_ONLY):
+                    continue  # one SGD arm; replay and the device verdict are kaisa's
                 name = model_name + " " + variant + ("" if library == "kaisa" else f" ({library})")
                 try:
                     arm = StepArm(
                         model_name, kfac, options["batch"], device, preconditioner,
-                        replayed=variant in REPLAYED,
+                        replayed=variant in REPLAYED, read=variant in READ,
+                        fused=variant in FUSED,
                     )  # fmt: skip
                     arm()  # a library that cannot step this model fails here, not mid-turn
                 except Exception as exc:
