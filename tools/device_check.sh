@@ -10,6 +10,12 @@
 #    (rounds=100, block=1): the pool's machines drift within minutes, and
 #    blocks of 20 steps moved the ratio by up to 0.1 (lm-2x128 on one H100,
 #    the same code: 1.19 in blocks, 1.09 step by step).
+# 3. what an exact skip of a NaN step costs there: step-cost's arms with the
+#    verdict read every step (an unfused optimizer's exact skip, no replay)
+#    and a fused SGD taking the verdict on the device, replayed;
+# 4. the large-batch forecast with the step measured on the GPU.
+# Every record written is packed into $OUT/records.tar.gz (the device tool
+# returns files at most two folders down).
 set -u
 export PYTHONPATH="$PWD/src:$PWD/lab/src" PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/device}"
@@ -23,3 +29,11 @@ timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -p no:randoml
 timeout "${BENCH_S:-240}" python3 -m kaisa_lab bench run step-launches --device cuda \
   --option device=cuda --option rounds=100 --option block=1 --records "$OUT/records" \
   2>&1 | tee "$OUT/step_launches.txt" | grep -E '^\||Error'
+timeout "${SKIP_S:-120}" python3 -m kaisa_lab bench run step-cost --device cuda \
+  --option device=cuda --option reference_src=null --option 'models=["mlp-784-512-512-10"]' \
+  --option 'variants=["sgd", "kfac eigen f=10 inv=100", "kfac eigen f=10 inv=100 replayed", "kfac eigen f=10 inv=100 read", "sgd fused", "kfac eigen f=10 inv=100 fused replayed"]' \
+  --records "$OUT/records" 2>&1 | tee "$OUT/step_cost_skip.txt" | grep -E '^\||Error'
+timeout "${FORECAST_S:-120}" python3 -m kaisa_lab bench run large-batch-forecast --device cuda \
+  --option device=cuda --option "records=$PWD/benchmarks/records" --records "$OUT/records" \
+  2>&1 | tee "$OUT/forecast.txt" | grep -E '^\||^Per-rank|^Step|Error'
+tar -czf "$OUT/records.tar.gz" -C "$OUT" records 2>/dev/null
