@@ -91,3 +91,47 @@ def test_the_crossover_is_the_least_w_where_kfac_beats_every_peer_by_more_than_a
     times[64]["adamw"] = 8.2
     assert crossover(times, ["muon+kfac"], ["muon", "adamw"]) == (256, "muon+kfac")
     assert crossover({16: {"muon": 1.0, "muon+kfac": math.inf}}, ["muon+kfac"], ["muon"]) is None
+
+
+def test_held_out_steps_count_a_miss_as_never_and_carry_the_selected_knobs(
+    tmp_path: Path,
+) -> None:
+    """Synthetic records of the quick case: every grid setting on the selection
+    seeds (the first lr fastest), then the held-out seeds of the selection."""
+    case = get_case("quick")
+    store = RecordStore(tmp_path)
+    arm = case.arm("sgd+kfac tuned")
+
+    def write(setting: object, seed: int, steps: int | None) -> None:
+        run = Campaign(case, store).run(arm, setting, seed, "grid")  # type: ignore[arg-type]
+        reached = steps is not None
+        result = {
+            "time_to_target_s": float(steps) if reached else None,
+            "steps_to_target": steps,
+            "final_metric": 0.9 if reached else 0.5,
+            "reached": reached,
+        }
+        store.write(
+            {"kind": "train", "case": case.name, "arm": arm.kind, "key": run.key, "seed": seed,
+             "role": "grid", "result": result}
+        )  # fmt: skip
+
+    campaign = Campaign(case, store)
+    for i, setting in enumerate(case.grid(arm)):
+        for seed in campaign.protocol.selection_seeds:
+            write(setting, seed, 10 + i)
+    while (state := Campaign(case, store).state(arm)).stage == "followup":
+        for seed in campaign.protocol.selection_seeds:
+            write(state.pending, seed, 99)
+    assert heldout_steps(Campaign(case, store))[arm.name] is None  # not held out yet
+    selected = Campaign(case, store).state(arm).selected
+    seeds = campaign.protocol.heldout_seeds
+    assert selected is not None and len(seeds) == 2
+    write(selected, seeds[0], 30)
+    assert heldout_steps(Campaign(case, store))[arm.name] is None  # one held-out seed to go
+    write(selected, seeds[1], None)  # a miss
+    steps, knobs = heldout_steps(Campaign(case, store))[arm.name]  # type: ignore[misc]
+    assert steps == math.inf and knobs == dict(selected.kfac)  # median of 30 and never
+    write(selected, seeds[1], 20)
+    steps, _ = heldout_steps(Campaign(case, store))[arm.name]  # type: ignore[misc]
+    assert steps == 25.0
