@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -202,15 +203,58 @@ def test_every_position_kept_leaves_the_factors_as_they_were() -> None:
         assert got is not None and want is not None and torch.equal(got, want)
 
 
-def test_a_position_fraction_outside_the_unit_interval_or_on_a_convolution_is_refused() -> None:
+def test_a_position_fraction_outside_the_unit_interval_is_refused() -> None:
     net, _ = _sequence_layer()
     precond = _float64_precond(net)
     for f in (0.0, 1.5):
         with pytest.raises(ValueError, match=r"position_fraction must be in \(0, 1\]"):
             subsample_positions(precond.layers, f, torch.Generator())
-    conv = KFACPreconditioner(nn.Conv1d(2, 3, 3), lr=0.1)
-    with pytest.raises(ValueError, match="is a convolution"):
-        subsample_positions(conv.layers, 0.5, torch.Generator())
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_convolutions_factors_from_a_fraction_of_its_output_positions(dims: int) -> None:
+    """A: the mean of [patch, 1][patch, 1]ᵀ over the kept output positions'
+    windows (padding and dilation included); G: as for a sequence layer."""
+    torch.manual_seed(2)
+    if dims == 1:
+        net: nn.Module = nn.Conv1d(3, 4, 3, padding=1, dilation=2).double()
+        x = torch.randn(2, 3, 9, dtype=torch.float64)
+    else:
+        net = nn.Conv2d(2, 3, (2, 3), padding=(1, 0)).double()
+        x = torch.randn(2, 2, 5, 6, dtype=torch.float64)
+    twin = copy.deepcopy(net)
+    precond, reference = _float64_precond(net), _float64_precond(twin)
+    subsample_positions(precond.layers, 0.4, torch.Generator().manual_seed(7))
+    out = net(x)
+    grads: list[torch.Tensor] = []
+    out.register_hook(grads.append)
+    out.square().mean().backward()
+    precond.step()
+    positions = out[0, 0].numel()
+    k = math.ceil(0.4 * positions)
+    draws = torch.Generator().manual_seed(7)
+    kept_a, kept_g = (
+        torch.randperm(positions, generator=draws)[:k].sort().values for _ in range(2)
+    )
+    # the windows by unfold: [N, C·K, L] with the weight's (c, k…) order
+    if dims == 1:
+        padded = F.pad(x, (1, 1))
+        windows = padded.unfold(2, 5, 1)[..., ::2].permute(0, 2, 1, 3).reshape(2, -1, 9)
+    else:
+        windows = F.unfold(x, (2, 3), padding=(1, 0)).transpose(1, 2)
+    rows = windows[:, kept_a].reshape(-1, windows.shape[-1])
+    rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=torch.float64)], 1)
+    layer = next(iter(precond.layers.values()))
+    got_a = layer.factor("A")
+    assert got_a is not None
+    torch.testing.assert_close(got_a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-15)
+    mask = torch.zeros(positions, dtype=torch.float64)
+    mask[kept_g] = (positions / k) ** 0.5
+    twin(x).backward(grads[0] * mask.reshape(out.shape[2:]))
+    reference.step()
+    got_g, want_g = (next(iter(p.layers.values())).factor("G") for p in (precond, reference))
+    assert got_g is not None and want_g is not None
+    torch.testing.assert_close(got_g, want_g, rtol=1e-12, atol=1e-15)
 
 
 def test_kfac_on_muons_adamw_part_registers_the_embeddings_and_head_only() -> None:

@@ -26,6 +26,7 @@ run's record only where it is set) and an arm's variant in a case
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -112,33 +113,71 @@ def subsample_positions(layers: Any, fraction: float, generator: torch.Generator
     The adapter's rows (``[batch, positions, features]``) are cut before the
     Gram.  A counts the rows it read, so it stays their mean; G counts the
     data points and sums over positions, so its kept rows are scaled by
-    ``sqrt(T/k)``.  A layer with one position per call is read whole;
-    convolutions (whose A never builds its rows) are refused."""
+    ``sqrt(T/k)``.  A layer with one position per call is read whole.  A
+    convolution's positions are its output positions: its A rows are taken
+    from the kept windows of its patch view (the whole patch matrix is never
+    built), through the generic Gram rather than kaisa's patch Gram."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"position_fraction must be in (0, 1]; got {fraction}")
     for layer in layers.values():
         adapter = layer.adapter
+        cut: tuple[FactorSource, ...] = (FactorSource.INPUT, FactorSource.OUTPUT_GRAD)
         if isinstance(adapter, ConvAdapter):
-            raise ValueError(f"position_fraction: layer {layer.name!r} is a convolution")
-        adapter.rows_for = _subsampled(adapter, fraction, generator)
+            patched: Any = adapter  # instance attributes in place of its methods
+            patched.input_rows = _kept_windows(adapter, fraction, generator)
+            patched.factor_term = functools.partial(LayerAdapter.factor_term, adapter)
+            cut = (FactorSource.OUTPUT_GRAD,)  # A's rows come cut already
+        adapter.rows_for = _subsampled(adapter, fraction, generator, cut)
+
+
+def _kept(positions: int, fraction: float, generator: torch.Generator) -> Tensor | None:
+    """A sorted random ``⌈fraction·positions⌉`` of ``range(positions)`` (None: all)."""
+    kept = math.ceil(fraction * positions)
+    if kept >= positions:
+        return None
+    return torch.randperm(positions, generator=generator)[:kept].sort().values
 
 
 def _subsampled(
-    adapter: LayerAdapter, fraction: float, generator: torch.Generator
+    adapter: LayerAdapter,
+    fraction: float,
+    generator: torch.Generator,
+    cut: tuple[FactorSource, ...],
 ) -> Callable[[FactorSource, Tensor], Tensor]:
     def rows_for(source: FactorSource, tensor: Tensor) -> Tensor:
         rows = LayerAdapter.rows_for(adapter, source, tensor)
         positions = int(rows.shape[1])
-        kept = math.ceil(fraction * positions)
-        if kept >= positions:
+        index = _kept(positions, fraction, generator) if source in cut else None
+        if index is None:
             return rows
-        index = torch.randperm(positions, generator=generator)[:kept].sort().values
         rows = rows.index_select(1, index.to(rows.device))
         if source is FactorSource.OUTPUT_GRAD:
-            rows = rows * math.sqrt(positions / kept)
+            rows = rows * math.sqrt(positions / index.numel())
         return rows
 
     return rows_for
+
+
+def _kept_windows(
+    adapter: ConvAdapter, fraction: float, generator: torch.Generator
+) -> Callable[[Tensor], Tensor]:
+    """A convolution's input rows ``[N, k, C·K]`` at a random ``k`` of its
+    output positions, gathered from the patch view."""
+
+    def input_rows(x: Tensor) -> Tensor:
+        view = adapter.patches(x)  # [N, *O, *K, C]
+        dims = adapter.spatial_dims
+        out = tuple(int(d) for d in view.shape[1 : 1 + dims])
+        index = _kept(math.prod(out), fraction, generator)
+        if index is None:
+            rows = view.movedim(-1, 1 + dims)  # [N, *O, C, *K], as ConvAdapter's
+        else:
+            coords = torch.unravel_index(index.to(view.device), out)
+            where: tuple[Any, ...] = (slice(None), *coords)
+            rows = view[where].movedim(-1, 2)  # [N, k, C, *K]
+        return rows.reshape(view.shape[0], -1, adapter.in_features)
+
+    return input_rows
 
 
 def adamw_part_skips(muon_params: Sequence[str]) -> list[str]:

@@ -271,15 +271,18 @@ CASES: dict[str, TrainCase] = {
             )
             for batch, epochs, evals in ((128, 3, 20), (512, 2, 40))
         ),
-        TrainCase(
-            "text-lm-levers",
-            "text-lm",
-            _LEVER_ARMS,
-            warmups=(0.0, 0.25),
-            description="text-lm (batch 32): levers beside K-FAC at its defaults (Muon's "
-            "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
-            "factor statistics from an eighth of the positions, K-FAC on Muon's AdamW part "
-            "only)",
+        *(
+            TrainCase(
+                f"{task}-levers",
+                task,
+                _LEVER_ARMS,
+                warmups=(0.0, 0.25),
+                description=f"{task} (batch 32): levers beside K-FAC at its defaults (Muon's "
+                "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
+                "factor statistics from an eighth of the positions, K-FAC on Muon's AdamW part "
+                "only)",
+            )
+            for task in ("text-lm", "text-cnn")
         ),
         # the suite's own smoke case: minutes, not hours, and every stage of the protocol
         TrainCase(
