@@ -33,7 +33,8 @@ commands read).
 Outputs are cached under ``.cache/docs-check`` by command and a digest of the
 sources that could change them (``src/``, ``lab/src/``, ``benchmarks/``, this
 file, the files the command names, the records under ``benchmarks/records/`` of
-every case the command names, e.g. ``kaisa bench report plan-paper``, the torch
+every case the command names, e.g. ``kaisa bench report plan-paper`` (all of them
+for ``kaisa bench summary``, which reads every family's), the torch
 version): a re-run without a change to those is instant, and any change to
 them runs the command again.
 """
@@ -178,14 +179,24 @@ class Runner:
         digest.update(self._sources().encode())
         for path in named:
             digest.update(path.read_bytes())
-        records = self.root / RECORDS
-        for word in dict.fromkeys(shlex.split(command)):
-            case = records / word
-            if word.strip(".") and "/" not in word and case.is_dir():
-                for path in sorted(case.rglob("*.json")):
-                    digest.update(str(path.relative_to(self.root)).encode())
-                    digest.update(path.read_bytes())
+        for case in self._record_folders(command):
+            for path in sorted(case.rglob("*.json")):
+                digest.update(str(path.relative_to(self.root)).encode())
+                digest.update(path.read_bytes())
         return digest.hexdigest()[:32]
+
+    def _record_folders(self, command: str) -> list[Path]:
+        """The records a command renders: those of each case it names, and every
+        case's for ``kaisa bench summary`` (which reads every family's)."""
+        records = self.root / RECORDS
+        words = shlex.split(command)
+        if words[:3] == ["kaisa", "bench", "summary"] and records.is_dir():
+            return sorted(p for p in records.iterdir() if p.is_dir())
+        return [
+            records / w
+            for w in dict.fromkeys(words)
+            if w.strip(".") and "/" not in w and (records / w).is_dir()
+        ]
 
     def _sources(self) -> str:
         if self._digest is None:

@@ -225,3 +225,21 @@ def test_a_broken_link_reference_or_docstring_fails_the_build(tmp_path: Path) ->
         "no_such_lambda",  # a docstring parameter the signature lacks
     ):
         assert warning in warnings, f"{warning} not reported as a warning:\n{log}"
+
+
+def test_a_cached_output_is_stale_once_a_record_it_renders_changes(tmp_path: Path) -> None:
+    """A report's cache key covers the records of the case it names; the
+    summary's, every case's records (it reads every family's)."""
+    records = tmp_path / "benchmarks" / "records"
+    for case in ("text-lm", "text-cnn"):
+        (records / case / "adamw").mkdir(parents=True)
+        (records / case / "adamw" / "r-s5.json").write_text("{}\n")
+    runner = docs_check.Runner(tmp_path, None)
+    commands = ["kaisa bench summary", "kaisa bench report text-lm --table heldout"]
+    before = {c: runner._key(c) for c in commands}
+    (records / "text-cnn" / "adamw" / "r-s6.json").write_text("{}\n")
+    after = {c: docs_check.Runner(tmp_path, None)._key(c) for c in commands}
+    assert after["kaisa bench summary"] != before["kaisa bench summary"]
+    assert after[commands[1]] == before[commands[1]]  # text-cnn's records are not text-lm's
+    (records / "text-lm" / "adamw" / "r-s6.json").write_text("{}\n")
+    assert docs_check.Runner(tmp_path, None)._key(commands[1]) != before[commands[1]]
