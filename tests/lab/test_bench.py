@@ -212,8 +212,10 @@ def test_every_case_gives_every_arm_the_same_axes_and_budget() -> None:
         assert 0.0 in case.warmups and len(case.warmups) == 2
         for arm in case.arms:
             spec = case.spec(arm, case.grid(arm)[0], 0)
-            if arm.kfac:  # K-FAC at the library's defaults: nothing but the loss's averaging
-                assert dict(spec.kfac_kwargs) == {"loss_average": get_task(case.task).loss_average}
+            if arm.kfac:  # the library's defaults: the loss's averaging and a lever's keyword
+                averaging = {"loss_average": get_task(case.task).loss_average}
+                assert dict(spec.kfac_kwargs) == {**averaging, **arm.kfac_lever()}
+                assert len(arm.kfac_lever()) <= 1 and bool(arm.kfac_lever()) <= bool(arm.tag)
 
 
 # ---------------------------------------------------------------- campaign and records

@@ -282,3 +282,18 @@ def test_kfac_on_muons_adamw_part_registers_the_embeddings_and_head_only() -> No
     adamw = dataclasses.replace(spec, optimizer="adamw", adamw_lr=None, adamw_weight_decay=None)
     with pytest.raises(ValueError, match="'adamw-part' under muon only"):
         Trainer(adamw, get_task(spec.task), ctx)
+
+
+def test_a_kfac_keyword_lever_reaches_the_preconditioners_keywords_and_the_record() -> None:
+    case = get_case("text-cnn-levers")
+    arm = case.arm("sgd+kfac-clip0.1")
+    spec = case.spec(arm, case.grid(arm)[0], 0)
+    assert spec.kfac_kwargs["kl_clip"] == 0.1 and spec.to_dict()["kfac"]["kl_clip"] == 0.1
+    bf16 = case.spec(case.arm("muon+kfac-bf16"), case.grid(arm)[0], 0)
+    assert bf16.kfac_config().factor_compute_dtype is torch.bfloat16
+    plain = case.spec(case.arm("sgd+kfac"), case.grid(arm)[0], 0)
+    assert plain.to_dict()["kfac"]["kl_clip"] == 0.001  # kfac-pytorch's, the library default
+    with pytest.raises(ValueError, match=r"unknown lever field\(s\) \['kfac.kl_clipp'\]"):
+        Arm("sgd", kfac=True, lever=(("kfac.kl_clipp", 0.1),), tag="c")
+    with pytest.raises(ValueError, match="a K-FAC keyword lever needs K-FAC"):
+        Arm("sgd", lever=(("kfac.kl_clip", 0.1),), tag="c")

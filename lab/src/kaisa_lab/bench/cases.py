@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kaisa.config import KFACConfig
 from kaisa_lab.bench.protocol import Protocol, Setting, grid
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.optim import BASELINE_LR, KFAC_BASES
@@ -32,6 +33,7 @@ from kaisa_lab.tasks.registry import get_task
 __all__ = [
     "CASES",
     "KFAC_KNOBS",
+    "KFAC_LEVER",
     "LARGE_BATCH_KNOBS",
     "LEVER_FIELDS",
     "Arm",
@@ -40,8 +42,10 @@ __all__ = [
     "summary_cases",
 ]
 
-#: the run fields an arm's lever may set (:mod:`kaisa_lab.levers`)
+#: the run fields an arm's lever may set (:mod:`kaisa_lab.levers`); a K-FAC
+#: keyword is set as ``"kfac.<keyword>"`` (``("kfac.kl_clip", 0.1)``)
 LEVER_FIELDS = ("eigen_power", "fisher", "muon_ns_steps", "position_fraction", "kfac_layers")
+KFAC_LEVER = "kfac."
 
 #: what a tuned K-FAC arm's follow-ups try at its best lr and warm-up, in order:
 #: curvature refreshed twice as often, and a third of the default damping
@@ -66,13 +70,30 @@ class Arm:
             raise ValueError(f"{self.optimizer}: knobs are K-FAC's; this arm has no K-FAC")
         if self.kfac and self.optimizer not in KFAC_BASES:
             raise ValueError(f"K-FAC does not run on {self.optimizer}")
-        unknown = {k for k, _ in self.lever} - set(LEVER_FIELDS)
+        keywords = KFACConfig.field_names()
+        unknown = {
+            k
+            for k, _ in self.lever
+            if k not in LEVER_FIELDS
+            and not (k.startswith(KFAC_LEVER) and k.removeprefix(KFAC_LEVER) in keywords)
+        }
         if unknown:
             raise ValueError(
-                f"unknown lever field(s) {sorted(unknown)}; choose from {LEVER_FIELDS}"
+                f"unknown lever field(s) {sorted(unknown)}; choose from {LEVER_FIELDS} or "
+                f"'{KFAC_LEVER}<a K-FAC keyword>'"
             )
+        if any(k.startswith(KFAC_LEVER) for k, _ in self.lever) and not self.kfac:
+            raise ValueError(f"{self.optimizer}: a K-FAC keyword lever needs K-FAC")
         if bool(self.lever) != bool(self.tag):
             raise ValueError("an arm with a lever names it by a tag, and only such an arm")
+
+    def kfac_lever(self) -> dict[str, Any]:
+        """The K-FAC keywords its lever sets."""
+        return {k.removeprefix(KFAC_LEVER): v for k, v in self.lever if k.startswith(KFAC_LEVER)}
+
+    def run_lever(self) -> dict[str, Any]:
+        """The run fields its lever sets."""
+        return {k: v for k, v in self.lever if not k.startswith(KFAC_LEVER)}
 
     @property
     def kind(self) -> str:
@@ -152,13 +173,15 @@ class TrainCase:
             schedule=setting.schedule,
             warmup_epochs=setting.warmup_epochs,
             kfac_kwargs=(
-                {"loss_average": task.loss_average, **dict(setting.kfac)} if arm.kfac else {}
+                {"loss_average": task.loss_average, **dict(setting.kfac), **arm.kfac_lever()}
+                if arm.kfac
+                else {}
             ),
             lr_tuned=True,
             adamw_lr=d.base_lr("adamw") if muon else None,
             adamw_weight_decay=d.decay("adamw") if muon else None,
         )
-        return dataclasses.replace(spec, **dict(arm.lever))
+        return dataclasses.replace(spec, **arm.run_lever())
 
 
 def _arms(
@@ -196,7 +219,8 @@ _LARGE_BATCH_ARMS = (
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
 #: Monte Carlo Fisher on each base, factor statistics from an eighth of the
-#: positions, K-FAC on Muon's AdamW part only
+#: positions, K-FAC on Muon's AdamW part only, bfloat16 Grams, and SGD's KL
+#: clip loosened (kfac-pytorch's 0.001 caps SGD + K-FAC's steps)
 _LEVER_ARMS = (
     *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
     Arm("muon", kfac=True, lever=(("muon_ns_steps", 3),), tag="ns3"),
@@ -207,6 +231,8 @@ _LEVER_ARMS = (
     Arm("sgd", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
     Arm("muon", kfac=True, lever=(("position_fraction", 0.125),), tag="pos0.125"),
     Arm("muon", kfac=True, lever=(("kfac_layers", "adamw-part"),), tag="adamw-part"),
+    Arm("muon", kfac=True, lever=(("kfac.factor_compute_dtype", "bfloat16"),), tag="bf16"),
+    Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1"),
 )
 
 CASES: dict[str, TrainCase] = {
@@ -280,7 +306,7 @@ CASES: dict[str, TrainCase] = {
                 description=f"{task} (batch 32): levers beside K-FAC at its defaults (Muon's "
                 "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
                 "factor statistics from an eighth of the positions, K-FAC on Muon's AdamW part "
-                "only)",
+                "only, bfloat16 Grams, a looser KL clip under SGD)",
             )
             for task in ("text-lm", "text-cnn")
         ),
