@@ -159,20 +159,30 @@ def _float64_precond(net: nn.Module) -> KFACPreconditioner:
     )
 
 
+def _subsampled_step(
+    net: nn.Module, x: torch.Tensor, fraction: float, seed: int
+) -> tuple[KFACPreconditioner, KFACPreconditioner, nn.Module, torch.Tensor]:
+    """One factor step of ``net`` with its statistics read from ``fraction`` of
+    the positions (drawn from ``seed``): the preconditioner, a float64 twin's
+    (not stepped yet), the twin, and the output gradient the step saw."""
+    twin = copy.deepcopy(net)
+    precond, reference = _float64_precond(net), _float64_precond(twin)
+    subsample_positions(precond.layers, fraction, torch.Generator().manual_seed(seed))
+    out = net(x)
+    grads: list[torch.Tensor] = []
+    out.register_hook(grads.append)
+    out.square().mean().backward()
+    precond.step()
+    return precond, reference, twin, grads[0]
+
+
 def test_factors_from_a_fraction_of_the_positions_are_those_positions_statistics() -> None:
     """A: the mean of the kept rows' [a, 1][a, 1]ᵀ; G: that of a backward whose
     output gradient is the true one on the kept positions, scaled by
     sqrt(T/k), and zero elsewhere (G sums over positions, so it stays
     unbiased)."""
     net, x = _sequence_layer()
-    twin = copy.deepcopy(net)
-    precond, reference = _float64_precond(net), _float64_precond(twin)
-    subsample_positions(precond.layers, 0.375, torch.Generator().manual_seed(5))
-    out = net(x)
-    grads: list[torch.Tensor] = []
-    out.register_hook(grads.append)
-    out.square().sum(-1).mean().backward()
-    precond.step()
+    precond, reference, twin, grad = _subsampled_step(net, x, 0.375, 5)
     draws = torch.Generator().manual_seed(5)
     kept_a, kept_g = (torch.randperm(8, generator=draws)[:3].sort().values for _ in range(2))
     rows = torch.cat([x[:, kept_a].reshape(-1, 5), torch.ones(12, 1, dtype=torch.float64)], 1)
@@ -182,7 +192,7 @@ def test_factors_from_a_fraction_of_the_positions_are_those_positions_statistics
     torch.testing.assert_close(got_a, rows.T @ rows / 12, rtol=1e-12, atol=0)
     mask = torch.zeros(1, 8, 1, dtype=torch.float64)
     mask[0, kept_g] = (8 / 3) ** 0.5
-    twin(x).backward(grads[0] * mask)
+    twin(x).backward(grad * mask)
     reference.step()
     got_g, want_g = (next(iter(p.layers.values())).factor("G") for p in (precond, reference))
     assert got_g is not None and want_g is not None
@@ -222,15 +232,8 @@ def test_a_convolutions_factors_from_a_fraction_of_its_output_positions(dims: in
     else:
         net = nn.Conv2d(2, 3, (2, 3), padding=(1, 0)).double()
         x = torch.randn(2, 2, 5, 6, dtype=torch.float64)
-    twin = copy.deepcopy(net)
-    precond, reference = _float64_precond(net), _float64_precond(twin)
-    subsample_positions(precond.layers, 0.4, torch.Generator().manual_seed(7))
-    out = net(x)
-    grads: list[torch.Tensor] = []
-    out.register_hook(grads.append)
-    out.square().mean().backward()
-    precond.step()
-    positions = out[0, 0].numel()
+    precond, reference, twin, grad = _subsampled_step(net, x, 0.4, 7)
+    positions = grad[0, 0].numel()
     k = math.ceil(0.4 * positions)
     draws = torch.Generator().manual_seed(7)
     kept_a, kept_g = (
@@ -250,7 +253,7 @@ def test_a_convolutions_factors_from_a_fraction_of_its_output_positions(dims: in
     torch.testing.assert_close(got_a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-15)
     mask = torch.zeros(positions, dtype=torch.float64)
     mask[kept_g] = (positions / k) ** 0.5
-    twin(x).backward(grads[0] * mask.reshape(out.shape[2:]))
+    twin(x).backward(grad * mask.reshape(grad.shape[2:]))
     reference.step()
     got_g, want_g = (next(iter(p.layers.values())).factor("G") for p in (precond, reference))
     assert got_g is not None and want_g is not None
