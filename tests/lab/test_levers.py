@@ -283,8 +283,11 @@ def test_kfac_on_muons_adamw_part_registers_the_embeddings_and_head_only() -> No
     assert registered == {"tok", "pos", "head"}
     assert {n.removesuffix(".q").removesuffix(".k").removesuffix(".v") for n in left} == owners
     adamw = dataclasses.replace(spec, optimizer="adamw", adamw_lr=None, adamw_weight_decay=None)
-    with pytest.raises(ValueError, match="'adamw-part' under muon only"):
+    with pytest.raises(ValueError, match="'adamw-part' under muon with K-FAC only"):
         Trainer(adamw, get_task(spec.task), ctx)
+    alone = dataclasses.replace(spec, kfac=False, kfac_kwargs={})
+    with pytest.raises(ValueError, match="'adamw-part' under muon with K-FAC only"):
+        Trainer(alone, get_task(spec.task), ctx)
 
 
 def test_a_kfac_keyword_lever_reaches_the_preconditioners_keywords_and_the_record() -> None:

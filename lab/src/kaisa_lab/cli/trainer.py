@@ -77,6 +77,13 @@ class Trainer:
         # The schedule scales every group's own lr (muon's AdamW part has another).
         self._lr_scales = [group["lr"] / spec.lr for group in self.optimizer.param_groups]
         self.preconditioner: Any = None
+        if spec.kfac_layers not in KFAC_LAYERS or (
+            spec.kfac_layers != "all" and (spec.optimizer != "muon" or not spec.kfac)
+        ):
+            raise ValueError(
+                f"kfac_layers={spec.kfac_layers!r}: one of {KFAC_LAYERS}, "
+                "'adamw-part' under muon with K-FAC only"
+            )
         if spec.kfac:
             # Imported here so that first-order runs work even while the
             # preconditioner module is missing or broken.
@@ -85,13 +92,6 @@ class Trainer:
             # Hooks go on the unwrapped model so layer names (and the
             # --kfac-skip-layers patterns matched against them) do not depend on DDP.
             options = dict(spec.kfac_kwargs)
-            if spec.kfac_layers not in KFAC_LAYERS or (
-                spec.kfac_layers != "all" and spec.optimizer != "muon"
-            ):
-                raise ValueError(
-                    f"kfac_layers={spec.kfac_layers!r}: one of {KFAC_LAYERS}, "
-                    "'adamw-part' under muon only"
-                )
             if spec.kfac_layers == "adamw-part":
                 assert isinstance(self.optimizer, MuonWithAdamW)
                 skips = adamw_part_skips(self.optimizer.split.muon)
