@@ -346,6 +346,9 @@ def test_kaisa_bench_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["bench", "run", "quick", *records, "--stages", "warmup"])
     assert "argument --stages" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "run", "quick", *records, "--snapshot-minutes", "-1"])
+    assert "argument --snapshot-minutes" in capsys.readouterr().err
 
 
 def test_an_arm_with_knobs_must_have_kfac() -> None:

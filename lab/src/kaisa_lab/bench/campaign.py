@@ -36,6 +36,7 @@ from kaisa_lab.bench.protocol import Outcome, Setting, best, followup
 from kaisa_lab.bench.records import RecordStore, config_key, environment, load_average, train_record
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.snapshot import Snapshots
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.cli.train import RunResult, train_lockstep, warm_up
 from kaisa_lab.tasks.registry import get_task
@@ -234,8 +235,18 @@ def _claim(path: Path) -> Iterator[bool]:
         path.unlink(missing_ok=True)
 
 
-def run_unit(campaign: Campaign, unit: Unit, progress: Progress, device: str = "cpu") -> None:
-    """Train one unit in lockstep, writing each run's record as it ends."""
+def run_unit(
+    campaign: Campaign,
+    unit: Unit,
+    progress: Progress,
+    device: str = "cpu",
+    snapshot_every_s: float | None = None,
+) -> None:
+    """Train one unit in lockstep, writing each run's record as it ends.
+
+    With ``snapshot_every_s``, the unit's runs in flight are saved that often
+    (under ``<records>/<case>/.snapshots``), and a unit stopped part-way goes
+    on from its runs' snapshots when it is next taken."""
     task = get_task(campaign.case.task)
     data = task.load()
     ctx = DistContext(device=torch.device(device))
@@ -269,7 +280,22 @@ def run_unit(campaign: Campaign, unit: Unit, progress: Progress, device: str = "
         campaign.store.write(record)
 
     labels = [run.label for run in unit.runs]
-    train_lockstep(specs, task, data, ctx, progress, labels, cutoff=cutoff, on_finish=on_finish)
+    snapshots = (
+        None
+        if snapshot_every_s is None
+        else Snapshots(campaign.store.root / campaign.case.name / ".snapshots", snapshot_every_s)
+    )
+    train_lockstep(
+        specs,
+        task,
+        data,
+        ctx,
+        progress,
+        labels,
+        cutoff=cutoff,
+        on_finish=on_finish,
+        snapshots=snapshots,
+    )
 
 
 def work(
@@ -280,6 +306,7 @@ def work(
     wait_s: float = 30.0,
     stages: Sequence[str] = ("grid", "followup", "heldout"),
     device: str = "cpu",
+    snapshot_every_s: float | None = None,
 ) -> int:
     """Take units until none is left (or ``max_units``); return how many this worker ran.
 
@@ -300,7 +327,13 @@ def work(
                 fresh = _pending(campaign, unit.runs)
                 if fresh:
                     progress.log(f"unit {unit.name}: {len(fresh)} run(s) in lockstep")
-                    run_unit(campaign, Unit(unit.stage, unit.seed, fresh), progress, device)
+                    run_unit(
+                        campaign,
+                        Unit(unit.stage, unit.seed, fresh),
+                        progress,
+                        device,
+                        snapshot_every_s,
+                    )
                     done += 1
                 break
         else:

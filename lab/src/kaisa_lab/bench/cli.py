@@ -148,6 +148,13 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         help="a cost case: also print its records as one JSON line at the end (for ab)",
     )
     run.add_argument(
+        "--snapshot-minutes",
+        type=float,
+        default=10.0,
+        help="save the runs of a group in flight this often, so a stopped group goes on "
+        "where it was (default: 10; 0: never)",
+    )
+    run.add_argument(
         "--no-wait",
         action="store_true",
         help="return when every pending group is held by another worker (default: wait)",
@@ -257,6 +264,8 @@ def _run_campaign(campaign: Campaign, args: argparse.Namespace, error: Any) -> i
         error(f"argument --stages: choose from {', '.join(STAGES)}; got {args.stages!r}")
     if args.threads < 1:
         error(f"argument --threads: expected a positive integer; got {args.threads}")
+    if args.snapshot_minutes < 0:
+        error(f"argument --snapshot-minutes: expected >= 0; got {args.snapshot_minutes}")
     torch.set_num_threads(args.threads)
     done = work(
         campaign,
@@ -265,6 +274,7 @@ def _run_campaign(campaign: Campaign, args: argparse.Namespace, error: Any) -> i
         wait_s=0.0 if args.no_wait else 30.0,
         stages=stages,
         device=args.device,
+        snapshot_every_s=60.0 * args.snapshot_minutes or None,
     )
     print(f"ran {done} group(s)")
     print("\n".join(campaign.status()))

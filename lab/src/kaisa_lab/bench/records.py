@@ -225,6 +225,8 @@ def train_record(
                 "initial_weights": result.initial_weights,
                 "data_order": result.data_order,
             },
+            # only where a snapshot was restored: the clock then sums several processes'
+            **({"resumed_at": list(result.resumed_at)} if result.resumed_at else {}),
         },
         "curve": [
             {

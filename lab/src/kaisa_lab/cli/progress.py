@@ -70,11 +70,14 @@ class Progress:
         else:
             print(message, file=self.stream, flush=True)
 
-    def start_epoch(self, description: str, total: int) -> None:
+    def start_epoch(self, description: str, total: int, done: int = 0) -> None:
+        """Show a bar over an epoch's ``total`` steps, ``done`` of them taken already
+        (a run resumed part-way through an epoch)."""
         self._steps = 0
         if self.bars:
             self._bar = tqdm(
                 total=total,
+                initial=done,
                 desc=description,
                 file=self.stream,
                 leave=self._runs is None,

@@ -16,6 +16,7 @@ the step that launched them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -23,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +32,7 @@ from torch import nn
 from kaisa_lab.cli.distributed import DistContext, eval_indices, train_sampler
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.schedule import LRSchedule
+from kaisa_lab.cli.snapshot import Snapshots
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.cli.trainer import Trainer, make_optimizer
 from kaisa_lab.tasks.base import BatchDataset, EvalSums, Task, TaskData
@@ -104,6 +107,8 @@ class RunResult:
     weights it started from and of the order of every batch its budget would
     draw: two arms of a fair comparison have equal ones. ``stopped`` says why
     it ended: ``"target"``, ``"budget"`` (its last epoch) or ``"diverged"``.
+    ``resumed_at`` lists the steps it was restored at from a snapshot
+    (:mod:`kaisa_lab.cli.snapshot`): its clock then sums more than one process's.
     """
 
     spec: RunSpec
@@ -117,6 +122,7 @@ class RunResult:
     data_order: str = ""
     stopped: str = "budget"
     step_times: StepTimes | None = None
+    resumed_at: list[int] = field(default_factory=list)
 
     @property
     def wall_time_s(self) -> float:
@@ -343,6 +349,36 @@ class _Lane:
         self.epoch += 1
         self.epoch_step = 0
 
+    def state(self) -> dict[str, Any]:
+        """Everything this run's next steps and its result depend on (taken between steps)."""
+        result = self.result
+        return {
+            "trainer": self.trainer.state_dict(),
+            "rng": self.rng,
+            "clock_s": self.clock.elapsed,
+            "seconds": list(self.seconds),
+            "position": (self.epoch, self.epoch_step, self.step, self.segment_steps),
+            "loss_sum": self.loss_sum.cpu(),
+            "curve": [dataclasses.asdict(r) for r in result.curve],
+            "to_target": (result.time_to_target_s, result.steps_to_target, result.epochs_to_target),
+            "resumed_at": list(result.resumed_at),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state` (of a run of the same spec)."""
+        self.trainer.load_state_dict(state["trainer"])
+        self.rng = state["rng"]
+        self.clock.elapsed = state["clock_s"]
+        self.seconds = list(state["seconds"])
+        self.epoch, self.epoch_step, self.step, self.segment_steps = state["position"]
+        self.loss_sum = state["loss_sum"].to(self.ctx.device)
+        result = self.result
+        result.curve = [EpochRecord(**r) for r in state["curve"]]
+        result.time_to_target_s, result.steps_to_target, result.epochs_to_target = state[
+            "to_target"
+        ]
+        result.resumed_at = [*state["resumed_at"], self.step]
+
     def finish(self, why: str) -> None:
         self.done = True
         self.result.stopped = why
@@ -370,6 +406,7 @@ def train_lockstep(
     *,
     cutoff: Callable[[int, RunResult], bool] | None = None,
     on_finish: Callable[[int, RunResult], None] | None = None,
+    snapshots: Snapshots | None = None,
 ) -> list[RunResult]:
     """Train every spec from a fresh, seeded model, all in lockstep; results in ``specs`` order.
 
@@ -388,6 +425,11 @@ def train_lockstep(
     e.g. a tuning run far slower than its arm's best); ``on_finish(i,
     result)`` is called as each run ends, so a long group's finished runs can
     be saved before the rest are done.
+
+    With ``snapshots``, a run that has one goes on from it, and every
+    unfinished run is snapshotted at the end of a round whenever
+    ``snapshots.every_s`` has passed (off every clock); a run's snapshot is
+    deleted when it ends.
     """
     labels = [spec.name for spec in specs] if labels is None else list(labels)
     if len(labels) != len(specs):
@@ -399,7 +441,13 @@ def train_lockstep(
             stack.callback(lane.trainer.close)
             lanes.append(lane)
             progress.log(_header(lane))
-        _run_rounds(lanes, progress, cutoff, on_finish)
+            saved = None if snapshots is None else snapshots.load(spec)
+            if saved is not None:
+                lane.restore(saved)
+                progress.log(f"[{label}] resumed from its snapshot at step {lane.step}")
+        if snapshots is not None:
+            snapshots.saved()
+        _run_rounds(lanes, progress, cutoff, on_finish, snapshots)
     return [lane.result for lane in lanes]
 
 
@@ -408,18 +456,27 @@ def _run_rounds(
     progress: Progress,
     cutoff: Callable[[int, RunResult], bool] | None,
     on_finish: Callable[[int, RunResult], None] | None,
+    snapshots: Snapshots | None = None,
 ) -> None:
     """Step every unfinished lane once per round until all are done."""
     name = ", ".join(lane.label for lane in lanes)
     index = {id(lane): i for i, lane in enumerate(lanes)}
+    shown = 0  # the epoch the progress bar shows
     while True:
         active = [lane for lane in lanes if not lane.done]
         if not active:
             return
+        if snapshots is not None and snapshots.due():
+            for lane in active:
+                snapshots.save(lane.spec, lane.state())
+            snapshots.saved()
         lead = active[0]
-        if lead.epoch_step == 0:
+        if lead.epoch != shown:
+            shown = lead.epoch
             epochs = max(lane.spec.epochs for lane in active)
-            progress.start_epoch(f"[{name}] epoch {lead.epoch}/{epochs}", lead.steps_per_epoch)
+            progress.start_epoch(
+                f"[{name}] epoch {lead.epoch}/{epochs}", lead.steps_per_epoch, lead.epoch_step
+            )
         for lane in active:
             loss = lane.advance()
             if lane is lead:
@@ -447,6 +504,8 @@ def _run_rounds(
                 progress.end_run()
                 if on_finish is not None:
                     on_finish(index[id(lane)], lane.result)
+                if snapshots is not None:
+                    snapshots.discard(lane.spec)
             elif lane.at_epoch_end:
                 lane.next_epoch()
 

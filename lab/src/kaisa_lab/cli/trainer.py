@@ -101,14 +101,13 @@ class Trainer:
             self.preconditioner = KFACPreconditioner(
                 self.model, optimizer=self.optimizer, pg_timeout_s=ctx.timeout_s, **options
             )
+        #: the positions' own stream, drawn afresh for each statistic
+        self._positions: torch.Generator | None = None
         if spec.position_fraction is not None:
             if not spec.kfac:
                 raise ValueError("position_fraction: a K-FAC run's option")
-            subsample_positions(
-                self.preconditioner.layers,
-                spec.position_fraction,
-                torch.Generator().manual_seed(20_000 + spec.seed),
-            )
+            self._positions = torch.Generator().manual_seed(20_000 + spec.seed)
+            subsample_positions(self.preconditioner.layers, spec.position_fraction, self._positions)
         if spec.fisher not in FISHERS or (spec.fisher != "empirical" and not spec.kfac):
             raise ValueError(f"fisher={spec.fisher!r}: one of {FISHERS}, and 'mc' with K-FAC only")
         #: the sampled labels' own stream (the global one stays as the other runs see it)
@@ -126,6 +125,33 @@ class Trainer:
         """Remove K-FAC's hooks (idempotent)."""
         if self.preconditioner is not None:
             self.preconditioner.remove_hooks()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the run's next steps depend on (weights, the optimizer's
+        and the preconditioner's state, the levers' own generators), so that a
+        run restored by :meth:`load_state_dict` goes on bit for bit."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "preconditioner": (
+                None if self.preconditioner is None else self.preconditioner.state_dict()
+            ),
+            "generators": {
+                name: gen.get_state()
+                for name, gen in (("mc", self._mc), ("positions", self._positions))
+                if gen is not None
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (from a run of the same spec)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.preconditioner is not None:
+            self.preconditioner.load_state_dict(state["preconditioner"])
+        for name, gen in (("mc", self._mc), ("positions", self._positions)):
+            if gen is not None:
+                gen.set_state(state["generators"][name])
 
     def set_lr(self, lr: float) -> None:
         """Set the lr of the run's schedule: each parameter group's lr is ``lr`` times its

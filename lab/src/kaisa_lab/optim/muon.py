@@ -168,6 +168,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """Restore what :meth:`state_dict` returned."""
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+        # torch's load_state_dict builds new group dicts: share them again
+        self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
 
     def parameters_of(self, which: str) -> Iterable[torch.Tensor]:
         """The model parameters ``'muon'`` or ``'adamw'`` updates."""

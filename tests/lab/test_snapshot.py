@@ -1,0 +1,161 @@
+"""A lockstep group stopped part-way goes on from its snapshots bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kaisa_lab.bench.cases import get_case
+from kaisa_lab.cli.distributed import DistContext
+from kaisa_lab.cli.progress import Progress
+from kaisa_lab.cli.snapshot import Snapshots
+from kaisa_lab.cli.spec import RunSpec
+from kaisa_lab.cli.train import train_lockstep
+from kaisa_lab.optim.build import check_available
+from kaisa_lab.tasks.registry import get_task
+
+CPU = DistContext(device=torch.device("cpu"))
+QUIET = Progress(enabled=False, bars=False)
+
+
+class _InterruptedError(Exception):
+    pass
+
+
+class _StopAfter(Progress):
+    """Progress that stops the group (as a killed worker would) after ``steps`` rounds."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(enabled=False, bars=False)
+        self.left = steps
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise _InterruptedError
+
+
+def _spec(optimizer: str, kfac: bool, **changes: Any) -> RunSpec:
+    case = get_case("quick")
+    base = case.spec(case.arms[1], case.grid(case.arms[1])[1], 0)
+    kwargs = {"loss_average": "batch", "factor_update_steps": 3, "inv_update_steps": 9}
+    if optimizer == "muon":
+        changes = {"adamw_lr": 0.003, "adamw_weight_decay": 0.0, **changes}
+    return dataclasses.replace(
+        base,
+        name=f"{optimizer}{'+kfac' if kfac else ''}",
+        optimizer=optimizer,
+        kfac=kfac,
+        lr=0.003 if optimizer in ("adamw", "soap", "shampoo", "lamb") else 0.05,
+        epochs=2,
+        evals_per_epoch=4,
+        stop_at_target=False,
+        schedule="cosine",
+        warmup_epochs=0.25,
+        kfac_kwargs=kwargs if kfac else {},
+        **changes,
+    )
+
+
+def _curve(result: Any) -> list[tuple[int, float, float]]:
+    return [(r.step, r.train_loss, r.metric) for r in result.curve]
+
+
+def _resume_matches(specs: list[RunSpec], tmp_path: Path, stop_at: int) -> None:
+    task = get_task("digits-mlp")
+    data = task.load()
+    whole = train_lockstep(specs, task, data, CPU, QUIET)
+    every_round = Snapshots(tmp_path, every_s=0.0)
+    with pytest.raises(_InterruptedError):
+        train_lockstep(specs, task, data, CPU, _StopAfter(stop_at), snapshots=every_round)
+    assert len(list(tmp_path.glob("*.pt"))) == len(specs)
+    resumed = train_lockstep(specs, task, data, CPU, QUIET, snapshots=Snapshots(tmp_path, 1e9))
+    for a, b in zip(whole, resumed, strict=True):
+        assert len(a.curve) == 2 * 4
+        assert _curve(a) == _curve(b)
+        assert (a.stopped, a.initial_weights, a.data_order) == (
+            b.stopped,
+            b.initial_weights,
+            b.data_order,
+        )
+        assert a.resumed_at == [] and b.resumed_at == [stop_at]
+        assert a.step_times is not None and b.step_times is not None
+        assert a.step_times.count == b.step_times.count  # the steps before the stop kept
+    assert list(tmp_path.glob("*.pt")) == []  # deleted as each run ended
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kfac"),
+    [("sgd", False), ("sgd", True), ("adamw", True), ("muon", False), ("muon", True)],
+)
+def test_a_group_stopped_mid_interval_resumes_bit_for_bit(
+    optimizer: str, kfac: bool, tmp_path: Path
+) -> None:
+    """Stopped after step 17 (mid-epoch, between evaluations, between K-FAC's
+    factor and inverse updates, in the warm-up's wake): the resumed runs' curves
+    equal the uninterrupted runs' exactly."""
+    _resume_matches([_spec(optimizer, kfac)], tmp_path, stop_at=17)
+
+
+def test_a_mixed_group_with_levers_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """Several runs in one group, one drawing labels from its own generator
+    (the Monte Carlo Fisher), one resumed twice over."""
+    specs = [_spec("sgd", True, fisher="mc"), _spec("adamw", False), _spec("sgd", True)]
+    _resume_matches(specs, tmp_path, stop_at=30)
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "soap", "shampoo"])
+def test_the_baselines_resume_bit_for_bit(optimizer: str, tmp_path: Path) -> None:
+    try:
+        check_available(optimizer)
+    except ImportError as exc:
+        pytest.skip(f"{optimizer}: {exc}")
+    _resume_matches([_spec(optimizer, False, compile_baseline=False)], tmp_path, stop_at=11)
+
+
+def test_a_snapshot_of_another_config_is_not_restored(tmp_path: Path) -> None:
+    snapshots = Snapshots(tmp_path)
+    spec = _spec("sgd", False)
+    snapshots.save(spec, {"anything": 1})
+    assert snapshots.load(spec) == {"anything": 1}
+    other = dataclasses.replace(spec, lr=spec.lr * 2)
+    assert snapshots.path(other) != snapshots.path(spec) and snapshots.load(other) is None
+    snapshots.path(spec).rename(snapshots.path(other))  # a digest collision, in effect
+    assert snapshots.load(other) is None
+    with pytest.raises(ValueError, match="every_s"):
+        Snapshots(tmp_path, every_s=-1.0)
+
+
+def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: Path) -> None:
+    """A worker killed in the middle of a unit: the next worker resumes its runs
+    (the record says where), and their records equal an uninterrupted worker's."""
+    from kaisa_lab.bench.campaign import Campaign, work
+    from kaisa_lab.bench.records import RecordStore
+
+    whole = RecordStore(tmp_path / "whole")
+    work(Campaign(get_case("quick"), whole), QUIET, max_units=1, wait_s=0)
+    stopped = RecordStore(tmp_path / "stopped")
+    with pytest.raises(_InterruptedError):
+        work(
+            Campaign(get_case("quick"), stopped),
+            _StopAfter(9),
+            max_units=1,
+            wait_s=0,
+            snapshot_every_s=0.0,
+        )
+    assert list(stopped.read("quick")) == []
+    assert list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
+    work(Campaign(get_case("quick"), stopped), QUIET, max_units=1, wait_s=0, snapshot_every_s=1e9)
+    first = {(r["key"], r["seed"]): r for r in whole.read("quick")}
+    again = {(r["key"], r["seed"]): r for r in stopped.read("quick")}
+    assert first.keys() == again.keys() and len(first) > 1
+    for ident, record in first.items():
+        other = again[ident]
+        assert "resumed_at" not in record["result"] and other["result"]["resumed_at"] == [9]
+        curve = [(p["step"], p["train_loss"], p["metric"]) for p in record["curve"]]
+        assert curve == [(p["step"], p["train_loss"], p["metric"]) for p in other["curve"]]
+    assert not list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
