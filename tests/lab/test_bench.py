@@ -423,3 +423,11 @@ def test_every_arm_spends_its_whole_budget() -> None:
     assert followup(p, tried, inner, KFAC_KNOBS) is None  # 12 of 12 spent
     longer = Protocol(budget=13)  # the knobs spent, the rest goes to the lr
     assert followup(longer, tried, inner, KFAC_KNOBS) == Setting(0.01414, 0.0, "cosine")
+
+
+def test_every_arm_of_a_case_has_its_own_label_in_the_tables() -> None:
+    from kaisa_lab.bench.report import _label
+
+    for case in CASES.values():
+        labels = [_label(arm) for arm in case.arms]
+        assert len(set(labels)) == len(labels), (case.name, labels)

@@ -125,9 +125,11 @@ def _fmt(spread: tuple[float, float, float] | None, spec: str) -> str:
 
 
 def _label(arm: Arm) -> str:
+    """An arm's name in a table: unique within its case (a lever's tag included)."""
     if not arm.kfac:
         return arm.optimizer
-    return f"{arm.optimizer} + K-FAC ({'tuned' if arm.knobs else 'library defaults'})"
+    lever = f", {arm.tag}" if arm.tag else ""
+    return f"{arm.optimizer} + K-FAC ({'tuned' if arm.knobs else 'library defaults'}{lever})"
 
 
 def markdown_heldout(campaign: Campaign) -> str:
