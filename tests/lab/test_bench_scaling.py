@@ -15,7 +15,13 @@ from kaisa.planner.costs import CostModel
 from kaisa.planner.forecast import forecast, layer_costs
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import get_case
-from kaisa_lab.bench.costs.scaling import comm_seconds, crossover, heldout_steps
+from kaisa_lab.bench.costs.scaling import (
+    CPU_CLOCK,
+    comm_seconds,
+    crossover,
+    heldout_steps,
+    step_clock,
+)
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import heldout_rows
 from kaisa_lab.bench.timing import TIMING_CASES
@@ -43,6 +49,7 @@ def test_a_forecast_is_the_held_out_steps_times_the_measured_step_and_the_links_
         step_s = (res["step_ms"] + sum(res["comm_ms"].values())) / 1e3
         assert res["forecast_s"] == pytest.approx(res["steps"] * step_s, rel=1e-12)
         assert ("factor_comm" in res["comm_ms"]) == ("+kfac" in config["arm"])
+        assert config["clock"] == step_clock("cpu")
     table = TIMING_CASES["large-batch-forecast"].tables["forecast"](records)
     assert "| 2 | 32 | 16 | adamw |" in table and "torch thread(s)" in table
     assert "Per-rank batch 2: " in table
@@ -135,3 +142,15 @@ def test_held_out_steps_count_a_miss_as_never_and_carry_the_selected_knobs(
     write(selected, seeds[1], 20)
     steps, _ = heldout_steps(Campaign(case, store))[arm.name]  # type: ignore[misc]
     assert steps == 25.0
+
+
+def test_a_step_on_one_cpu_thread_is_timed_by_cpu_time_and_elsewhere_by_the_wall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank of the forecast runs alone: on a CPU at one thread its step is the
+    process's CPU time, which the machine's other work does not lengthen."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert step_clock("cpu") == CPU_CLOCK
+    assert step_clock("cuda") == step_clock("cuda:0") == "wall clock"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert step_clock("cpu") == "wall clock"  # CPU time would sum the threads

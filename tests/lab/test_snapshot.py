@@ -148,7 +148,9 @@ def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: P
             snapshot_every_s=0.0,
         )
     assert list(stopped.read("quick")) == []
-    assert list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
+    saved = list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
+    status = Campaign(get_case("quick"), stopped).status()[-1]
+    assert saved and status.endswith(f"{len(saved)} run(s) in flight saved to resume")
     work(Campaign(get_case("quick"), stopped), QUIET, max_units=1, wait_s=0, snapshot_every_s=1e9)
     first = {(r["key"], r["seed"]): r for r in whole.read("quick")}
     again = {(r["key"], r["seed"]): r for r in stopped.read("quick")}
@@ -159,3 +161,7 @@ def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: P
         curve = [(p["step"], p["train_loss"], p["metric"]) for p in record["curve"]]
         assert curve == [(p["step"], p["train_loss"], p["metric"]) for p in other["curve"]]
     assert not list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
+    after = Campaign(get_case("quick"), stopped).status()[-1]
+    assert after.startswith("pending now: ") and after.endswith(
+        " 0 run(s) in flight saved to resume"
+    )

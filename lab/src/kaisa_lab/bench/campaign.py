@@ -186,7 +186,9 @@ class Campaign:
         return min(times, default=math.inf)
 
     def status(self) -> list[str]:
-        """One line per arm: its stage, settings tried, and its choice."""
+        """One line per arm: its stage, settings tried, and its choice; then what is
+        pending now (later stages add runs once these are read) and how many runs
+        are in flight with a snapshot."""
         lines = []
         for arm in self.case.arms:
             st = self.state(arm)
@@ -196,6 +198,14 @@ class Campaign:
             if st.selected is not None:
                 text += f"; selected {st.selected.describe()}"
             lines.append(text)
+        units = self.units()
+        runs = sum(len(u.runs) for u in units)
+        snapshots = self.store.root / self.case.name / ".snapshots"
+        saved = len(list(snapshots.glob("*.pt"))) if snapshots.is_dir() else 0
+        lines.append(
+            f"pending now: {runs} run(s) in {len(units)} group(s); "
+            f"{saved} run(s) in flight saved to resume"
+        )
         return lines
 
 
