@@ -161,6 +161,13 @@ def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: P
         curve = [(p["step"], p["train_loss"], p["metric"]) for p in record["curve"]]
         assert curve == [(p["step"], p["train_loss"], p["metric"]) for p in other["curve"]]
     assert not list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
+    # a worker stopped after writing a record, before deleting its snapshot: the
+    # next unit taken clears it (its run is done; it would never be read)
+    spare = next(iter(stopped.read("quick")))
+    orphan = Snapshots(tmp_path / "stopped" / "quick" / ".snapshots").path(spare["config"])
+    orphan.write_bytes(b"left behind")
+    work(Campaign(get_case("quick"), stopped), QUIET, max_units=1, wait_s=0, snapshot_every_s=1e9)
+    assert not orphan.exists()
     after = Campaign(get_case("quick"), stopped).status()[-1]
     assert after.startswith("pending now: ") and after.endswith(
         " 0 run(s) in flight saved to resume"

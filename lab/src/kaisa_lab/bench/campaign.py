@@ -176,6 +176,10 @@ class Campaign:
                 units.append(Unit("heldout", seed, _pending(self, runs)))
         return [u for u in units if u.runs]
 
+    def every_record(self) -> list[dict[str, Any]]:
+        """Every record of the case (as last read)."""
+        return list(self._index.values())
+
     def best_time(self, kind: str, seed: int) -> float:
         """The fastest time to target of any recorded run of ``kind`` on ``seed``."""
         times = [
@@ -290,11 +294,13 @@ def run_unit(
         campaign.store.write(record)
 
     labels = [run.label for run in unit.runs]
-    snapshots = (
-        None
-        if snapshot_every_s is None
-        else Snapshots(campaign.store.root / campaign.case.name / ".snapshots", snapshot_every_s)
-    )
+    snapshots = None
+    if snapshot_every_s is not None:
+        snapshots = Snapshots(
+            campaign.store.root / campaign.case.name / ".snapshots", snapshot_every_s
+        )
+        for record in campaign.every_record():  # a worker stopped between a record and its discard
+            snapshots.discard(record["config"])
     train_lockstep(
         specs,
         task,

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,11 @@ class Snapshots:
         self.every_s = every_s
         self._last = time.monotonic()
 
-    def path(self, spec: RunSpec) -> Path:
-        config = json.dumps(spec.to_dict(), sort_keys=True, default=str)
-        return self.root / f"{hashlib.sha256(config.encode()).hexdigest()[:16]}.pt"
+    def path(self, spec: RunSpec | Mapping[str, Any]) -> Path:
+        """The file of a run (its spec, or the config its record keeps)."""
+        config = spec.to_dict() if isinstance(spec, RunSpec) else dict(spec)
+        text = json.dumps(config, sort_keys=True, default=str)
+        return self.root / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
 
     def due(self) -> bool:
         """Whether ``every_s`` has passed since the last :meth:`saved`."""
@@ -74,5 +77,5 @@ class Snapshots:
         state: dict[str, Any] = saved["state"]
         return state
 
-    def discard(self, spec: RunSpec) -> None:
+    def discard(self, spec: RunSpec | Mapping[str, Any]) -> None:
         self.path(spec).unlink(missing_ok=True)
