@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,28 @@ def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: P
     assert after.startswith("pending now: ") and after.endswith(
         " 0 run(s) in flight saved to resume"
     )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "another_state"])
+def test_a_snapshot_that_cannot_be_restored_starts_its_run_afresh(
+    damage: str, tmp_path: Path
+) -> None:
+    """A bad file must not stop a campaign: the run starts again from step 0
+    and ends as the uninterrupted run does."""
+    task = get_task("digits-mlp")
+    data = task.load()
+    spec = _spec("sgd", True)
+    (whole,) = train_lockstep([spec], task, data, CPU, QUIET)
+    snapshots = Snapshots(tmp_path, every_s=1e9)
+    if damage == "truncated":
+        snapshots.path(spec).parent.mkdir(parents=True, exist_ok=True)
+        snapshots.path(spec).write_bytes(b"PK\x03\x04 not a whole file")
+    else:
+        snapshots.save(spec, {"trainer": {"model": {}}})  # keys the lane does not have
+    log = io.StringIO()
+    (again,) = train_lockstep(
+        [spec], task, data, CPU, Progress(enabled=True, bars=False, stream=log), snapshots=snapshots
+    )
+    assert "could not be restored" in log.getvalue()
+    assert _curve(again) == _curve(whole) and again.resumed_at == []
+    assert not snapshots.path(spec).exists()

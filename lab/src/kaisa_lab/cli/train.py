@@ -438,17 +438,35 @@ def train_lockstep(
     with contextlib.ExitStack() as stack:
         for spec, label in zip(specs, labels):
             lane = _Lane(spec, label, task, data, ctx)
+            if snapshots is not None:
+                lane = _resume(lane, snapshots, progress)
             stack.callback(lane.trainer.close)
             lanes.append(lane)
             progress.log(_header(lane))
-            saved = None if snapshots is None else snapshots.load(spec)
-            if saved is not None:
-                lane.restore(saved)
-                progress.log(f"[{label}] resumed from its snapshot at step {lane.step}")
         if snapshots is not None:
             snapshots.saved()
         _run_rounds(lanes, progress, cutoff, on_finish, snapshots)
     return [lane.result for lane in lanes]
+
+
+def _resume(lane: _Lane, snapshots: Snapshots, progress: Progress) -> _Lane:
+    """``lane`` gone on from its snapshot, if it has one; a fresh lane where the
+    snapshot cannot be read or restored (a run must not be stuck on a bad file:
+    it starts again, which costs time, not correctness)."""
+    try:
+        saved = snapshots.load(lane.spec)
+        if saved is not None:
+            lane.restore(saved)
+            progress.log(f"[{lane.label}] resumed from its snapshot at step {lane.step}")
+        return lane
+    except Exception as exc:  # any failure: the run starts afresh
+        progress.log(
+            f"[{lane.label}] its snapshot could not be restored ({type(exc).__name__}: "
+            f"{exc}); starting it afresh"
+        )
+        snapshots.discard(lane.spec)
+        lane.trainer.close()
+        return _Lane(lane.spec, lane.label, lane.task, lane.data, lane.ctx)
 
 
 def _run_rounds(
