@@ -3,7 +3,8 @@
 # device machine (its python3 holds a CUDA torch and pytest):
 #     bash tools/device_check.sh          # $OUT: where the results go
 # 1. tests/cuda (the compiled path under inductor, CUDA graphs of the stacked
-#    groups, a non-factor step without host synchronisation, ...);
+#    groups, a non-factor step without host synchronisation, ...) and a
+#    campaign's snapshot resumed on the GPU;
 # 2. the step-launches cost case on CUDA (kaisa bench run step-launches): a
 #    non-factor step <= 1.15x the first-order step at factor/inverse
 #    intervals 10/100 (its second table).  The arms take turns step by step
@@ -25,6 +26,7 @@ mkdir -p "$OUT"
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/device.txt"
 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -p no:randomly -rsfP tests/cuda \
+  tests/lab/test_snapshot.py::test_a_group_on_cuda_resumes_bit_for_bit \
   2>&1 | tail -80 | tee "$OUT/cuda_tests.txt"
 timeout "${BENCH_S:-240}" python3 -m kaisa_lab bench run step-launches --device cuda \
   --option device=cuda --option rounds=100 --option block=1 --records "$OUT/records" \

@@ -198,3 +198,19 @@ def test_a_snapshot_that_cannot_be_restored_starts_its_run_afresh(
     assert "could not be restored" in log.getvalue()
     assert _curve(again) == _curve(whole) and again.resumed_at == []
     assert not snapshots.path(spec).exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_group_on_cuda_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """On a GPU (tools/device_check.sh runs it): the run's loss sum and CUDA
+    generator states go back to the device."""
+    task = get_task("digits-mlp")
+    data = task.load()
+    gpu = DistContext(device=torch.device("cuda"))
+    specs = [_spec("sgd", True), _spec("adamw", False)]
+    whole = train_lockstep(specs, task, data, gpu, QUIET)
+    with pytest.raises(_InterruptedError):
+        train_lockstep(specs, task, data, gpu, _StopAfter(17), snapshots=Snapshots(tmp_path, 0.0))
+    resumed = train_lockstep(specs, task, data, gpu, QUIET, snapshots=Snapshots(tmp_path, 1e9))
+    for a, b in zip(whole, resumed, strict=True):
+        assert _curve(a) == _curve(b) and b.resumed_at == [17]
