@@ -17,7 +17,6 @@ kfac-pytorch is never imported: its enum members are recognised by name
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from kaisa.config import (
     DistributedStrategy,
 )
 from kaisa.view import PreconditionerView
+from kaisa.warn import warn_user
 
 if TYPE_CHECKING:
     from kaisa.step.schedule import Schedule
@@ -107,12 +107,11 @@ class KfacPytorchAttributes(PreconditionerView):
         user is not surprised by where the factors live."""
         if self.colocate_factors or self.distributed_strategy is not DistributedStrategy.MEM_OPT:
             return
-        warnings.warn(
+        warn_user(
             "colocate_factors=False under MEM-OPT (one gradient worker per layer): kaisa keeps "
             "it, so a layer's factors may be decomposed on different ranks and both sent to the "
             "layer's worker (kfac-pytorch would force colocate_factors=True). The result is "
             "the same either way; colocation saves the second transfer",
-            stacklevel=3,
         )
 
     def reset_batch(self) -> None:

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import logging
-import sys
-import warnings
-from pathlib import Path
 
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.registry import SkippedModule
 from kaisa.layers.state import KFACLayer
+from kaisa.warn import warn_user
 
 __all__ = ["changes", "describe", "log_registration", "memory_usage", "warn_user"]
-
-_PACKAGE = str(Path(__file__).resolve().parent) + "/"
 
 
 def memory_usage(layers: list[KFACLayer], workspace: int = 0, stacked: int = 0) -> dict[str, int]:
@@ -112,12 +108,3 @@ def changes(layers: list[KFACLayer], skipped: list[SkippedModule]) -> str | None
     if not parts:
         return None
     return ". ".join(parts) + ". KFACPreconditioner.describe() lists every layer."
-
-
-def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` attributed to the first caller outside kaisa, so the
-    warning names the user's line however deep in kaisa it was raised."""
-    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn_user's caller
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
-        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)

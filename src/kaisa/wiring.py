@@ -14,7 +14,6 @@ import difflib
 import functools
 import inspect
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec
@@ -117,12 +116,11 @@ def configure(
         options["lr"] = given.lr
     config = KFACConfig.from_options(**options)
     if "lr" not in options and optimizer is None and config.kl_clip is not None:
-        warnings.warn(
+        warn_user(
             f"kaisa: the KL clip assumes a learning rate of {config.lr:g}, kfac-pytorch's "
             "default, because neither optimizer= nor lr= was given; pass optimizer=your "
             "optimizer (its lr is then read at every step, schedules included) or lr=, or "
             "kl_clip=None to turn the clip off",
-            stacklevel=4,
         )
     topology = topology or given.topology
     if isinstance(engine, OwnsTheLoop):

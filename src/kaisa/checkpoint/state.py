@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +26,7 @@ from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor
+from kaisa.warn import warn_user
 
 __all__ = ["STATE_VERSION", "Checkpointer", "normalise_name"]
 
@@ -93,13 +93,12 @@ class Checkpointer:
             if self.rank == 0
             else "this rank's share"
         )
-        warnings.warn(
+        warn_user(
             f"kaisa: state_dict() was called on rank {self.rank} but not on every rank of the "
             f"{self.comm.world_size}-rank data-parallel group within {timeout_s:g} s. kaisa "
             f"keeps each factor on its owner only, so this checkpoint holds {held}; loading it "
             "starts the statistics of any layer it lacks afresh. For a complete, current "
             "checkpoint call state_dict() on every rank (and save on one)",
-            stacklevel=3,
         )
         partial = {"rank": self.rank, "world_size": self.comm.world_size}
         if mirrored is not None:
@@ -279,10 +278,9 @@ class Checkpointer:
             self.place_second_order(name, entry, layer.captured or has_second_order)
         if partial:
             fresh = [n for n, la in self.layers.items() if not la.captured]
-            warnings.warn(
+            warn_user(
                 f"kaisa: this checkpoint was taken on some ranks only ({partial}); layers "
                 f"whose factors it lacks start their statistics afresh: {fresh}",
-                stacklevel=3,
             )
         return compute_inverses and not complete
 

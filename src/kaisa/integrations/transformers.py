@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from transformers import TrainerCallback
 from kaisa.config import LossAverage
 from kaisa.engines import unwrap_model
 from kaisa.preconditioner import KFACPreconditioner
+from kaisa.warn import warn_user
 
 __all__ = ["KFACCallback"]
 
@@ -81,11 +81,10 @@ class KFACCallback(TrainerCallback):
         if "lr" not in options and optimizer is not None:
             options.setdefault("optimizer", optimizer)
         if args.max_grad_norm and args.max_grad_norm > 0:
-            warnings.warn(
+            warn_user(
                 f"kaisa: the Trainer clips gradients (max_grad_norm={args.max_grad_norm}) before "
                 "K-FAC preconditions them; set TrainingArguments(max_grad_norm=0) and let the KL "
                 "clip (kl_clip) bound the update",
-                stacklevel=2,
             )
         model = kwargs["model"]
         if "loss_average" not in options and _accepts_loss_kwargs(model):
@@ -106,10 +105,9 @@ class KFACCallback(TrainerCallback):
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         path = os.path.join(folder, self.STATE_NAME)
         if not os.path.isfile(path):
-            warnings.warn(
+            warn_user(
                 f"kaisa: training resumes at step {state.global_step} but {path} does not exist: "
                 "the preconditioner starts afresh (its factors from the next batch)",
-                stacklevel=3,
             )
             return
         self.preconditioner.load_state_dict(torch.load(path, map_location="cpu"))

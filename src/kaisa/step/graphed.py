@@ -52,7 +52,6 @@ the gradients are overwritten, and counted there
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import cast
 
@@ -73,6 +72,7 @@ from kaisa.step.recording import (
     RecordingError,
     ReplayStamp,
 )
+from kaisa.warn import warn_user
 
 __all__ = [
     "CUDA_GRAPH_MODES",
@@ -273,11 +273,10 @@ class GraphedApplication:
             recorder.record(work)
         except RecordingError as failed:
             self.failed = True
-            warnings.warn(
+            warn_user(
                 "kaisa: the non-factor step could not be recorded as a CUDA graph "
                 f"({failed.__cause__!r}); it runs eagerly from now on (the step just taken "
                 "is complete). Please report it with the model",
-                stacklevel=7,
             )
             return True
         self._recorder = recorder

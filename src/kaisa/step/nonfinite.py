@@ -24,13 +24,13 @@ device (:mod:`kaisa.step.skip`).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from kaisa.step.skip import LEFT
+from kaisa.warn import warn_user
 
 __all__ = ["NonFiniteSteps", "VerdictTally", "finite_verdict", "gradients_finite"]
 
@@ -184,19 +184,17 @@ class NonFiniteSteps:
         if self.count & (self.count - 1):  # not a power of two
             return
         if deferred:
-            warnings.warn(
+            warn_user(
                 f"kaisa: {self.count} step(s) with non-finite gradients so far (the latest at "
                 f"step {step}, a non-factor step whose verdict stayed on the device until the "
                 f"next factor step): {self.deferred_update}; it advanced the step count, and "
                 "no factor or decomposition saw it. A NaN or Inf loss is the usual cause; the "
                 f"next report comes at {2 * self.count}",
-                stacklevel=5,
             )
             return
-        warnings.warn(
+        warn_user(
             f"kaisa: skipped {self.count} step(s) with non-finite gradients so far (the latest "
             f"at call {step} of step()): their statistics were dropped, the factors, "
             f"decompositions and step count left as they were, and {self.gradients}. A NaN "
             f"or Inf loss is the usual cause; the next report comes at {2 * self.count} skips",
-            stacklevel=5,
         )

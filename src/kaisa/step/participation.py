@@ -11,12 +11,12 @@ others skip.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 from kaisa.distributed.communicator import Communicator
 from kaisa.engines.base import Engine
 from kaisa.layers.state import KFACLayer
+from kaisa.warn import warn_user
 
 __all__ = ["Participation"]
 
@@ -76,4 +76,4 @@ class Participation:
     def _warn_once(self, name: str, message: str) -> None:
         if name not in self._warned:
             self._warned.add(name)
-            warnings.warn(message, stacklevel=5)
+            warn_user(message)

@@ -8,11 +8,10 @@ through, and training forwards run in eval mode.
 
 from __future__ import annotations
 
-import warnings
-
 from kaisa.core.specs import FactorSource
 from kaisa.engines.base import Engine
 from kaisa.layers.state import KFACLayer
+from kaisa.warn import warn_user
 
 __all__ = ["StepReports"]
 
@@ -43,14 +42,13 @@ class StepReports:
         for name, seen in per_pass.items():
             if seen == 1 < most and name not in self._broadcast:
                 self._broadcast.add(name)
-                warnings.warn(
+                warn_user(
                     f"kaisa: layer {name!r} saw {seen:g} data point(s) per pass where other "
                     f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
                     "position ids of shape [1, T]) by an operation kaisa does not see through "
                     "(it does an elementwise +, - or * with the batch), so its G factor is that "
                     "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
                     "leave it out with skip_layers",
-                    stacklevel=4,
                 )
 
     def eval_forwards(self, layers: list[KFACLayer], engine: Engine) -> None:
@@ -73,13 +71,12 @@ class StepReports:
         listed = ", ".join(repr(n) for n in names[:3])
         if len(names) > 3:
             listed += f" and {len(names) - 3} more"
-        warnings.warn(
+        warn_user(
             f"kaisa: layer(s) {listed} have a gradient but their forward ran in eval mode "
             "(model.eval()): kaisa captures training-mode forwards only, so their factors "
             "were not updated this step (a layer never captured keeps its raw gradient). "
             "Call model.train() before training forwards (after an evaluation, say); to "
             "train without dropout, set its probability to 0 instead of calling eval()",
-            stacklevel=4,
         )
 
     def dropped_forwards(self, layers: list[KFACLayer]) -> None:
@@ -87,9 +84,8 @@ class StepReports:
         dropped = {n: c for n, c in dropped.items() if c > 0}
         if dropped:
             names = ", ".join(f"{n!r} ({c})" for n, c in dropped.items())
-            warnings.warn(
+            warn_user(
                 f"kaisa: training-mode forward calls with no backward before step() were "
                 f"ignored: {names}. Run forwards that are not followed by backward inside "
                 "`with precond.paused():` (or under torch.no_grad() / model.eval())",
-                stacklevel=4,
             )

@@ -15,7 +15,6 @@ The current values may be changed during training (``precond.damping =
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kaisa.config import KFACConfig, check_value, resolve
+from kaisa.warn import warn_user
 
 __all__ = ["FixedValues", "Schedule", "warn_unaligned_intervals"]
 
@@ -181,8 +181,7 @@ def warn_unaligned_intervals(config: KFACConfig) -> None:
     """Decompositions between factor updates reuse unchanged factors: say so."""
     f, i = config.factor_update_steps, config.inv_update_steps
     if isinstance(f, int) and isinstance(i, int) and i % f != 0:
-        warnings.warn(
+        warn_user(
             f"inv_update_steps ({i}) is not a multiple of factor_update_steps ({f}): some "
             "decompositions will reuse unchanged factors",
-            stacklevel=3,
         )

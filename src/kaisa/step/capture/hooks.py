@@ -11,7 +11,6 @@ parameters kaisa preconditions (:func:`_updates_gradients`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 
 from kaisa.core.specs import FactorSpec
 from kaisa.layers.state import KFACLayer
+from kaisa.warn import warn_user
 
 __all__ = ["ModuleHook", "TermMemo", "first_tensor", "input_term_key"]
 
@@ -97,12 +97,11 @@ def _unreadable(exc: BaseException) -> bool:
     output gradients into G; leaving it out costs only this step's factors."""
     if not _WARNED_UNREADABLE:
         _WARNED_UNREADABLE.append(True)
-        warnings.warn(
+        warn_user(
             "kaisa: autograd could not say whether this backward fills the "
             f"parameters' .grad ({type(exc).__name__}: {exc}); its output gradients "
             "are not counted in the factors. Report this with your torch version",
             RuntimeWarning,
-            stacklevel=2,
         )
     return False
 
