@@ -5,6 +5,8 @@ of W ranks from the planner's cost model. No assertion on speed."""
 from __future__ import annotations
 
 import math
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,22 @@ def test_a_step_on_one_cpu_thread_is_timed_by_cpu_time_and_elsewhere_by_the_wall
     assert step_clock("cuda") == step_clock("cuda:0") == "wall clock"
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert step_clock("cpu") == "wall clock"  # CPU time would sum the threads
+
+
+def test_the_forecast_times_a_cpu_step_by_the_process_cpu_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one CPU thread the step is read from ``time.process_time`` (a clock that
+    here advances 0.25 s a reading), not from the wall clock."""
+    from kaisa_lab.bench.costs import scaling
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    clocks = types.SimpleNamespace(
+        process_time=lambda: 0.25 * next(ticks), perf_counter=time.perf_counter
+    )
+    monkeypatch.setattr(scaling, "time", clocks)  # scaling's readings only
+    records = run_quick("large-batch-forecast", tmp_path, f"records={COMMITTED}", 'arms=["adamw"]')
+    measured = [r for r in records if r["result"]["measured"]]
+    assert measured and all(r["config"]["clock"] == CPU_CLOCK for r in measured)
+    assert [r["result"]["step_ms"] for r in measured] == pytest.approx([250.0] * len(measured))
