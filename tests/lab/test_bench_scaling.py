@@ -14,16 +14,23 @@ import torch
 from tests.lab.test_bench_costs_steps import COMMITTED, assert_plots, run_quick
 
 from kaisa.planner.costs import CostModel
-from kaisa.planner.forecast import forecast, layer_costs
+from kaisa.planner.forecast import forecast, fractions_for, layer_costs
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import get_case
 from kaisa_lab.bench.costs.scaling import (
     CPU_CLOCK,
+    LAYOUTS,
+    busiest_share,
     comm_seconds,
     crossover,
     heldout_steps,
+    kfac_shares,
+    muon_gather_seconds,
+    ns_flops,
+    rank_step_ms,
     step_clock,
 )
+from kaisa_lab.bench.costs.task_steps import TaskArm, task_batches
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import heldout_rows
 from kaisa_lab.bench.timing import TIMING_CASES
@@ -32,9 +39,13 @@ from kaisa_lab.tasks.registry import get_task
 KFAC = {"loss_average": "batch_and_sequence", "grad_worker_fraction": 0.5}
 
 
-def test_a_forecast_is_the_held_out_steps_times_the_measured_step_and_the_links_collectives(
+def test_a_forecast_is_the_held_out_steps_times_a_ranks_step_in_each_layout(
     tmp_path: Path,
 ) -> None:
+    """Per layout: steps × (the step on one rank with each timed part cut to the
+    busiest rank's share of it + the links' collectives). Replicated, every
+    rank runs Muon whole and kaisa at COMM-OPT preconditions every layer;
+    sharded, Muon's matrices and K-FAC's products are split over the ranks."""
     records = run_quick(
         "large-batch-forecast", tmp_path, f"records={COMMITTED}", 'arms=["adamw","muon+kfac"]'
     )
@@ -48,14 +59,113 @@ def test_a_forecast_is_the_held_out_steps_times_the_measured_step_and_the_links_
         res, config = r["result"], r["config"]
         assert config["world"] == 32 // config["per_rank_batch"] == 16  # quick: b = 2
         assert res["measured"] and res["steps"] == want[config["arm"]]
-        step_s = (res["step_ms"] + sum(res["comm_ms"].values())) / 1e3
-        assert res["forecast_s"] == pytest.approx(res["steps"] * step_s, rel=1e-12)
-        assert ("factor_comm" in res["comm_ms"]) == ("+kfac" in config["arm"])
         assert config["clock"] == step_clock("cpu")
+        kfac = "+kfac" in config["arm"]
+        assert set(res["parts_ms"]) == ({"muon", "decompose", "products"} if kfac else set())
+        assert set(res["layouts"]) == set(LAYOUTS)
+        for name, plan in res["layouts"].items():
+            step = rank_step_ms(res["step_ms"], res["parts_ms"], plan["shares"])
+            assert plan["step_ms"] == pytest.approx(step, rel=1e-12)
+            total_s = (plan["step_ms"] + sum(plan["comm_ms"].values())) / 1e3
+            assert plan["forecast_s"] == pytest.approx(res["steps"] * total_s, rel=1e-12)
+            assert ("factor_comm" in plan["comm_ms"]) == kfac
+            assert ("muon_allgather" in plan["comm_ms"]) == (kfac and name == "sharded")
+        replicated, sharded = res["layouts"]["replicated"], res["layouts"]["sharded"]
+        if not kfac:
+            assert replicated == {**sharded, "grad_worker_fraction": None}
+            assert replicated["step_ms"] == res["step_ms"]  # nothing to split
+            continue
+        assert replicated["grad_worker_fraction"] == "COMM_OPT"
+        assert replicated["shares"]["products"] == 1.0 and "muon" not in replicated["shares"]
+        assert sharded["grad_worker_fraction"] in {f"{f:g}" for f in fractions_for(16)} | {
+            "COMM_OPT"
+        }
+        assert 1 / 16 <= sharded["shares"]["muon"] < 1.0  # no split beats an even one
+        assert sharded["step_ms"] < replicated["step_ms"]
     table = TIMING_CASES["large-batch-forecast"].tables["forecast"](records)
     assert "| 2 | 32 | 16 | adamw |" in table and "torch thread(s)" in table
-    assert "Per-rank batch 2: " in table
+    assert "Replicated, per-rank batch 2: " in table and "Sharded, per-rank batch 2: " in table
     assert_plots("large-batch-forecast", tmp_path)
+
+
+def test_muon_newton_schulz_flops_are_the_ones_torch_runs() -> None:
+    """:func:`ns_flops` against torch's own flop counter on Muon's iteration,
+    a tall, a wide and a square matrix."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for shape in ((384, 128), (128, 512), (96, 96)):
+        for steps in (1, 5):
+            with FlopCounterMode(display=False) as counter:
+                _zeropower_via_newtonschulz(
+                    torch.randn(*shape), (3.4445, -4.7750, 2.0315), steps, 1e-7
+                )
+            assert ns_flops(shape, steps) == counter.get_total_flops()
+
+
+def test_the_busiest_share_is_the_greedy_split_largest_first() -> None:
+    assert busiest_share([5.0, 1.0], 1) == 1.0
+    assert busiest_share([4, 3, 3, 2, 2], 2) == pytest.approx(8 / 14)  # greedy, not 7/14
+    assert busiest_share([6, 2, 2], 8) == pytest.approx(0.6)  # more ranks than items
+    assert busiest_share([1.0] * 8, 4) == pytest.approx(0.25)
+    assert busiest_share([], 4) == 1.0
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        busiest_share([1.0], 0)
+
+
+def test_kfacs_shares_are_the_planners_busiest_rank_over_one_rank() -> None:
+    torch.manual_seed(0)
+    model = get_task("text-lm").build_model()
+    cost = CostModel(bandwidth=1e9, latency=1e-5)
+    base = {"loss_average": "batch_and_sequence"}
+    assert kfac_shares(model, 1, cost, base) == {"decompose": 1.0, "products": 1.0}
+    comm_opt = kfac_shares(model, 8, cost, base)
+    assert comm_opt["products"] == 1.0  # every rank preconditions every layer
+    assert 0.0 < comm_opt["decompose"] < 1.0  # each factor decomposed by its owner
+    mem_opt = kfac_shares(model, 8, cost, {**base, "grad_worker_fraction": 0.125})
+    layers = layer_costs(model, device="cuda", **base)
+    one = forecast(layers, 1, cost, **base).seconds["precondition"].max()
+    plan = forecast(layers, 8, cost, **base, grad_worker_fraction=0.125)
+    assert mem_opt["products"] == pytest.approx(plan.seconds["precondition"].max() / one)
+    assert 0.0 < mem_opt["products"] < 1.0
+
+
+def test_a_ranks_step_cuts_each_part_to_its_share_and_sharded_muon_gathers() -> None:
+    parts = {"muon": 10.0, "products": 6.0, "decompose": 1.0}
+    assert rank_step_ms(30.0, parts, {}) == 30.0
+    assert rank_step_ms(30.0, parts, {"muon": 0.25, "products": 0.5}) == 30.0 - 7.5 - 3.0
+    cost = CostModel(bandwidth=1e9, latency=1e-5)
+    shapes = [(128, 512), (512, 128), (384, 128)]
+    assert muon_gather_seconds(shapes, 1, cost) == 0.0
+    nbytes = 4 * (2 * 128 * 512 + 384 * 128)
+    assert muon_gather_seconds(shapes, 2, cost) == cost.collective(nbytes, 2, 2)
+    assert muon_gather_seconds(shapes, 8, cost) == cost.collective(nbytes, 8, 1)
+
+
+def test_a_task_arm_times_its_splittable_parts_inside_its_step() -> None:
+    """Muon's step and K-FAC's decompositions and products are read on the
+    arm's clock inside the step the arm times, so they add up to less."""
+    task = get_task("text-lm")
+    data = task.load()
+    order = torch.arange(len(data.train))
+    batches = task_batches(data, order, 2, 12)
+    keywords = {"loss_average": task.loss_average, "inv_update_steps": 10}
+    arm = TaskArm(task, "muon+kfac", keywords, batches)
+    arm.time_parts(time.process_time)
+    for _ in range(12):
+        arm()
+    parts = arm.parts_ms()
+    assert set(parts) == {"muon", "decompose", "products"}
+    assert all(v > 0 for v in parts.values())
+    assert sum(parts.values()) * arm.calls < 1e3 * arm.cpu_s
+    arm.reset()
+    assert arm.parts_ms() == {"muon": 0.0, "decompose": 0.0, "products": 0.0}
+    assert arm.ns_steps() == 5 and (128, 512) in arm.muon_shapes()
+    plain = TaskArm(task, "adamw", None, batches)
+    plain()
+    assert plain.ns_steps() == 0 and plain.muon_shapes() == []
+    with pytest.raises(ValueError, match="time_parts"):
+        plain.parts_ms()
 
 
 def test_a_batch_not_held_out_yet_is_not_forecast(tmp_path: Path) -> None:
@@ -175,3 +285,39 @@ def test_the_forecast_times_a_cpu_step_by_the_process_cpu_time(
     measured = [r for r in records if r["result"]["measured"]]
     assert measured and all(r["config"]["clock"] == CPU_CLOCK for r in measured)
     assert [r["result"]["step_ms"] for r in measured] == pytest.approx([250.0] * len(measured))
+
+
+def test_a_task_arm_carries_the_levers_that_change_a_steps_cost() -> None:
+    """An eighth of the positions (the capture cut, as a training run's) and
+    Muon's Newton–Schulz iterations; a lever with a pass of its own is refused."""
+    task = get_task("text-lm")
+    data = task.load()
+    batches = task_batches(data, torch.arange(len(data.train)), 2, 2)
+    keywords = {"loss_average": task.loss_average}
+    lever = {"position_fraction": 0.125, "muon_ns_steps": 3}
+    arm = TaskArm(task, "muon+kfac", keywords, batches, lever=lever)
+    assert arm.ns_steps() == 3
+    assert arm.precond is not None
+    assert all("rows_for" in vars(layer.adapter) for layer in arm.precond.layers.values())
+    plain = TaskArm(task, "muon+kfac", keywords, batches)
+    assert not any("rows_for" in vars(layer.adapter) for layer in plain.precond.layers.values())
+    with pytest.raises(ValueError, match=r"\['fisher'\] are not timed here"):
+        TaskArm(task, "muon+kfac", keywords, batches, lever={"fisher": "mc"})
+    with pytest.raises(ValueError, match="position_fraction: a K-FAC arm's lever"):
+        TaskArm(task, "muon", None, batches, lever={"position_fraction": 0.5})
+
+
+def test_the_forecast_finds_each_arm_with_its_lever(tmp_path: Path) -> None:
+    """The large-batch arm with the Gram levers is forecast with them: its
+    K-FAC keyword in its knobs once held out, its run field beside them."""
+    from kaisa_lab.bench.costs.scaling import _found
+
+    options = {
+        "cases": ["text-lm-b512"],
+        "arms": ["muon+kfac", "muon+kfac-pos0.125-bf16"],
+        "per_rank_batch": [8],
+    }
+    _, found = _found(options, RecordStore(tmp_path))
+    by_name = {name: (steps, knobs, lever) for _, _, name, steps, knobs, lever in found}
+    assert by_name["muon+kfac"] == (None, None, {})
+    assert by_name["muon+kfac-pos0.125-bf16"] == (None, None, {"position_fraction": 0.125})

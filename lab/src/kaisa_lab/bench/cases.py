@@ -215,6 +215,14 @@ _LARGE_BATCH_ARMS = (
     *_arms(("adamw", "muon"), ("adamw", "muon"), ()),
     Arm("muon", kfac=True, knobs=LARGE_BATCH_KNOBS),
 )
+#: the cheaper-Gram levers together (:data:`_LEVER_ARMS`), where a factor
+#: step's Grams weigh most: at batch 512 they read 65,536 positions a step
+_GRAM_LEVERS = Arm(
+    "muon",
+    kfac=True,
+    lever=(("position_fraction", 0.125), ("kfac.factor_compute_dtype", "bfloat16")),
+    tag="pos0.125-bf16",
+)
 
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
@@ -236,12 +244,7 @@ _LEVER_ARMS = (
     Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1"),
     # the two cheaper-Gram levers together: a factor step's Grams are most of
     # K-FAC's CPU cost beside Muon's, and each lever alone trims a few percent
-    Arm(
-        "muon",
-        kfac=True,
-        lever=(("position_fraction", 0.125), ("kfac.factor_compute_dtype", "bfloat16")),
-        tag="pos0.125-bf16",
-    ),
+    _GRAM_LEVERS,
 )
 
 CASES: dict[str, TrainCase] = {
@@ -297,14 +300,17 @@ CASES: dict[str, TrainCase] = {
             TrainCase(
                 f"text-lm-b{batch}",
                 "text-lm",
-                _LARGE_BATCH_ARMS,
+                arms,
                 warmups=(0.0, 0.25),
                 epochs=epochs,
                 evals_per_epoch=evals,
                 batch_size=batch,
                 description=f"text-lm at batch {batch} (the large-batch study), to 2.5 bits/char",
             )
-            for batch, epochs, evals in ((128, 3, 20), (512, 2, 40))
+            for batch, epochs, evals, arms in (
+                (128, 3, 20, _LARGE_BATCH_ARMS),
+                (512, 2, 40, (*_LARGE_BATCH_ARMS, _GRAM_LEVERS)),
+            )
         ),
         *(
             TrainCase(

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner
 from kaisa.core.specs import FactorKind
+from kaisa.step.profile import DECOMPOSE, PRODUCTS, StepProfile
 from kaisa_lab.bench.timer import interleave
 from kaisa_lab.bench.timing import Row, TimingCase, register
 
@@ -113,7 +114,16 @@ def _updates(value: Any, step: int) -> bool:
 class TaskArm:
     """One arm on a task: a training step per call, on the next shared batch
     (``batches`` on ``device``, where the model is built); times
-    ``precond.step()`` and the process's CPU time as it goes."""
+    ``precond.step()`` and the process's CPU time as it goes; after
+    :meth:`time_parts`, also the parts of its step that data-parallel ranks
+    can split among themselves (:meth:`parts_ms`).
+
+    ``lever``: a case arm's lever run fields (:mod:`kaisa_lab.levers`) the
+    step carries: ``position_fraction`` and ``muon_ns_steps`` (the levers
+    that change what a step costs without a pass of their own)."""
+
+    #: the lever run fields a timed step can carry
+    LEVERS = ("position_fraction", "muon_ns_steps")
 
     def __init__(
         self,
@@ -122,8 +132,14 @@ class TaskArm:
         keywords: Mapping[str, Any] | None,
         batches: list[Any],
         device: str = "cpu",
+        lever: Mapping[str, Any] | None = None,
     ):
+        from kaisa_lab.levers import subsample_positions
         from kaisa_lab.optim.build import build_optimizer
+
+        lever = dict(lever or {})
+        if unknown := sorted(set(lever) - set(self.LEVERS)):
+            raise ValueError(f"lever(s) {unknown} are not timed here; choose from {self.LEVERS}")
 
         optimizer, _, kfac = name.partition("+")
         if kfac not in ("", "kfac"):
@@ -140,12 +156,37 @@ class TaskArm:
             momentum=d.momentum,
             adamw_lr=d.base_lr("adamw"),
             adamw_weight_decay=d.decay("adamw"),
+            muon_ns_steps=lever.get("muon_ns_steps", 5),
         )
         self.precond: KFACPreconditioner | None = None
         if kfac:
             self.precond = KFACPreconditioner(self.model, optimizer=self.opt, **(keywords or {}))
+        if lever.get("position_fraction") is not None:
+            if self.precond is None:
+                raise ValueError("position_fraction: a K-FAC arm's lever")
+            positions = torch.Generator().manual_seed(0)
+            subsample_positions(self.precond.layers, lever["position_fraction"], positions)
         self.batches = batches
         self.index = 0
+        self.clock: Callable[[], float] | None = None
+        self.sync: Callable[[], None] | None = None
+        self.muon: torch.optim.Optimizer | None = getattr(self.opt, "muon", None)
+        self.reset()
+
+    def time_parts(
+        self, clock: Callable[[], float], sync: Callable[[], None] | None = None
+    ) -> None:
+        """From now on (counts reset) also time, per step, Muon's own step (its
+        Newton–Schulz iterations) and K-FAC's decompositions and preconditioning
+        products (a :class:`kaisa.step.profile.StepProfile`) on ``clock``
+        (``time.process_time`` or ``time.perf_counter``), calling ``sync``
+        before each reading (on a GPU; each reading then waits for the device,
+        so a GPU step is timed on its own, without them)."""
+        first = self.clock is None
+        self.clock, self.sync = clock, sync
+        if first and self.muon is not None:
+            self.muon.register_step_pre_hook(lambda *_: self._muon_clock(start=True))
+            self.muon.register_step_post_hook(lambda *_: self._muon_clock(start=False))
         self.reset()
 
     def reset(self) -> None:
@@ -153,6 +194,43 @@ class TaskArm:
         self.calls = 0
         self.step_ms: list[float] = []
         self.plain_ms: list[float] = []
+        self.muon_s, self._muon_start = 0.0, 0.0
+        if self.clock is not None and self.precond is not None:
+            self.precond.profile = StepProfile(sync=self.sync, clock=self.clock)
+
+    def _muon_clock(self, start: bool) -> None:
+        assert self.clock is not None
+        if self.sync is not None:
+            self.sync()
+        if start:
+            self._muon_start = self.clock()
+        else:
+            self.muon_s += self.clock() - self._muon_start
+
+    def parts_ms(self) -> dict[str, float]:
+        """Per step since :meth:`reset` (ms): ``muon`` (torch's Muon step, for
+        the matrices Muon takes), ``decompose`` and ``products`` (K-FAC's
+        decompositions and preconditioning products); an arm without a part
+        has none of it."""
+        if self.clock is None:
+            raise ValueError("its parts are not timed: call time_parts() first")
+        calls = max(self.calls, 1)
+        out = {"muon": 1e3 * self.muon_s / calls} if self.muon is not None else {}
+        profile = self.precond.profile if self.precond is not None else None
+        if profile is not None:
+            for part, phase in (("decompose", DECOMPOSE), ("products", PRODUCTS)):
+                out[part] = 1e3 * profile.seconds.get(phase, 0.0) / calls
+        return out
+
+    def ns_steps(self) -> int:
+        """Muon's Newton–Schulz iterations a step (0 without Muon)."""
+        return 0 if self.muon is None else int(self.muon.param_groups[0]["ns_steps"])
+
+    def muon_shapes(self) -> list[tuple[int, int]]:
+        """The shapes of the matrices Muon orthogonalises (none without Muon)."""
+        if self.muon is None:
+            return []
+        return [(p.shape[0], p.shape[1]) for g in self.muon.param_groups for p in g["params"]]
 
     def __call__(self) -> None:
         cpu = time.process_time()
