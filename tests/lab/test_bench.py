@@ -22,7 +22,13 @@ from kaisa_lab.bench.campaign import Campaign, work
 from kaisa_lab.bench.cases import CASES, KFAC_KNOBS, Arm, get_case
 from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup, grid
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
-from kaisa_lab.bench.report import FairnessError, heldout_rows, markdown_heldout, markdown_tuning
+from kaisa_lab.bench.report import (
+    FairnessError,
+    heldout_rows,
+    lever_verdict,
+    markdown_heldout,
+    markdown_tuning,
+)
 from kaisa_lab.cli import trainer as trainer_module
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.main import main
@@ -431,3 +437,42 @@ def test_every_arm_of_a_case_has_its_own_label_in_the_tables() -> None:
     for case in CASES.values():
         labels = [_label(arm) for arm in case.arms]
         assert len(set(labels)) == len(labels), (case.name, labels)
+
+
+def test_the_levers_table_sets_each_lever_beside_kfac_at_the_defaults_on_its_base(
+    tmp_path: Path,
+) -> None:
+    """What a lever bought: its held-out medians over K-FAC's at the library's
+    defaults on the same base optimizer (the tuned K-FAC arm is no reference)."""
+    from kaisa_lab.bench.report import markdown_levers
+
+    quick = get_case("quick")
+    assert markdown_levers(Campaign(quick, RecordStore(tmp_path / "none"))).startswith("_No lever")
+    lever = Arm("sgd", kfac=True, lever=(("kfac.factor_decay", 0.9),), tag="decay0.9")
+    case = dataclasses.replace(quick, arms=(*quick.arms, lever))
+    campaign = Campaign(case, RecordStore(tmp_path))
+    work(campaign, QUIET, wait_s=0)
+    campaign.refresh()
+    rows = {r.arm.name: r for r in heldout_rows(campaign)}
+    ours, ref = rows["sgd+kfac-decay0.9"], rows["sgd+kfac"]
+    table = markdown_levers(campaign)
+    lines = [line for line in table.splitlines() if line.startswith("| sgd+kfac-decay0.9 |")]
+    assert len(lines) == 1 and len(table.splitlines()) == 3  # one lever row
+    cells = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert cells[1] == "sgd" and cells[2] == f"{ours.reached}/{ours.seeds}"
+    assert ours.steps is not None and ref.steps is not None
+    assert cells[3] == f"{ours.steps[0] / ref.steps[0]:.2f}"
+    assert ours.step_ms is not None and ref.step_ms is not None
+    assert cells[4] == f"{ours.step_ms / ref.step_ms:.2f}"
+    ratio = ours.median_time_s / ref.median_time_s
+    assert cells[5] == f"{ratio:.2f}" and cells[6] == lever_verdict(ratio)
+
+
+def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:
+    from kaisa_lab.bench.report import lever_verdict
+
+    assert lever_verdict(0.8) == "wins (20% less time)"
+    assert lever_verdict(1.25) == "loses (25% more time)"
+    assert lever_verdict(1.03) == lever_verdict(0.97) == "a tie"
+    assert lever_verdict(math.inf) == "loses (misses the target)"
+    assert lever_verdict(math.nan) == "neither reaches the target"

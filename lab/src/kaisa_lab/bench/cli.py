@@ -34,6 +34,7 @@ from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
     FairnessError,
     markdown_heldout,
+    markdown_levers,
     markdown_machine,
     markdown_summary,
     markdown_tuning,
@@ -49,7 +50,7 @@ del _costs
 
 #: where records are read and written unless ``--records`` says otherwise
 DEFAULT_RECORDS = Path("benchmarks/records")
-TABLES = ("heldout", "tuning", "machine")
+TABLES = ("heldout", "tuning", "machine", "levers")
 STAGES = ("grid", "followup", "heldout")
 
 
@@ -189,9 +190,11 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
     if args.bench_command == "report":
         if args.table not in (None, *TABLES):
             error(f"argument --table: choose from {', '.join(TABLES)}; got {args.table!r}")
-        render = {"tuning": markdown_tuning, "machine": markdown_machine}.get(
-            args.table, markdown_heldout
-        )
+        render = {
+            "tuning": markdown_tuning,
+            "machine": markdown_machine,
+            "levers": markdown_levers,
+        }.get(args.table, markdown_heldout)
         code = _print_fair(lambda: render(campaign), "report")
         if code == 0 and args.plot is not None:
             plot(campaign, args.plot)

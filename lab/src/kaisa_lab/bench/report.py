@@ -30,7 +30,9 @@ __all__ = [
     "ArmRow",
     "FairnessError",
     "heldout_rows",
+    "lever_verdict",
     "markdown_heldout",
+    "markdown_levers",
     "markdown_machine",
     "markdown_summary",
     "markdown_tuning",
@@ -242,6 +244,53 @@ def _quotient(a: float, b: float) -> float:
 
 def _time(value: float) -> str:
     return "not reached" if math.isinf(value) else f"{value:.3g}"
+
+
+def lever_verdict(ratio: float) -> str:
+    """What a lever bought, from its median time to target over K-FAC's at the defaults."""
+    if math.isnan(ratio):
+        return "neither reaches the target"
+    if math.isinf(ratio):
+        return "loses (misses the target)"
+    if ratio < 1 - TIE:
+        return f"wins ({1 - ratio:.0%} less time)"
+    if ratio > 1 + TIE:
+        return f"loses ({ratio - 1:.0%} more time)"
+    return "a tie"
+
+
+def markdown_levers(campaign: Campaign) -> str:
+    """What each lever bought: its held-out medians over those of K-FAC at the
+    library's defaults on the same base optimizer — steps, the step's cost and
+    the time to target, so a win or a loss reads as fewer steps or a cheaper step."""
+    rows = heldout_rows(campaign)
+    levers = [r for r in rows if r.arm.tag]
+    if not levers:
+        return "_No lever arm held out yet._\n"
+    plain = {r.arm.optimizer: r for r in rows if r.arm.kfac and not r.arm.tag and not r.arm.knobs}
+    lines = [
+        "| lever | K-FAC at the defaults on | reached | steps vs defaults | step cost vs defaults "
+        "| time vs defaults | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in levers:
+        ref = plain.get(row.arm.optimizer)
+        if ref is None:
+            lines.append(f"| {row.arm.kind} | {row.arm.optimizer}: not held out | | | | | |")
+            continue
+        steps = (
+            "-" if row.steps is None or ref.steps is None else _ratio(row.steps[0], ref.steps[0])
+        )
+        cost = (
+            "-" if row.step_ms is None or ref.step_ms is None else _ratio(row.step_ms, ref.step_ms)
+        )
+        ratio = _quotient(row.median_time_s, ref.median_time_s)
+        time_ = "-" if not math.isfinite(ratio) else f"{ratio:.2f}"
+        lines.append(
+            f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} | {steps} "
+            f"| {cost} | {time_} | {lever_verdict(ratio)} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def markdown_machine(campaign: Campaign) -> str:
