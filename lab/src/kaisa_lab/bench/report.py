@@ -165,17 +165,26 @@ def markdown_heldout(campaign: Campaign) -> str:
 TIE = 0.05
 
 
+def _read_ratio(ratio: float, *, nan: str, inf: str, win: str, lose: str) -> str:
+    """A ratio of median times to target read with the tie band (:data:`TIE`)."""
+    if math.isnan(ratio):
+        return nan
+    if math.isinf(ratio):
+        return inf
+    if ratio < 1 - TIE:
+        return win
+    return lose if ratio > 1 + TIE else "a tie"
+
+
 def verdict(ratio: float) -> str:
     """What a user reads from a ratio of median times to target (K-FAC arm / its base)."""
-    if math.isnan(ratio):
-        return "neither reaches the target"
-    if math.isinf(ratio):
-        return "keep the optimizer alone (K-FAC misses the target)"
-    if ratio < 1 - TIE:
-        return "add K-FAC"
-    if ratio > 1 + TIE:
-        return "keep the optimizer alone"
-    return "a tie"
+    return _read_ratio(
+        ratio,
+        nan="neither reaches the target",
+        inf="keep the optimizer alone (K-FAC misses the target)",
+        win="add K-FAC",
+        lose="keep the optimizer alone",
+    )
 
 
 def markdown_summary(campaigns: Sequence[Campaign]) -> str:
@@ -248,15 +257,14 @@ def _time(value: float) -> str:
 
 def lever_verdict(ratio: float) -> str:
     """What a lever bought, from its median time to target over K-FAC's at the defaults."""
-    if math.isnan(ratio):
-        return "neither reaches the target"
-    if math.isinf(ratio):
-        return "loses (misses the target)"
-    if ratio < 1 - TIE:
-        return f"wins ({1 - ratio:.0%} less time)"
-    if ratio > 1 + TIE:
-        return f"loses ({ratio - 1:.0%} more time)"
-    return "a tie"
+    finite = math.isfinite(ratio)
+    return _read_ratio(
+        ratio,
+        nan="neither reaches the target",
+        inf="loses (misses the target)",
+        win=f"wins ({1 - ratio:.0%} less time)" if finite else "",
+        lose=f"loses ({ratio - 1:.0%} more time)" if finite else "",
+    )
 
 
 def markdown_levers(campaign: Campaign) -> str:
