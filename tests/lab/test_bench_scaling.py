@@ -29,6 +29,7 @@ from kaisa_lab.bench.costs.scaling import (
     ns_flops,
     rank_step_ms,
     step_clock,
+    timing_passes,
 )
 from kaisa_lab.bench.costs.task_steps import TaskArm, task_batches
 from kaisa_lab.bench.records import RecordStore
@@ -321,3 +322,10 @@ def test_the_forecast_finds_each_arm_with_its_lever(tmp_path: Path) -> None:
     by_name = {name: (steps, knobs, lever) for _, _, name, steps, knobs, lever in found}
     assert by_name["muon+kfac"] == (None, None, {})
     assert by_name["muon+kfac-pos0.125-bf16"] == (None, None, {"position_fraction": 0.125})
+
+
+def test_a_gpus_parts_are_timed_in_turns_of_their_own() -> None:
+    """A part's reading syncs the device, so on a GPU the kept step times come
+    from turns without them; on a CPU one turn serves both."""
+    assert timing_passes(None) == [(True, True)]
+    assert timing_passes(lambda: None) == [(True, False), (False, True)]

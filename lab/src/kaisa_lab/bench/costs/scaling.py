@@ -91,6 +91,7 @@ __all__ = [
     "muon_gather_seconds",
     "ns_flops",
     "rank_step_ms",
+    "timing_passes",
 ]
 
 #: K-FAC's collectives, of the planner's stages
@@ -296,12 +297,8 @@ def _step_ms(
     for _ in range(options["block"]):  # a warm turn (lazy set-up, first decompositions)
         for each in built.values():
             each()
-    # on a CPU the parts are read inside the timed steps (a reading costs
-    # nothing beside a step); on a GPU each reading waits for the device, so
-    # the parts get turns of their own after the timed ones
-    passes = [(True, True)] if sync is None else [(True, False), (False, True)]
     timed: dict[str, Timing] = {}
-    for keep, parts in passes:
+    for keep, parts in timing_passes(sync):
         for each in built.values():
             if parts:
                 each.time_parts(clock, sync)
@@ -325,6 +322,14 @@ def _step_ms(
         }
         for label, t in timed.items()
     }
+
+
+def timing_passes(sync: Any) -> list[tuple[bool, bool]]:
+    """The turns :func:`_step_ms` takes, each ``(its step times kept, its parts
+    timed)``: on a CPU one, the parts read inside the timed steps (a reading
+    costs nothing beside a step); on a GPU (``sync`` given) each reading waits
+    for the device, so the parts get turns of their own after the timed ones."""
+    return [(True, True)] if sync is None else [(True, False), (False, True)]
 
 
 def _fraction_label(kfac: Mapping[str, Any]) -> str:
