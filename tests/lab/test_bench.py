@@ -476,3 +476,4 @@ def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:
     assert lever_verdict(1.03) == lever_verdict(0.97) == "a tie"
     assert lever_verdict(math.inf) == "loses (misses the target)"
     assert lever_verdict(math.nan) == "neither reaches the target"
+    assert lever_verdict(0.0) == "wins (the defaults miss the target)"

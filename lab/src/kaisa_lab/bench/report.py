@@ -257,6 +257,8 @@ def _time(value: float) -> str:
 
 def lever_verdict(ratio: float) -> str:
     """What a lever bought, from its median time to target over K-FAC's at the defaults."""
+    if ratio == 0.0:  # the lever reaches the target, K-FAC at the defaults does not
+        return "wins (the defaults miss the target)"
     finite = math.isfinite(ratio)
     return _read_ratio(
         ratio,
@@ -293,7 +295,7 @@ def markdown_levers(campaign: Campaign) -> str:
             "-" if row.step_ms is None or ref.step_ms is None else _ratio(row.step_ms, ref.step_ms)
         )
         ratio = _quotient(row.median_time_s, ref.median_time_s)
-        time_ = "-" if not math.isfinite(ratio) else f"{ratio:.2f}"
+        time_ = f"{ratio:.2f}" if math.isfinite(ratio) and ratio > 0 else "-"
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} | {steps} "
             f"| {cost} | {time_} | {lever_verdict(ratio)} |"

@@ -461,7 +461,7 @@ def forecast_table(records: Records) -> str:
                 r["result"]["layouts"][layout]["forecast_s"]
                 for name, r in arms.items()
                 if "+kfac" not in name
-                and "layouts" in r["result"]
+                and r["result"]["measured"]
                 and r["result"]["layouts"][layout]["forecast_s"] is not None
             ]
             best[layout] = min(firsts) if firsts else None
@@ -523,7 +523,7 @@ def plot(records: Records, path: Path) -> None:
     steps_ax, layout_axes = axes[0], dict(zip(LAYOUTS, axes[1:]))
     lines: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
     for r in records:
-        if r["result"]["measured"] and "layouts" in r["result"]:
+        if r["result"]["measured"]:
             lines.setdefault((r["config"]["arm"], r["config"]["per_rank_batch"]), []).append(r)
     first_b = min((b for _, b in lines), default=None)
     markers = dict(zip(sorted({b for _, b in lines}), "osD^v"))
