@@ -99,7 +99,7 @@ class KfacPytorchAttributes(PreconditionerView):
         """Capture in the coming passes iff the next step is a factor step."""
         # an interval out of range is refused by the next step() that uses it
         with suppress(TypeError, ValueError, ZeroDivisionError):
-            self._parts.capture.enabled = self._schedule.is_factor_step(self.steps)
+            self._parts.capture.begin_step(self.steps, self._schedule.is_factor_step(self.steps))
 
     def _warn_memory_opt_without_colocation(self) -> None:
         """kfac-pytorch forces ``colocate_factors=True`` under MEM-OPT and warns;

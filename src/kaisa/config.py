@@ -442,6 +442,13 @@ class AlgorithmConfig:
     update_factors_in_hook: bool = True
     loss_average: LossAverage = LossAverage.BATCH
     kfac_approx: KFACApprox = KFACApprox.EXPAND
+    #: each factor statistic of a call with ``T`` positions (a sequence, a
+    #: convolution's output positions) read from a random ``⌈f·T⌉`` of them,
+    #: the same on every rank (:mod:`kaisa.core.positions`): a factor step's
+    #: Grams cost ``f`` of theirs.  None (or 1): every position
+    factor_position_fraction: float | None = None
+    #: the seed of those draws (with the step, the layer and the factor); None: 0
+    factor_position_seed: int | None = None
     #: a dense factor with more rows than this is kept as ``large_factor`` says
     #: (:mod:`kaisa.core.blocks`); None: every factor stays dense, however large
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
@@ -462,6 +469,17 @@ class AlgorithmConfig:
         _check_member("loss_average", self.loss_average, LossAverage)
         _check_member("kfac_approx", self.kfac_approx, KFACApprox)
         _check_member("large_factor", self.large_factor, LargeFactor)
+        fraction = self.factor_position_fraction
+        if fraction is not None:
+            _check_number("factor_position_fraction", fraction, low=0.0, high=1.0, low_open=True)
+        if self.factor_position_seed is not None:
+            _check_number("factor_position_seed", self.factor_position_seed, low=0, integer=True)
+        if fraction is not None and fraction < 1.0 and self.kfac_approx is KFACApprox.REDUCE:
+            raise ValueError(
+                f"factor_position_fraction={self.factor_position_fraction} cuts the rows of "
+                "kfac_approx='expand'; kfac_approx='reduce' already forms one row per data "
+                "point. Use factor_position_fraction=1.0 with 'reduce', or kfac_approx='expand'"
+            )
         if self.grafting is not None and not isinstance(self.grafting, Grafting):
             raise ValueError(
                 f"grafting must be None, 'sgd' or 'adam' (a kaisa.Grafting member here"

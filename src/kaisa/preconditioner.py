@@ -141,6 +141,8 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         update_factors_in_hook: bool = AlgorithmConfig.update_factors_in_hook,
         loss_average: LossAverage | str = AlgorithmConfig.loss_average,
         kfac_approx: KFACApprox | str = AlgorithmConfig.kfac_approx,
+        factor_position_fraction: float | None = AlgorithmConfig.factor_position_fraction,
+        factor_position_seed: int | None = AlgorithmConfig.factor_position_seed,
         max_factor_dim: int | None = AlgorithmConfig.max_factor_dim,
         large_factor: LargeFactor | str = AlgorithmConfig.large_factor,
         grafting: Grafting | str | None = AlgorithmConfig.grafting,

@@ -28,6 +28,7 @@ from kaisa.config import (
     KFACConfig,
     layer_dtypes,
 )
+from kaisa.core.positions import PositionSampler
 from kaisa.core.specs import FactorSource
 from kaisa.distributed.communicator import Communicator, group_ranks
 from kaisa.distributed.plan import LayerSpec, WorkPlan, make_plan
@@ -307,7 +308,11 @@ def _register(
             "convolutions with groups=1; parameters not tied to another module). Skipped: "
             f"{reasons or 'nothing'}"
         )
+    fraction, seed = config.factor_position_fraction, config.factor_position_seed or 0
+    # one sampler for every layer: the pipeline sets its step (kaisa.core.positions)
+    positions = None if fraction is None or fraction >= 1.0 else PositionSampler(fraction, seed)
     for adapter in adapters:
+        adapter.positions = positions
         adapter.reduce = config.kfac_approx is KFACApprox.REDUCE
         adapter.factor_compute_dtype = config.factor_compute_dtype
         adapter.max_factor_dim = config.max_factor_dim

@@ -308,7 +308,7 @@ def attention_data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def attention_runs(rank: int, world: int, stage: int) -> tuple[list, list]:
+def attention_runs(rank: int, world: int, stage: int, positions: float = 1.0) -> tuple[list, list]:
     from torch.nn.parallel import DistributedDataParallel
 
     from kaisa import KFACPreconditioner
@@ -316,7 +316,8 @@ def attention_runs(rank: int, world: int, stage: int) -> tuple[list, list]:
     model = Attentive()
     ddp = DistributedDataParallel(model)
     opt = make_optimizer(model)
-    precond = KFACPreconditioner(ddp, optimizer=opt, accumulation_steps=ACCUMULATE, **KW)
+    kw = dict(KW, factor_position_fraction=positions)
+    precond = KFACPreconditioner(ddp, optimizer=opt, accumulation_steps=ACCUMULATE, **kw)
     data = attention_data(rank)
     for step in range(len(data) // ACCUMULATE):
         opt.zero_grad()
@@ -336,7 +337,7 @@ def attention_runs(rank: int, world: int, stage: int) -> tuple[list, list]:
     engine, *_ = deepspeed.initialize(
         model=net, optimizer=make_optimizer(net), config=config(stage), dist_init_required=False
     )
-    precond = KFACPreconditioner(engine, grad_worker_fraction=0.5, **KW)
+    precond = KFACPreconditioner(engine, grad_worker_fraction=0.5, **kw)
     assert {"attn.q", "attn.k", "attn.v", "attn.out_proj", "emb"} <= set(precond.layers)
     for x, y in data:
         engine.backward(F.cross_entropy(engine(x), y))
@@ -346,9 +347,10 @@ def attention_runs(rank: int, world: int, stage: int) -> tuple[list, list]:
     return full_parameters(engine), want
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_attention_rows_and_embedding_under_zero(stage: int) -> None:
+@pytest.mark.parametrize(("stage", "positions"), [(0, 1.0), (2, 1.0), (3, 1.0), (3, 0.4)])
+def test_attention_rows_and_embedding_under_zero(stage: int, positions: float) -> None:
     """q/k/v each own rows of one packed tensor: read and written by rows in
-    whatever fragment or partition a rank holds; equals DDP at MEM-OPT."""
-    for got, want in run_distributed(2, attention_runs, stage, **TIMEOUT):
+    whatever fragment or partition a rank holds; equals DDP at MEM-OPT.
+    ``positions``: each factor read from 2 of a call's 5 positions."""
+    for got, want in run_distributed(2, attention_runs, stage, positions, **TIMEOUT):
         assert max(relative_errors(got, want)) <= 2e-5  # fp32 through softmax attention

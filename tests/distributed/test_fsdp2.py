@@ -205,7 +205,9 @@ class Attentive(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 
-def attention_run(rank: int, world: int, fraction: float) -> list[torch.Tensor]:
+def attention_run(
+    rank: int, world: int, fraction: float, positions: float = 1.0
+) -> list[torch.Tensor]:
     torch.set_default_dtype(torch.float64)
     model = Attentive()
     if world > 1:
@@ -214,7 +216,13 @@ def attention_run(rank: int, world: int, fraction: float) -> list[torch.Tensor]:
         fully_shard(model.attn, mesh=cpu_mesh(world))
         fully_shard(model, mesh=cpu_mesh(world))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=opt, grad_worker_fraction=fraction, **KW)
+    precond = KFACPreconditioner(
+        model,
+        optimizer=opt,
+        grad_worker_fraction=fraction,
+        factor_position_fraction=positions,
+        **KW,
+    )
     assert {"emb", "attn.q", "attn.v", "attn.out_proj", "head"} <= set(precond.layers)
     g = torch.Generator().manual_seed(5)
     for _ in range(STEPS):
@@ -229,23 +237,26 @@ def attention_run(rank: int, world: int, fraction: float) -> list[torch.Tensor]:
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.clone() for p in params]
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_fsdp2_attention_rows_and_embedding_equal_single_process(fraction: float) -> None:
+@pytest.mark.parametrize(("fraction", "positions"), [(1.0, 1.0), (0.5, 1.0), (0.5, 0.4)])
+def test_fsdp2_attention_rows_and_embedding_equal_single_process(
+    fraction: float, positions: float
+) -> None:
     """q/k/v own rows of one sharded tensor; each rank writes the part of each
-    block that falls in its shard."""
-    want = _single_attention(2)
-    for got in run_distributed(2, attention_run, fraction):
+    block that falls in its shard.  ``positions``: each factor read from 2 of
+    a call's 5 positions, the ones one process reads."""
+    want = _single_attention(2, positions)
+    for got in run_distributed(2, attention_run, fraction, positions):
         for a, b in zip(got, want):
             assert float((a - b).norm() / b.norm()) <= 1e-10
 
 
-def _single_attention(world: int) -> list[torch.Tensor]:
+def _single_attention(world: int, positions: float = 1.0) -> list[torch.Tensor]:
     """One process on the world's sequences (the same draws as the ranks')."""
     global B
     previous, saved = torch.get_default_dtype(), B
     B = world * B
     try:
-        return attention_run(0, 1, 1.0)
+        return attention_run(0, 1, 1.0, positions)
     finally:
         B = saved
         torch.set_default_dtype(previous)

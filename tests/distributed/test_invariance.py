@@ -105,6 +105,8 @@ _REFERENCE_OPTIONS = (
     "inv_dtype",
     "max_factor_dim",
     "large_factor",
+    "factor_position_fraction",
+    "factor_position_seed",
 )
 
 
@@ -115,6 +117,8 @@ def _reference_key(config: dict[str, Any]) -> tuple[Any, ...]:
         config.get("inv_dtype"),
         config.get("max_factor_dim", 8192),
         config.get("large_factor", "diagonal"),
+        config.get("factor_position_fraction", 1.0),
+        config.get("factor_position_seed", 0),
     )
 
 
@@ -233,6 +237,21 @@ def test_large_factors_blocked_or_diagonal_equal_single_process() -> None:
         dict(max_factor_dim=4, large_factor="diagonal", grad_worker_fraction=0.0),
     ]
     check(2, configs, torch.float64, 1e-10)
+
+
+def test_factors_from_a_fraction_of_the_positions_equal_single_process() -> None:
+    """Every rank reads the positions the whole batch reads in one process
+    (kaisa.core.positions), so each strategy, micro-batches and DDP give the
+    single process's run: the convolutions read 3 of their 36 and 9 output
+    positions' windows, the Linear layers (one position) every row."""
+    cut = dict(factor_position_fraction=0.3, factor_position_seed=4)
+    configs = [
+        dict(grad_worker_fraction=f, compute_method=m, **cut)
+        for f, m in [(1.0, "eigen"), (0.5, "inverse"), (0.0, "eigen")]
+    ]
+    configs.append(dict(grad_worker_fraction=0.5, accumulation_steps=2, symmetry_aware=True, **cut))
+    configs.append(dict(ddp=True, grad_worker_fraction=0.0, update_factors_in_hook=False, **cut))
+    check(4, configs, torch.float64, 1e-10)
 
 
 @pytest.mark.slow

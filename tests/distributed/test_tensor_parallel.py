@@ -345,6 +345,17 @@ def test_attention_block_on_two_tp_ranks(mode: str) -> None:
         assert_equal(results, reference_block("attention", 4, 2, inv_every=1))
 
 
+def test_factors_from_a_fraction_of_the_positions_on_a_dp_tp_mesh() -> None:
+    """Every rank (dp and tp alike) reads the positions one process reads
+    (kaisa.core.positions): 2 of each call's 3 positions here."""
+    opts = dict(KW, grad_worker_fraction=0.5, inv_update_steps=1, factor_position_fraction=0.5)
+    results = run_distributed(4, tp_run, "attention", (2, 2), opts, timeout_s=90, pg_timeout_s=30)
+    want = dense_run("attention", 8, opts)
+    assert_equal(results, want)
+    every = dense_run("attention", 8, dict(opts, factor_position_fraction=1.0))
+    assert rel(every[-1]["inp.weight"], want[-1]["inp.weight"]) > 1e-6  # the cut changed it
+
+
 @pytest.mark.parametrize("mode", ["exact", "block"])
 def test_dtensor_outputs_and_gradients_are_captured(mode: str) -> None:
     opts = dict(KW, tensor_parallel=mode, local_output=False)

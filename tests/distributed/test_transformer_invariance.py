@@ -94,8 +94,10 @@ def single(world: int, options: dict[str, Any]) -> list[torch.Tensor]:
         (2, {"grad_worker_fraction": 1.0}),
         (2, {"grad_worker_fraction": 0.5, "compute_method": "inverse"}),
         (4, {"grad_worker_fraction": 0.5, "symmetry_aware": True}),
+        (2, {"grad_worker_fraction": 0.5, "factor_position_fraction": 0.4}),
+        (4, {"grad_worker_fraction": 0.0, "factor_position_fraction": 0.4}),
     ],
-    ids=["w2-comm-opt", "w2-mem-opt-inverse", "w4-hybrid"],
+    ids=["w2-comm-opt", "w2-mem-opt-inverse", "w4-hybrid", "w2-positions", "w4-mem-opt-positions"],
 )
 def test_transformer_strategies_equal_single_process(world: int, options: dict) -> None:
     want = single(world, options)

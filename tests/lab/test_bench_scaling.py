@@ -299,9 +299,11 @@ def test_a_task_arm_carries_the_levers_that_change_a_steps_cost() -> None:
     arm = TaskArm(task, "muon+kfac", keywords, batches, lever=lever)
     assert arm.ns_steps() == 3
     assert arm.precond is not None
-    assert all("rows_for" in vars(layer.adapter) for layer in arm.precond.layers.values())
+    assert arm.precond.config.factor_position_fraction == 0.125
+    assert all(layer.adapter.positions is not None for layer in arm.precond.layers.values())
     plain = TaskArm(task, "muon+kfac", keywords, batches)
-    assert not any("rows_for" in vars(layer.adapter) for layer in plain.precond.layers.values())
+    assert plain.precond is not None
+    assert not any(layer.adapter.positions for layer in plain.precond.layers.values())
     with pytest.raises(ValueError, match=r"\['fisher'\] are not timed here"):
         TaskArm(task, "muon+kfac", keywords, batches, lever={"fisher": "mc"})
     with pytest.raises(ValueError, match="position_fraction: a K-FAC arm's lever"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 
 from kaisa import KFACPreconditioner
 from kaisa_lab.bench.cases import Arm, get_case
-from kaisa_lab.levers import PowerEigen, mc_fisher_backward, subsample_positions
+from kaisa_lab.levers import PowerEigen, mc_fisher_backward
 
 DAMPING = 0.05
 
@@ -143,121 +142,32 @@ def test_the_monte_carlo_fisher_without_kfac_is_refused() -> None:
             Trainer(bad, get_task(spec.task), ctx)
 
 
-def _sequence_layer() -> tuple[nn.Linear, torch.Tensor]:
-    torch.manual_seed(1)
-    return nn.Linear(5, 3).double(), torch.randn(4, 8, 5, dtype=torch.float64)
+def test_a_position_fraction_reaches_the_preconditioner_seeded_by_the_run() -> None:
+    """The lever is the library's ``factor_position_fraction`` (tested against
+    its definition in tests/unit/layers/test_positions.py), its draws seeded
+    per run, so that held-out seeds draw their own positions."""
+    from kaisa_lab.cli.distributed import DistContext
+    from kaisa_lab.cli.trainer import Trainer
+    from kaisa_lab.tasks.registry import get_task
 
-
-def _float64_precond(net: nn.Module) -> KFACPreconditioner:
-    return KFACPreconditioner(
-        net,
-        damping=DAMPING,
-        lr=0.1,
-        factor_dtype=torch.float64,
-        factor_compute_dtype=torch.float64,
-        inv_dtype=torch.float64,
+    case = get_case("text-lm-levers")
+    arm = case.arm("muon+kfac-pos0.125")
+    ctx = DistContext(device=torch.device("cpu"))
+    seeds = []
+    for seed in (0, 5):
+        spec = case.spec(arm, case.grid(arm)[0], seed)
+        assert spec.to_dict()["position_fraction"] == 0.125
+        with Trainer(spec, get_task(spec.task), ctx) as trainer:
+            assert trainer.preconditioner is not None
+            config = trainer.preconditioner.config
+            assert config.factor_position_fraction == 0.125
+            seeds.append(config.factor_position_seed)
+    assert seeds[0] != seeds[1]
+    alone = dataclasses.replace(
+        case.spec(case.arm("muon"), case.grid(arm)[0], 0), position_fraction=0.5
     )
-
-
-def _subsampled_step(
-    net: nn.Module, x: torch.Tensor, fraction: float, seed: int
-) -> tuple[KFACPreconditioner, KFACPreconditioner, nn.Module, torch.Tensor]:
-    """One factor step of ``net`` with its statistics read from ``fraction`` of
-    the positions (drawn from ``seed``): the preconditioner, a float64 twin's
-    (not stepped yet), the twin, and the output gradient the step saw."""
-    twin = copy.deepcopy(net)
-    precond, reference = _float64_precond(net), _float64_precond(twin)
-    subsample_positions(precond.layers, fraction, torch.Generator().manual_seed(seed))
-    out = net(x)
-    grads: list[torch.Tensor] = []
-    out.register_hook(grads.append)
-    out.square().mean().backward()
-    precond.step()
-    return precond, reference, twin, grads[0]
-
-
-def test_factors_from_a_fraction_of_the_positions_are_those_positions_statistics() -> None:
-    """A: the mean of the kept rows' [a, 1][a, 1]ᵀ; G: that of a backward whose
-    output gradient is the true one on the kept positions, scaled by
-    sqrt(T/k), and zero elsewhere (G sums over positions, so it stays
-    unbiased)."""
-    net, x = _sequence_layer()
-    precond, reference, twin, grad = _subsampled_step(net, x, 0.375, 5)
-    draws = torch.Generator().manual_seed(5)
-    kept_a, kept_g = (torch.randperm(8, generator=draws)[:3].sort().values for _ in range(2))
-    rows = torch.cat([x[:, kept_a].reshape(-1, 5), torch.ones(12, 1, dtype=torch.float64)], 1)
-    layer = next(iter(precond.layers.values()))
-    got_a = layer.factor("A")
-    assert got_a is not None
-    torch.testing.assert_close(got_a, rows.T @ rows / 12, rtol=1e-12, atol=0)
-    mask = torch.zeros(1, 8, 1, dtype=torch.float64)
-    mask[0, kept_g] = (8 / 3) ** 0.5
-    twin(x).backward(grad * mask)
-    reference.step()
-    got_g, want_g = (next(iter(p.layers.values())).factor("G") for p in (precond, reference))
-    assert got_g is not None and want_g is not None
-    torch.testing.assert_close(got_g, want_g, rtol=1e-12, atol=0)
-    assert not torch.equal(kept_a, kept_g)
-
-
-def test_every_position_kept_leaves_the_factors_as_they_were() -> None:
-    net, x = _sequence_layer()
-    twin = copy.deepcopy(net)
-    precond, reference = _float64_precond(net), _float64_precond(twin)
-    subsample_positions(precond.layers, 1.0, torch.Generator().manual_seed(5))
-    for model, p in ((net, precond), (twin, reference)):
-        model(x).square().sum(-1).mean().backward()
-        p.step()
-    for name in ("A", "G"):
-        got, want = (next(iter(p.layers.values())).factor(name) for p in (precond, reference))
-        assert got is not None and want is not None and torch.equal(got, want)
-
-
-def test_a_position_fraction_outside_the_unit_interval_is_refused() -> None:
-    net, _ = _sequence_layer()
-    precond = _float64_precond(net)
-    for f in (0.0, 1.5):
-        with pytest.raises(ValueError, match=r"position_fraction must be in \(0, 1\]"):
-            subsample_positions(precond.layers, f, torch.Generator())
-
-
-@pytest.mark.parametrize("dims", [1, 2])
-def test_a_convolutions_factors_from_a_fraction_of_its_output_positions(dims: int) -> None:
-    """A: the mean of [patch, 1][patch, 1]ᵀ over the kept output positions'
-    windows (padding and dilation included); G: as for a sequence layer."""
-    torch.manual_seed(2)
-    if dims == 1:
-        net: nn.Module = nn.Conv1d(3, 4, 3, padding=1, dilation=2).double()
-        x = torch.randn(2, 3, 9, dtype=torch.float64)
-    else:
-        net = nn.Conv2d(2, 3, (2, 3), padding=(1, 0)).double()
-        x = torch.randn(2, 2, 5, 6, dtype=torch.float64)
-    precond, reference, twin, grad = _subsampled_step(net, x, 0.4, 7)
-    positions = grad[0, 0].numel()
-    k = math.ceil(0.4 * positions)
-    draws = torch.Generator().manual_seed(7)
-    kept_a, kept_g = (
-        torch.randperm(positions, generator=draws)[:k].sort().values for _ in range(2)
-    )
-    # the windows by unfold: [N, C·K, L] with the weight's (c, k…) order
-    if dims == 1:
-        padded = F.pad(x, (1, 1))
-        windows = padded.unfold(2, 5, 1)[..., ::2].permute(0, 2, 1, 3).reshape(2, -1, 9)
-    else:
-        windows = F.unfold(x, (2, 3), padding=(1, 0)).transpose(1, 2)
-    rows = windows[:, kept_a].reshape(-1, windows.shape[-1])
-    rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=torch.float64)], 1)
-    layer = next(iter(precond.layers.values()))
-    got_a = layer.factor("A")
-    assert got_a is not None
-    torch.testing.assert_close(got_a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-15)
-    mask = torch.zeros(positions, dtype=torch.float64)
-    mask[kept_g] = (positions / k) ** 0.5
-    twin(x).backward(grad * mask.reshape(grad.shape[2:]))
-    reference.step()
-    got_g, want_g = (next(iter(p.layers.values())).factor("G") for p in (precond, reference))
-    assert got_g is not None and want_g is not None
-    torch.testing.assert_close(got_g, want_g, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="position_fraction: a K-FAC run's option"):
+        Trainer(alone, get_task(spec.task), ctx)
 
 
 def test_kfac_on_muons_adamw_part_registers_the_embeddings_and_head_only() -> None:

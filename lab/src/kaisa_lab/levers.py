@@ -15,10 +15,9 @@ run's record only where it is set) and an arm's variant in a case
   backward more);
 - ``muon_ns_steps``: Muon's Newton–Schulz iterations (the optimizer's);
 - ``position_fraction`` *f*: each factor statistic of a sequence layer
-  read from a random ``⌈f·T⌉`` of a call's ``T`` positions
-  (:func:`subsample_positions`): a factor step's Grams cost *f* of theirs,
-  A stays a mean over the rows read and G a sum over positions (its kept
-  positions weighted ``T/k``), so each is unbiased;
+  read from a random ``⌈f·T⌉`` of a call's ``T`` positions — the library's
+  ``factor_position_fraction`` (:mod:`kaisa.core.positions`), its draws
+  seeded per run;
 - ``kfac_layers="adamw-part"``: under Muon, K-FAC on the layers Muon hands
   to AdamW only (embeddings, head; :func:`adamw_part_skips`), Muon's
   matrices left to Muon alone.
@@ -26,19 +25,14 @@ run's record only where it is set) and an arm's variant in a case
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from kaisa.core.specs import FactorSource, FactorSpec
-from kaisa.layers.base import LayerAdapter
-from kaisa.layers.convolution import ConvAdapter
+from kaisa.core.specs import FactorSpec
 from kaisa.methods import eigen
 
 __all__ = [
@@ -47,7 +41,6 @@ __all__ = [
     "PowerEigen",
     "adamw_part_skips",
     "mc_fisher_backward",
-    "subsample_positions",
 ]
 
 #: what ``RunSpec.fisher`` may be
@@ -103,81 +96,6 @@ def mc_fisher_backward(
         true = loss(net(x), target)
         true.backward()
     return true
-
-
-def subsample_positions(layers: Any, fraction: float, generator: torch.Generator) -> None:
-    """Read each factor statistic of ``layers`` (``precond.layers``) from a
-    random ``⌈fraction·T⌉`` of a call's ``T`` positions (drawn by
-    ``generator``, afresh for each term).
-
-    The adapter's rows (``[batch, positions, features]``) are cut before the
-    Gram.  A counts the rows it read, so it stays their mean; G counts the
-    data points and sums over positions, so its kept rows are scaled by
-    ``sqrt(T/k)``.  A layer with one position per call is read whole.  A
-    convolution's positions are its output positions: its A rows are taken
-    from the kept windows of its patch view (the whole patch matrix is never
-    built), through the generic Gram rather than kaisa's patch Gram."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"position_fraction must be in (0, 1]; got {fraction}")
-    for layer in layers.values():
-        adapter = layer.adapter
-        cut: tuple[FactorSource, ...] = (FactorSource.INPUT, FactorSource.OUTPUT_GRAD)
-        if isinstance(adapter, ConvAdapter):
-            patched: Any = adapter  # instance attributes in place of its methods
-            patched.input_rows = _kept_windows(adapter, fraction, generator)
-            patched.factor_term = functools.partial(LayerAdapter.factor_term, adapter)
-            cut = (FactorSource.OUTPUT_GRAD,)  # A's rows come cut already
-        adapter.rows_for = _subsampled(adapter, fraction, generator, cut)
-
-
-def _kept(positions: int, fraction: float, generator: torch.Generator) -> Tensor | None:
-    """A sorted random ``⌈fraction·positions⌉`` of ``range(positions)`` (None: all)."""
-    kept = math.ceil(fraction * positions)
-    if kept >= positions:
-        return None
-    return torch.randperm(positions, generator=generator)[:kept].sort().values
-
-
-def _subsampled(
-    adapter: LayerAdapter,
-    fraction: float,
-    generator: torch.Generator,
-    cut: tuple[FactorSource, ...],
-) -> Callable[[FactorSource, Tensor], Tensor]:
-    def rows_for(source: FactorSource, tensor: Tensor) -> Tensor:
-        rows = LayerAdapter.rows_for(adapter, source, tensor)
-        positions = int(rows.shape[1])
-        index = _kept(positions, fraction, generator) if source in cut else None
-        if index is None:
-            return rows
-        rows = rows.index_select(1, index.to(rows.device))
-        if source is FactorSource.OUTPUT_GRAD:
-            rows = rows * math.sqrt(positions / index.numel())
-        return rows
-
-    return rows_for
-
-
-def _kept_windows(
-    adapter: ConvAdapter, fraction: float, generator: torch.Generator
-) -> Callable[[Tensor], Tensor]:
-    """A convolution's input rows ``[N, k, C·K]`` at a random ``k`` of its
-    output positions, gathered from the patch view."""
-
-    def input_rows(x: Tensor) -> Tensor:
-        view = adapter.patches(x)  # [N, *O, *K, C]
-        dims = adapter.spatial_dims
-        out = tuple(int(d) for d in view.shape[1 : 1 + dims])
-        index = _kept(math.prod(out), fraction, generator)
-        if index is None:
-            rows = view.movedim(-1, 1 + dims)  # [N, *O, C, *K], as ConvAdapter's
-        else:
-            coords = torch.unravel_index(index.to(view.device), out)
-            where: tuple[Any, ...] = (slice(None), *coords)
-            rows = view[where].movedim(-1, 2)  # [N, k, C, *K]
-        return rows.reshape(view.shape[0], -1, adapter.in_features)
-
-    return input_rows
 
 
 def adamw_part_skips(muon_params: Sequence[str]) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from kaisa.config import LargeFactor
+from kaisa.core.positions import PositionSampler
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, kfac_factors, limit_factors
 from kaisa.core.statistics import contribution
 
@@ -89,6 +90,10 @@ class LayerAdapter(ABC):
         #: (set from the options of the same names; None: no limit)
         self.max_factor_dim: int | None = None
         self.large_factor = LargeFactor.DIAGONAL
+        #: each factor read from a fraction of a call's positions (set from
+        #: ``factor_position_fraction``; None: every position).  An adapter
+        #: that overrides :meth:`factor_term` should honour it
+        self.positions: PositionSampler | None = None
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -158,16 +163,13 @@ class LayerAdapter(ABC):
 
     def a_rows(self, x: Tensor) -> Tensor:
         """Input rows with the bias column of ones appended when there is a bias."""
-        rows = self.input_rows(x)
+        return self.with_bias(self.input_rows(x))
+
+    def with_bias(self, rows: Tensor) -> Tensor:
+        """``rows`` with the bias column of ones appended when there is a bias."""
         if self.has_bias:
             rows = torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
         return rows
-
-    def rows_for(self, source: FactorSource, tensor: Tensor) -> Tensor:
-        """``[batch, shared, features]`` of the input or output gradient."""
-        return (
-            self.a_rows(tensor) if source is FactorSource.INPUT else self.grad_output_rows(tensor)
-        )
 
     def factor_term(
         self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor = 1.0
@@ -178,7 +180,12 @@ class LayerAdapter(ABC):
 
         Under K-FAC-reduce a data point's positions become one row first: the
         inputs' mean, the output gradients' sum."""
-        rows = self.rows_for(spec.source, tensor)
+        if spec.source is FactorSource.INPUT:
+            # cut before the bias column is appended: only the rows read are copied
+            rows, scale = self.kept_rows(spec, self.input_rows(tensor), scale)
+            rows = self.with_bias(rows)
+        else:
+            rows, scale = self.kept_rows(spec, self.grad_output_rows(tensor), scale)
         if self.reduce and self.supports_reduce and rows.shape[1] > 1:
             if spec.source is FactorSource.INPUT:
                 rows = rows.mean(1, keepdim=True)
@@ -188,6 +195,35 @@ class LayerAdapter(ABC):
             rows, spec.kind, dtype, scale, self.factor_compute_dtype, blocks=spec.blocks
         )
         return term, float(rows.shape[0] * rows.shape[1])
+
+    def kept_positions(self, spec: FactorSpec, positions: int) -> Tensor | None:
+        """The positions of a call that ``spec`` reads (:attr:`positions`);
+        None: every one."""
+        sampler = self.positions
+        if sampler is None or positions <= 1:
+            return None
+        return sampler.kept(self.position_key(spec), spec.name, positions)
+
+    def position_key(self, spec: FactorSpec) -> str:
+        """Whose draw ``spec`` reads (:mod:`kaisa.core.positions`): the layer's.
+        Layers whose input term one call may share override it, so that the
+        term is the same whichever of them forms it."""
+        return self.name
+
+    def kept_rows(
+        self, spec: FactorSpec, rows: Tensor, scale: float | Tensor
+    ) -> tuple[Tensor, float | Tensor]:
+        """``[batch, shared, features]`` rows at the positions ``spec`` reads,
+        and the scale of their term: G's weighted ``T/k``, so that its sum
+        over positions stays unbiased (A counts the rows it read)."""
+        positions = int(rows.shape[1])
+        index = self.kept_positions(spec, positions)
+        if index is None:
+            return rows, scale
+        rows = rows.index_select(1, index.to(rows.device))
+        if spec.source is FactorSource.OUTPUT_GRAD:
+            scale = scale * (positions / index.numel())
+        return rows, scale
 
     # -- parameters --------------------------------------------------------
     # Read on every step, several times per layer: straight from the module's

@@ -80,9 +80,14 @@ class ConvAdapter(LayerAdapter):
             view = self.patches(tensor)
             n = int(view.shape[0])
             if not reduce:
-                positions = math.prod(view.shape[1 : 1 + self.spatial_dims])
+                out = tuple(int(d) for d in view.shape[1 : 1 + self.spatial_dims])
+                index = self.kept_positions(spec, math.prod(out))
+                if index is not None:
+                    rows = self._windows_at(view, out, index)
+                    term = contribution(rows, spec.kind, dtype, scale, compute)
+                    return term, float(n * index.numel())
                 gram = patch_gram(view, self.spatial_dims, self.has_bias, dtype, scale, compute)
-                return gram, float(n * positions)
+                return gram, float(n * math.prod(out))
             rows = patch_mean(view, self.spatial_dims)
             if self.has_bias:
                 rows = torch.cat([rows, rows.new_ones(n, 1)], dim=1)
@@ -92,8 +97,23 @@ class ConvAdapter(LayerAdapter):
         if reduce:
             term = contribution(cols.sum(2).unsqueeze(1), spec.kind, dtype, scale, compute)
             return term, float(n)
+        index = self.kept_positions(spec, positions)
+        if index is not None:  # G's kept positions weighted T/k (LayerAdapter.kept_rows)
+            cols = cols.index_select(2, index.to(cols.device))
+            scale = scale * (positions / index.numel())
+            positions = int(index.numel())
         if positions > 1 and cols.is_contiguous():
             return features_first(cols, spec.kind, dtype, scale, compute), float(n * positions)
         # channels-last (or one position): the rows are already a view
         rows = cols.transpose(1, 2)
         return contribution(rows, spec.kind, dtype, scale, compute), float(n * positions)
+
+    def _windows_at(self, view: Tensor, out: tuple[int, ...], index: Tensor) -> Tensor:
+        """Input rows ``[N, k, C·K(+1)]`` at ``index`` of the output positions,
+        gathered from the patch view ``[N, *O, *K, C]`` (the whole patch
+        matrix is never built), in the weight's ``(c, k…)`` order."""
+        coords = torch.unravel_index(index.to(view.device), out)
+        where: tuple[slice | Tensor, ...] = (slice(None), *coords)
+        picked = view[where]  # [N, k, *K, C]
+        rows = picked.movedim(-1, 2).reshape(view.shape[0], index.numel(), self.in_features)
+        return self.with_bias(rows)

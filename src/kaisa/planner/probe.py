@@ -18,13 +18,25 @@ from torch import nn
 from kaisa.core.specs import FactorSource
 from kaisa.preconditioner import KFACPreconditioner
 
-__all__ = ["probe_rows"]
+__all__ = ["ROW_OPTIONS", "probe_rows"]
 
 
-def probe_rows(model: nn.Module, example: Sequence[Any], scale: float = 1.0) -> dict[str, int]:
+#: the options that change how many rows a factor step's Grams read
+ROW_OPTIONS = ("kfac_approx", "factor_position_fraction", "factor_position_seed", "skip_layers")
+
+
+def probe_rows(
+    model: nn.Module, example: Sequence[Any], scale: float = 1.0, **kfac: Any
+) -> dict[str, int]:
     """Rows each layer's input factor counts in one forward/backward of
-    ``model(*example)`` (times ``scale``, e.g. batch size / example batch)."""
-    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, kl_clip=None)
+    ``model(*example)`` (times ``scale``, e.g. batch size / example batch).
+    ``kfac``: the run's options; those of :data:`ROW_OPTIONS` are applied (a
+    fraction of the positions reads that fraction of the rows), the others
+    ignored."""
+    options = {k: v for k, v in kfac.items() if k in ROW_OPTIONS}
+    precond = KFACPreconditioner(
+        model, factor_update_steps=1, inv_update_steps=1, kl_clip=None, **options
+    )
     try:
         out = model(*example)
         first = out if isinstance(out, torch.Tensor) else next(iter(_tensors(out)))

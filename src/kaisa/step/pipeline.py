@@ -90,7 +90,7 @@ class StepPipeline:
         )
         self.verdict = StepVerdict(layers, comm, engine, scaling, may_defer, application.reads_free)
         self.executor: EagerSteps | ReplayedSteps = EagerSteps(application, self.verdict)
-        self.capture.enabled = schedule.is_factor_step(0)
+        self.capture.begin_step(0, schedule.is_factor_step(0))
         self._profile: StepProfile | None = None
         if in_hook and comm.distributed:
             capture.on_layer_complete = reduction.layer_complete
@@ -189,7 +189,7 @@ class StepPipeline:
         self.comm.stats.end_step()
         self.reduction.end_step()
         self.steps += 1
-        self.capture.enabled = self.schedule.is_factor_step(self.steps)
+        self.capture.begin_step(self.steps, self.schedule.is_factor_step(self.steps))
         self.guard.mark(self.executor.stamp() if replayed else None)
 
     def skip(self, reduced: bool) -> None:
@@ -211,4 +211,4 @@ class StepPipeline:
         loaded: captured and decomposed as they were)."""
         self.steps = steps
         self.second_order.settled = False
-        self.capture.enabled = self.schedule.is_factor_step(steps)
+        self.capture.begin_step(steps, self.schedule.is_factor_step(steps))

@@ -94,6 +94,19 @@ def test_probe_counts_the_rows_of_a_conv_and_a_sequence() -> None:
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no trace
 
 
+def test_probe_counts_the_rows_a_fraction_of_the_positions_reads() -> None:
+    """A call of T positions is read at ⌈f·T⌉ of them; a one-position call
+    whole; so the forecast's Gram costs are the cut ones."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.Flatten(), nn.Linear(4 * 3 * 3, 2))
+    example = (torch.randn(2, 3, 7, 7),)
+    rows = probe_rows(model, example, scale=5, factor_position_fraction=0.25, damping=0.1)
+    assert rows == {"0": 2 * 3 * 5, "2": 2 * 5}  # ⌈0.25·9⌉ = 3 of the conv's 9 positions
+    every = layer_costs(model, probe_rows(model, example, scale=5))
+    cut = layer_costs(model, rows, factor_position_fraction=0.25)
+    assert cut[0].rows is not None and every[0].rows is not None
+    assert forecast(cut, 4).seconds["capture"].max() < forecast(every, 4).seconds["capture"].max()
+
+
 def test_auto_fraction_and_budget_option() -> None:
     precond = KFACPreconditioner(mlp(), grad_worker_fraction="auto", memory_budget_mb=64)
     assert precond.plan.grad_worker_fraction == 1.0

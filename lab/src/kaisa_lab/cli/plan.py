@@ -211,7 +211,7 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
         model, example, batch = _load_model(args)
     except (ImportError, AttributeError, ValueError, OSError) as exc:
         error(f"argument --model: {exc}")
-    rows = probe_rows(model, example, batch / _batch_of(example)) if example else None
+    rows = probe_rows(model, example, batch / _batch_of(example), **kfac) if example else None
     layers = layer_costs(model, rows, device=device, **kfac)
     budget = args.memory_budget_mib * MIB if args.memory_budget_mib is not None else None
     report: dict[str, Any] = {"cost_model": vars(cost), "batch_size": batch, "plans": []}

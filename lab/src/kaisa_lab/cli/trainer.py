@@ -21,7 +21,6 @@ from kaisa_lab.levers import (
     PowerEigen,
     adamw_part_skips,
     mc_fisher_backward,
-    subsample_positions,
 )
 from kaisa_lab.optim import MuonWithAdamW, build_optimizer
 from kaisa_lab.tasks.base import Task
@@ -98,16 +97,15 @@ class Trainer:
                 options["skip_layers"] = [*options.get("skip_layers", ()), *skips]
             if spec.eigen_power is not None:
                 options["method"] = PowerEigen(spec.eigen_power)
+            if spec.position_fraction is not None:
+                # the library's draws, seeded per run (the same on every rank)
+                options["factor_position_fraction"] = spec.position_fraction
+                options["factor_position_seed"] = 20_000 + spec.seed
             self.preconditioner = KFACPreconditioner(
                 self.model, optimizer=self.optimizer, pg_timeout_s=ctx.timeout_s, **options
             )
-        #: the positions' own stream, drawn afresh for each statistic
-        self._positions: torch.Generator | None = None
-        if spec.position_fraction is not None:
-            if not spec.kfac:
-                raise ValueError("position_fraction: a K-FAC run's option")
-            self._positions = torch.Generator().manual_seed(20_000 + spec.seed)
-            subsample_positions(self.preconditioner.layers, spec.position_fraction, self._positions)
+        if spec.position_fraction is not None and not spec.kfac:
+            raise ValueError("position_fraction: a K-FAC run's option")
         if spec.fisher not in FISHERS or (spec.fisher != "empirical" and not spec.kfac):
             raise ValueError(f"fisher={spec.fisher!r}: one of {FISHERS}, and 'mc' with K-FAC only")
         #: the sampled labels' own stream (the global one stays as the other runs see it)
@@ -136,11 +134,7 @@ class Trainer:
             "preconditioner": (
                 None if self.preconditioner is None else self.preconditioner.state_dict()
             ),
-            "generators": {
-                name: gen.get_state()
-                for name, gen in (("mc", self._mc), ("positions", self._positions))
-                if gen is not None
-            },
+            "generators": {} if self._mc is None else {"mc": self._mc.get_state()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -149,9 +143,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.preconditioner is not None:
             self.preconditioner.load_state_dict(state["preconditioner"])
-        for name, gen in (("mc", self._mc), ("positions", self._positions)):
-            if gen is not None:
-                gen.set_state(state["generators"][name])
+        if self._mc is not None:
+            self._mc.set_state(state["generators"]["mc"])
 
     def set_lr(self, lr: float) -> None:
         """Set the lr of the run's schedule: each parameter group's lr is ``lr`` times its

@@ -104,6 +104,10 @@ class Capture:
         self.normalisation = LossNormalisation(loss_average, divisor, loss_scale)
         self.in_hook = in_hook
         self.enabled = True
+        #: the positions each factor reads (one sampler for every layer; None: all)
+        self.positions = next(
+            (la.adapter.positions for la in layers if la.adapter.positions is not None), None
+        )
         self.pass_id = 0
         #: called with a layer once all of its passes for this step are in
         self.on_layer_complete: Callable[[KFACLayer], None] | None = None
@@ -140,6 +144,13 @@ class Capture:
         if functional:
             handles.extend(capture_functional(self, functional))
         return handles
+
+    def begin_step(self, step: int, factor_step: bool) -> None:
+        """Capture the calls of ``step`` if it is a factor step; its positions
+        are drawn for that step (:mod:`kaisa.core.positions`)."""
+        self.enabled = factor_step
+        if self.positions is not None:
+            self.positions.step = step
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:

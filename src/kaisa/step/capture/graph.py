@@ -283,7 +283,15 @@ def joint_term(
 
 def accepts_compiled(layer: KFACLayer, module: nn.Module, out: Tensor, enabled: bool) -> bool:
     """Whether a compiled call of ``layer`` is captured (read at trace time,
-    so each answer is a guard of the compiled variant)."""
+    so each answer is a guard of the compiled variant).  A layer that reads
+    a fraction of its positions is refused: the draws change every factor
+    step on the host (:mod:`kaisa.core.positions`), which a graph would freeze."""
+    if enabled and layer.adapter.positions is not None:
+        raise RuntimeError(
+            f"kaisa: layer {layer.name!r}: factor_position_fraction < 1 draws each factor "
+            "step's positions on the host, which a compiled forward cannot follow; use "
+            "factor_position_fraction=1.0 under torch.compile, or run the model uncompiled"
+        )
     return (
         enabled
         and module.training

@@ -134,7 +134,6 @@ class TaskArm:
         device: str = "cpu",
         lever: Mapping[str, Any] | None = None,
     ):
-        from kaisa_lab.levers import subsample_positions
         from kaisa_lab.optim.build import build_optimizer
 
         lever = dict(lever or {})
@@ -158,14 +157,15 @@ class TaskArm:
             adamw_weight_decay=d.decay("adamw"),
             muon_ns_steps=lever.get("muon_ns_steps", 5),
         )
+        fraction = lever.get("position_fraction")
+        if fraction is not None and not kfac:
+            raise ValueError("position_fraction: a K-FAC arm's lever")
         self.precond: KFACPreconditioner | None = None
         if kfac:
-            self.precond = KFACPreconditioner(self.model, optimizer=self.opt, **(keywords or {}))
-        if lever.get("position_fraction") is not None:
-            if self.precond is None:
-                raise ValueError("position_fraction: a K-FAC arm's lever")
-            positions = torch.Generator().manual_seed(0)
-            subsample_positions(self.precond.layers, lever["position_fraction"], positions)
+            options = dict(keywords or {})
+            if fraction is not None:
+                options["factor_position_fraction"] = fraction
+            self.precond = KFACPreconditioner(self.model, optimizer=self.opt, **options)
         self.batches = batches
         self.index = 0
         self.clock: Callable[[], float] | None = None

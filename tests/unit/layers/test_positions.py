@@ -1,0 +1,269 @@
+"""Factor statistics from a fraction of the positions (``factor_position_fraction``).
+
+Each against its dense float64 definition: A the mean of the kept rows'
+``[a, 1][a, 1]ᵀ``; G the Gram of a backward whose output gradient is the
+true one at the kept positions, weighted ``sqrt(T/k)``, and zero elsewhere
+(G sums over positions, so it stays unbiased).  The draws are a function of
+(seed, step, layer, factor): the same for every call of a step, fresh at
+each factor step, and reproduced by a resumed run.  Distributed runs equal
+the single process (tests/distributed/test_invariance.py,
+test_transformer_invariance.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa import KFACPreconditioner
+from kaisa.core.positions import PositionSampler
+
+F64: dict[str, Any] = dict(
+    damping=0.05,
+    lr=0.1,
+    factor_dtype=torch.float64,
+    factor_compute_dtype=torch.float64,
+    inv_dtype=torch.float64,
+    factor_update_steps=1,
+    inv_update_steps=1,
+)
+
+
+def _sequence_net() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(5, 3)).double(), torch.randn(4, 8, 5, dtype=torch.float64)
+
+
+def _one_step(
+    net: nn.Module, x: torch.Tensor, **options: Any
+) -> tuple[KFACPreconditioner, KFACPreconditioner, nn.Module, torch.Tensor]:
+    """One factor step of ``net`` under ``options``: its preconditioner, a
+    float64 twin's at every position (not stepped yet), the twin, and the
+    output gradient the step saw."""
+    twin = copy.deepcopy(net)
+    precond = KFACPreconditioner(net, **F64, **options)
+    reference = KFACPreconditioner(twin, **F64)
+    out = net(x)
+    grads: list[torch.Tensor] = []
+    out.register_hook(grads.append)
+    out.square().mean().backward()
+    precond.step()
+    return precond, reference, twin, grads[0]
+
+
+def _factor(precond: KFACPreconditioner, name: str) -> torch.Tensor:
+    found = next(iter(precond.layers.values())).factor(name)
+    assert found is not None
+    return found
+
+
+def test_a_sequence_layers_factors_are_those_of_the_kept_positions() -> None:
+    net, x = _sequence_net()
+    precond, reference, twin, grad = _one_step(
+        net, x, factor_position_fraction=0.375, factor_position_seed=5
+    )
+    draws = PositionSampler(0.375, 5)
+    kept_a, kept_g = (draws.kept("0", name, 8) for name in ("A", "G"))
+    assert kept_a is not None and kept_g is not None and len(kept_a) == 3
+    assert not torch.equal(kept_a, kept_g)  # each factor draws its own
+    rows = torch.cat([x[:, kept_a].reshape(-1, 5), torch.ones(12, 1, dtype=torch.float64)], 1)
+    torch.testing.assert_close(_factor(precond, "A"), rows.T @ rows / 12, rtol=1e-12, atol=0)
+    mask = torch.zeros(1, 8, 1, dtype=torch.float64)
+    mask[0, kept_g] = (8 / 3) ** 0.5
+    twin(x).backward(grad * mask)
+    reference.step()
+    torch.testing.assert_close(_factor(precond, "G"), _factor(reference, "G"), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.9])
+def test_a_fraction_keeping_every_position_leaves_the_factors_as_they_were(
+    fraction: float,
+) -> None:
+    """1, or ⌈0.9·8⌉ = 8: nothing is cut (and a one-position call never is)."""
+    net, x = _sequence_net()
+    precond, reference, twin, _ = _one_step(net, x, factor_position_fraction=fraction)
+    twin(x).square().mean().backward()
+    reference.step()
+    for name in ("A", "G"):
+        assert torch.equal(_factor(precond, name), _factor(reference, name))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_convolutions_factors_are_those_of_its_kept_output_positions(dims: int) -> None:
+    """A: the mean of [patch, 1][patch, 1]ᵀ over the kept output positions'
+    windows (padding and dilation included); G as for a sequence layer."""
+    torch.manual_seed(2)
+    if dims == 1:
+        net: nn.Module = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1, dilation=2)).double()
+        x = torch.randn(2, 3, 9, dtype=torch.float64)
+    else:
+        net = nn.Sequential(nn.Conv2d(2, 3, (2, 3), padding=(1, 0))).double()
+        x = torch.randn(2, 2, 5, 6, dtype=torch.float64)
+    precond, reference, twin, grad = _one_step(
+        net, x, factor_position_fraction=0.4, factor_position_seed=7
+    )
+    positions = grad[0, 0].numel()
+    draws = PositionSampler(0.4, 7)
+    kept_a, kept_g = (draws.kept("0", name, positions) for name in ("A", "G"))
+    assert kept_a is not None and kept_g is not None
+    assert len(kept_a) == math.ceil(0.4 * positions)
+    # the windows by unfold: [N, L, C·K] in the weight's (c, k…) order
+    if dims == 1:
+        padded = F.pad(x, (1, 1))
+        windows = padded.unfold(2, 5, 1)[..., ::2].permute(0, 2, 1, 3).reshape(2, -1, 9)
+    else:
+        windows = F.unfold(x, (2, 3), padding=(1, 0)).transpose(1, 2)
+    rows = windows[:, kept_a].reshape(-1, windows.shape[-1])
+    rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=torch.float64)], 1)
+    want_a = rows.T @ rows / rows.shape[0]
+    torch.testing.assert_close(_factor(precond, "A"), want_a, rtol=1e-12, atol=1e-15)
+    mask = torch.zeros(positions, dtype=torch.float64)
+    mask[kept_g] = (positions / len(kept_g)) ** 0.5
+    twin(x).backward(grad * mask.reshape(grad.shape[2:]))
+    reference.step()
+    torch.testing.assert_close(
+        _factor(precond, "G"), _factor(reference, "G"), rtol=1e-12, atol=1e-15
+    )
+
+
+def test_an_embeddings_g_is_cut_and_its_token_counts_are_not() -> None:
+    """An Embedding's A counts tokens (a diagonal, no Gram to save): every
+    token is counted; its G is the kept positions' as for a Linear."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Embedding(11, 4)).double()
+    ids = torch.randint(0, 11, (3, 10))
+    precond, reference, twin, grad = _one_step(net, ids, factor_position_fraction=0.3)
+    counts = torch.bincount(ids.reshape(-1), minlength=11).double() / ids.numel()
+    torch.testing.assert_close(_factor(precond, "A"), counts, rtol=1e-12, atol=0)
+    kept_g = PositionSampler(0.3).kept("0", "G", 10)
+    assert kept_g is not None
+    mask = torch.zeros(1, 10, 1, dtype=torch.float64)
+    mask[0, kept_g] = (10 / 3) ** 0.5
+    twin(ids).backward(grad * mask)
+    reference.step()
+    torch.testing.assert_close(_factor(precond, "G"), _factor(reference, "G"), rtol=1e-12, atol=0)
+
+
+def _run(steps: int, micro: int = 1, state: dict | None = None, **options: Any):
+    """``steps`` SGD + K-FAC steps of a two-layer sequence model (factors every
+    step, so every step draws), each batch split into ``micro`` micro-batches;
+    ``state``: resume from it at its step.  Returns (parameters, state)."""
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    precond = KFACPreconditioner(
+        net, optimizer=opt, accumulation_steps=micro, **F64 | {"inv_update_steps": 2} | options
+    )
+    g = torch.Generator().manual_seed(9)
+    data = [torch.randn(4, 8, 5, generator=g, dtype=torch.float64) for _ in range(steps)]
+    start = 0
+    if state is not None:
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        precond.load_state_dict(state["precond"])
+        start = precond.steps
+    saved = None
+    for i in range(start, steps):
+        opt.zero_grad()
+        for chunk in data[i].chunk(micro):
+            (net(chunk).square().mean() / micro).backward()
+        precond.step()
+        opt.step()
+        if i == 2:
+            saved = copy.deepcopy(
+                {
+                    "model": net.state_dict(),
+                    "opt": opt.state_dict(),
+                    "precond": precond.state_dict(),
+                }
+            )
+    return [p.detach().clone() for p in net.parameters()], saved
+
+
+def test_every_factor_step_draws_afresh_and_a_seed_sets_the_draws() -> None:
+    a = PositionSampler(0.25, seed=1)
+    first = a.kept("blocks.0.mlp", "A", 64)
+    a.step = 10
+    assert not torch.equal(first, a.kept("blocks.0.mlp", "A", 64))
+    a.step = 0
+    assert torch.equal(first, a.kept("blocks.0.mlp", "A", 64))
+    assert not torch.equal(first, PositionSampler(0.25, seed=2).kept("blocks.0.mlp", "A", 64))
+    assert not torch.equal(first, a.kept("blocks.1.mlp", "A", 64))
+    base, _ = _run(5)
+    one, _ = _run(5, factor_position_fraction=0.25, factor_position_seed=1)
+    other, _ = _run(5, factor_position_fraction=0.25, factor_position_seed=2)
+    assert all(not torch.equal(x, y) for x, y in zip(one, other))
+    assert all(not torch.equal(x, y) for x, y in zip(one, base))
+
+
+def test_micro_batches_read_the_positions_of_the_whole_batch() -> None:
+    """Every call of a step reads the same positions, so splitting a batch
+    into micro-batches changes nothing but the rounding."""
+    whole, _ = _run(4, factor_position_fraction=0.25)
+    split, _ = _run(4, micro=2, factor_position_fraction=0.25)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_resumed_run_draws_what_the_uninterrupted_run_drew() -> None:
+    whole, state = _run(6, factor_position_fraction=0.25, factor_position_seed=3)
+    resumed, _ = _run(6, state=state, factor_position_fraction=0.25, factor_position_seed=3)
+    for a, b in zip(whole, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(factor_position_fraction=0.0), r"factor_position_fraction must be in \(0.0, 1.0\]"),
+        (dict(factor_position_fraction=1.5), r"factor_position_fraction must be in \(0.0, 1.0\]"),
+        (dict(factor_position_fraction="half"), r"factor_position_fraction must be a number"),
+        (dict(factor_position_seed=-1), r"factor_position_seed must be in \[0, inf\)"),
+        (dict(factor_position_seed=0.5), r"factor_position_seed must be an int"),
+        (
+            dict(factor_position_fraction=0.5, kfac_approx="reduce"),
+            r"kfac_approx='reduce' already forms one row per data point",
+        ),
+    ],
+)
+def test_bad_position_options_are_refused_by_name(options: dict, message: str) -> None:
+    net, _ = _sequence_net()
+    with pytest.raises((ValueError, TypeError), match=message):
+        KFACPreconditioner(net, **options)
+
+
+def test_a_compiled_forward_is_refused_with_the_reason() -> None:
+    """The draws change every factor step on the host; a graph would freeze them."""
+    torch._dynamo.reset()
+    net, x = _sequence_net()
+    KFACPreconditioner(net, lr=0.1, factor_position_fraction=0.5)
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="compiled forward cannot follow"):
+        compiled(x)
+    torch._dynamo.reset()
+
+
+def test_a_self_attentions_q_k_v_read_one_draw_of_their_shared_input() -> None:
+    """q, k and v read one input: their A terms are one term whichever layer
+    forms it (kaisa.layers.attention.ProjectionAdapter.position_key); each
+    output-gradient factor draws its own positions."""
+    torch.manual_seed(6)
+    net = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    x = torch.randn(3, 10, 4, dtype=torch.float64)
+    precond = KFACPreconditioner(net, **F64, factor_position_fraction=0.3)
+    net(x, x, x, need_weights=False)[0].square().mean().backward()
+    precond.step()
+    a = {role: precond.layers[role].factor("A") for role in ("q", "k", "v")}
+    assert torch.equal(a["q"], a["k"]) and torch.equal(a["q"], a["v"])
+    kept = PositionSampler(0.3).kept("in_proj", "A", 10)
+    assert kept is not None
+    rows = torch.cat([x[:, kept].reshape(-1, 4), torch.ones(9, 1, dtype=torch.float64)], 1)
+    torch.testing.assert_close(a["q"], rows.T @ rows / 9, rtol=1e-12, atol=0)
+    g = [precond.layers[role].factor("G") for role in ("q", "k", "v")]
+    assert not torch.equal(g[0], g[1])
