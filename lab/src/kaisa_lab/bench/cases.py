@@ -253,6 +253,18 @@ _LEVER_ARMS = (
     Arm("muon", kfac=True, lever=(*_BLOCKS, *_GRAM_LEVERS.lever), tag="block129-pos0.125-bf16"),
 )
 
+#: text-lm-large's arms and, on Muon + K-FAC, every step-cost lever at once
+#: (blocks of at most 257: its layers' width plus the bias)
+_LARGE_ARMS = (
+    *_LM_ARMS,
+    Arm(
+        "muon",
+        kfac=True,
+        lever=(("kfac.max_factor_dim", 257), ("kfac.large_factor", "block"), *_GRAM_LEVERS.lever),
+        tag="block257-pos0.125-bf16",
+    ),
+)
+
 CASES: dict[str, TrainCase] = {
     case.name: case
     for case in (
@@ -295,7 +307,7 @@ CASES: dict[str, TrainCase] = {
         TrainCase(
             "text-lm-large",
             "text-lm-large",
-            _LM_ARMS,
+            _LARGE_ARMS,
             warmups=(0.0, 0.25),
             description="4-block, 256-wide character Transformer (batch 32), to 2.03 bits/char",
         ),
