@@ -447,7 +447,7 @@ class AlgorithmConfig:
     #: the same on every rank (:mod:`kaisa.core.positions`): a factor step's
     #: Grams cost ``f`` of theirs.  None (or 1): every position
     factor_position_fraction: float | None = None
-    #: the seed of those draws (with the step, the layer and the factor); None: 0
+    #: the seed of those draws (with the step, the factor and T); None: 0
     factor_position_seed: int | None = None
     #: a dense factor with more rows than this is kept as ``large_factor`` says
     #: (:mod:`kaisa.core.blocks`); None: every factor stays dense, however large

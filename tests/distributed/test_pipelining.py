@@ -48,12 +48,14 @@ def stage_modules() -> list[nn.Sequential]:
     return [first.double(), second.double()]
 
 
-def data(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(replica: int, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A replica's batches; ``length``: sequences of that many positions."""
     g = torch.Generator().manual_seed(40 + replica)
+    shape = (BATCH,) if length is None else (BATCH, length)
     return [
         (
-            torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (BATCH,), generator=g),
+            torch.randn(*shape, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, shape, generator=g),
         )
         for _ in range(STEPS)
     ]
@@ -61,7 +63,7 @@ def data(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def loss_fn(reduction: str) -> Any:
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out, y, reduction=reduction)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction=reduction)
 
     return loss
 
@@ -130,7 +132,7 @@ def pipeline_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"stage": stage.stage_index, "grads": [], "passes": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step, (x, y) in enumerate(data(replica)):
+        for step, (x, y) in enumerate(data(replica, case.get("length"))):
             if step == case.get("nan_at"):
                 if case.get("leave_out"):
                     continue
@@ -168,7 +170,7 @@ def reference(case: dict[str, Any], replicas: int) -> dict[str, Any]:
     precond = KFACPreconditioner(
         net, optimizer=opt, accumulation_steps=MICRO, **{**KW, **case["kfac"]}
     )
-    shards = [data(r) for r in range(replicas)]
+    shards = [data(r, case.get("length")) for r in range(replicas)]
     rows = BATCH // MICRO
     out: dict[str, Any] = {"grads": []}
     for step in range(STEPS):
@@ -278,6 +280,15 @@ def test_pipeline_only_equals_one_process(
     )
     results = run_distributed(2, pipeline_run, case, timeout_s=90, pg_timeout_s=30)
     assert_equal_to_reference(results, reference(case, replicas=1), case)
+
+
+def test_factors_from_a_fraction_of_the_positions_equal_one_process() -> None:
+    """Sequences of 5 positions, each factor read from 2 of them: every stage,
+    replica and micro-batch reads the positions one process reads."""
+    kfac = dict(grad_worker_fraction=0.5, factor_position_fraction=0.4)
+    case = dict(schedule="1f1b", kfac=kfac, reduction="mean", scale_grads=True, length=5)
+    results = run_distributed(4, pipeline_run, case, timeout_s=120, pg_timeout_s=30)
+    assert_equal_to_reference(results, reference(case, replicas=2), case)
 
 
 def test_the_kl_clip_binds() -> None:

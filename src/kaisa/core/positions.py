@@ -10,13 +10,18 @@ unbiased estimate of the full one:
 - G *sums* over positions (the loss gradient of a position is one term of a
   data point's gradient), so the kept positions' Gram is weighted ``T/k``.
 
-Which positions are read is a function of ``(seed, step, layer, factor)``
-alone, drawn afresh at every factor step, the same for every call of the
-layer in that step and **the same on every rank**: a rank's share of the
+Which positions are read is a function of ``(seed, step, factor, T)`` alone
+(the factor: A or G), drawn afresh at every factor step, the same for every
+call in that step and **the same on every rank**: a rank's share of the
 batch reads the positions the whole batch would have read in one process,
 so the factors — and with them the run — do not depend on the world size,
-on ``grad_worker_fraction`` or on how the batch is split into micro-batches,
-and a resumed run draws what the uninterrupted run drew (nothing to save).
+on ``grad_worker_fraction``, on how the batch is split into micro-batches or
+the model into pipeline stages (whose layers a stage names apart from the
+whole model), and a resumed run draws what the uninterrupted run drew
+(nothing to save).  Layers share a step's draw: K-FAC's blocks are
+independent, so each layer's factors are unbiased whatever the others read,
+and layers that read one input (q, k and v) form one term whichever of them
+forms it.
 
 This is the curvature-from-a-subsample-of-the-tokens idea (1/8–1/16 of the
 positions, as on the modded-nanogpt optimisation track); kaisa's lever
@@ -57,36 +62,37 @@ class PositionSampler:
         self.seed = int(seed)
         #: the step whose factor statistics are being captured
         self.step = 0
-        #: the draws of this step, by (layer, factor, positions): the same
-        #: for every call of a layer in one step, and formed once
-        self._drawn: dict[tuple[str, str, int], Tensor | None] = {}
+        #: the draws of this step, by (factor, positions): the same for every
+        #: call in one step, and formed once
+        self._drawn: dict[tuple[str, int], Tensor | None] = {}
         self._drawn_at = -1
 
     def kept_count(self, positions: int) -> int:
         """How many of ``positions`` a call is read at."""
         return min(positions, math.ceil(self.fraction * positions))
 
-    def kept(self, layer: str, factor: str, positions: int) -> Tensor | None:
-        """The sorted positions (int64, on the CPU) of a call of ``layer`` that
-        ``factor`` reads at :attr:`step`; None: every one of them."""
+    def kept(self, factor: str, positions: int) -> Tensor | None:
+        """The sorted positions (int64, on the CPU) of a call of ``positions``
+        positions that ``factor`` (its name: A, G) reads at :attr:`step`;
+        None: every one of them."""
         k = self.kept_count(positions)
         if k >= positions:
             return None
         if self._drawn_at != self.step:
             self._drawn.clear()
             self._drawn_at = self.step
-        key = (layer, factor, positions)
+        key = (factor, positions)
         if key not in self._drawn:
-            generator = torch.Generator().manual_seed(self._seed_of(layer, factor))
+            generator = torch.Generator().manual_seed(self._seed_of(factor, positions))
             drawn = torch.randperm(positions, generator=generator)[:k]
             self._drawn[key] = drawn.sort().values
         return self._drawn[key]
 
-    def _seed_of(self, layer: str, factor: str) -> int:
-        """One 63-bit seed from ``(seed, step, layer, factor)``: names by their
-        CRC-32 (the same in every process, unlike Python's ``hash``)."""
+    def _seed_of(self, factor: str, positions: int) -> int:
+        """One 63-bit seed from ``(seed, step, factor, positions)``: the name by
+        its CRC-32 (the same in every process, unlike Python's ``hash``)."""
         value = 0
-        for part in (self.seed, self.step, zlib.crc32(layer.encode()), zlib.crc32(factor.encode())):
+        for part in (self.seed, self.step, zlib.crc32(factor.encode()), positions):
             value = ((value ^ part) * _GOLDEN + _GOLDEN) & _MASK
         return value
 

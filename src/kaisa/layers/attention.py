@@ -21,7 +21,6 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from kaisa.core.specs import FactorSource, FactorSpec
 from kaisa.layers.base import describe_specs
 from kaisa.layers.linear import LinearAdapter
 
@@ -100,15 +99,6 @@ class ProjectionAdapter(LinearAdapter):
         if self.has_bias:
             return mat[:, :-1], mat[:, -1]
         return mat, None
-
-    def position_key(self, spec: FactorSpec) -> str:
-        """q, k and v of a self-attention read one input, whose A term the
-        capture forms once for all three (under some engines, once each): their
-        input factors draw their positions as one, the attention's."""
-        if spec.source is FactorSource.INPUT and self.role != "out":
-            prefix = self.name.rpartition(".")[0]
-            return f"{prefix}.in_proj" if prefix else "in_proj"
-        return self.name
 
     def describe(self) -> str:
         return f"MultiheadAttention.{self.role}({describe_specs(self.effective_specs())})"

@@ -202,13 +202,7 @@ class LayerAdapter(ABC):
         sampler = self.positions
         if sampler is None or positions <= 1:
             return None
-        return sampler.kept(self.position_key(spec), spec.name, positions)
-
-    def position_key(self, spec: FactorSpec) -> str:
-        """Whose draw ``spec`` reads (:mod:`kaisa.core.positions`): the layer's.
-        Layers whose input term one call may share override it, so that the
-        term is the same whichever of them forms it."""
-        return self.name
+        return sampler.kept(spec.name, positions)
 
     def kept_rows(
         self, spec: FactorSpec, rows: Tensor, scale: float | Tensor

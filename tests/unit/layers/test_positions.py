@@ -69,7 +69,7 @@ def test_a_sequence_layers_factors_are_those_of_the_kept_positions() -> None:
         net, x, factor_position_fraction=0.375, factor_position_seed=5
     )
     draws = PositionSampler(0.375, 5)
-    kept_a, kept_g = (draws.kept("0", name, 8) for name in ("A", "G"))
+    kept_a, kept_g = (draws.kept(name, 8) for name in ("A", "G"))
     assert kept_a is not None and kept_g is not None and len(kept_a) == 3
     assert not torch.equal(kept_a, kept_g)  # each factor draws its own
     rows = torch.cat([x[:, kept_a].reshape(-1, 5), torch.ones(12, 1, dtype=torch.float64)], 1)
@@ -110,7 +110,7 @@ def test_a_convolutions_factors_are_those_of_its_kept_output_positions(dims: int
     )
     positions = grad[0, 0].numel()
     draws = PositionSampler(0.4, 7)
-    kept_a, kept_g = (draws.kept("0", name, positions) for name in ("A", "G"))
+    kept_a, kept_g = (draws.kept(name, positions) for name in ("A", "G"))
     assert kept_a is not None and kept_g is not None
     assert len(kept_a) == math.ceil(0.4 * positions)
     # the windows by unfold: [N, L, C·K] in the weight's (c, k…) order
@@ -141,7 +141,7 @@ def test_an_embeddings_g_is_cut_and_its_token_counts_are_not() -> None:
     precond, reference, twin, grad = _one_step(net, ids, factor_position_fraction=0.3)
     counts = torch.bincount(ids.reshape(-1), minlength=11).double() / ids.numel()
     torch.testing.assert_close(_factor(precond, "A"), counts, rtol=1e-12, atol=0)
-    kept_g = PositionSampler(0.3).kept("0", "G", 10)
+    kept_g = PositionSampler(0.3).kept("G", 10)
     assert kept_g is not None
     mask = torch.zeros(1, 10, 1, dtype=torch.float64)
     mask[0, kept_g] = (10 / 3) ** 0.5
@@ -188,13 +188,14 @@ def _run(steps: int, micro: int = 1, state: dict | None = None, **options: Any):
 
 def test_every_factor_step_draws_afresh_and_a_seed_sets_the_draws() -> None:
     a = PositionSampler(0.25, seed=1)
-    first = a.kept("blocks.0.mlp", "A", 64)
+    first = a.kept("A", 64)
+    assert first is not None and len(first) == 16
     a.step = 10
-    assert not torch.equal(first, a.kept("blocks.0.mlp", "A", 64))
+    assert not torch.equal(first, a.kept("A", 64))
     a.step = 0
-    assert torch.equal(first, a.kept("blocks.0.mlp", "A", 64))
-    assert not torch.equal(first, PositionSampler(0.25, seed=2).kept("blocks.0.mlp", "A", 64))
-    assert not torch.equal(first, a.kept("blocks.1.mlp", "A", 64))
+    assert torch.equal(first, a.kept("A", 64))
+    assert not torch.equal(first, PositionSampler(0.25, seed=2).kept("A", 64))
+    assert not torch.equal(first, a.kept("G", 64))
     base, _ = _run(5)
     one, _ = _run(5, factor_position_fraction=0.25, factor_position_seed=1)
     other, _ = _run(5, factor_position_fraction=0.25, factor_position_seed=2)
@@ -251,8 +252,8 @@ def test_a_compiled_forward_is_refused_with_the_reason() -> None:
 
 def test_a_self_attentions_q_k_v_read_one_draw_of_their_shared_input() -> None:
     """q, k and v read one input: their A terms are one term whichever layer
-    forms it (kaisa.layers.attention.ProjectionAdapter.position_key); each
-    output-gradient factor draws its own positions."""
+    forms it (a step's draw is every layer's); G reads other positions, and
+    each layer's G its own output gradient."""
     torch.manual_seed(6)
     net = nn.MultiheadAttention(4, 2, batch_first=True).double()
     x = torch.randn(3, 10, 4, dtype=torch.float64)
@@ -261,7 +262,7 @@ def test_a_self_attentions_q_k_v_read_one_draw_of_their_shared_input() -> None:
     precond.step()
     a = {role: precond.layers[role].factor("A") for role in ("q", "k", "v")}
     assert torch.equal(a["q"], a["k"]) and torch.equal(a["q"], a["v"])
-    kept = PositionSampler(0.3).kept("in_proj", "A", 10)
+    kept = PositionSampler(0.3).kept("A", 10)
     assert kept is not None
     rows = torch.cat([x[:, kept].reshape(-1, 4), torch.ones(9, 1, dtype=torch.float64)], 1)
     torch.testing.assert_close(a["q"], rows.T @ rows / 9, rtol=1e-12, atol=0)
