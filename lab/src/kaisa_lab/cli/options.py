@@ -60,8 +60,9 @@ _HELP: dict[str, str] = {
     "loss_average": "what the training loss is averaged over (unset: the task's)",
     "kfac_approx": "layers shared over positions: 'expand' (every position a row) or 'reduce'",
     "factor_position_fraction": "read each factor from this fraction of a call's positions "
-    "(a sequence's, a convolution's outputs): a factor step's Grams cost that fraction",
-    "factor_position_seed": "seed of the positions read (with the step, factor and length)",
+    "(a sequence's, a convolution's outputs): a factor step's Grams cost that fraction "
+    "('none': every position)",
+    "factor_position_seed": "seed of the positions read, with the step ('none': 0)",
     "tensor_parallel": "layers sharded by parallelize_module: 'exact' (gathered) or 'block'",
     "max_factor_dim": "largest dense factor; a larger one becomes --kfac-large-factor "
     "('none': no limit)",
