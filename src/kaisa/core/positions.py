@@ -95,7 +95,3 @@ class PositionSampler:
         for part in (self.seed, self.step, zlib.crc32(factor.encode()), positions):
             value = ((value ^ part) * _GOLDEN + _GOLDEN) & _MASK
         return value
-
-    def g_weight(self, positions: int) -> float:
-        """``T/k``: what the kept positions' G Gram is weighted by."""
-        return positions / self.kept_count(positions)

@@ -223,10 +223,16 @@ _GRAM_LEVERS = Arm(
     lever=(("position_fraction", 0.125), ("kfac.factor_compute_dtype", "bfloat16")),
     tag="pos0.125-bf16",
 )
-#: every factor above 129 rows kept block-diagonal in blocks of at most 129
-#: (the width of text-lm's layers plus the bias): a 512-wide factor's
-#: products cost a quarter of the dense ones (a library option, used for speed)
-_BLOCKS = (("kfac.max_factor_dim", 129), ("kfac.large_factor", "block"))
+
+
+def _blocks(dim: int) -> tuple[tuple[str, Any], ...]:
+    """Every factor above ``dim`` rows kept block-diagonal in blocks of at most
+    ``dim`` (a layers' width plus the bias): a factor four times as wide has
+    products a quarter of the dense ones' (a library option, used for speed)."""
+    return (("kfac.max_factor_dim", dim), ("kfac.large_factor", "block"))
+
+
+_BLOCKS = _blocks(129)  # text-lm's layers are 128 wide
 
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
@@ -260,7 +266,7 @@ _LARGE_ARMS = (
     Arm(
         "muon",
         kfac=True,
-        lever=(("kfac.max_factor_dim", 257), ("kfac.large_factor", "block"), *_GRAM_LEVERS.lever),
+        lever=(*_blocks(257), *_GRAM_LEVERS.lever),
         tag="block257-pos0.125-bf16",
     ),
 )
