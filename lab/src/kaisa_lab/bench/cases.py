@@ -239,7 +239,8 @@ _BLOCKS = _blocks(129)  # text-lm's layers are 128 wide
 #: Monte Carlo Fisher on each base, factor statistics from an eighth of the
 #: positions, K-FAC on Muon's AdamW part only, bfloat16 Grams, SGD's KL
 #: clip loosened (kfac-pytorch's 0.001 caps SGD + K-FAC's steps), the two
-#: Gram levers together, block-diagonal factors, and every step-cost lever at once
+#: Gram levers together, block-diagonal factors, every step-cost lever at
+#: once, and those with bfloat16 products and 3 Newton–Schulz iterations
 _LEVER_ARMS = (
     *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
     Arm("muon", kfac=True, lever=(("muon_ns_steps", 3),), tag="ns3"),
@@ -257,6 +258,20 @@ _LEVER_ARMS = (
     _GRAM_LEVERS,
     Arm("muon", kfac=True, lever=_BLOCKS, tag="block129"),
     Arm("muon", kfac=True, lever=(*_BLOCKS, *_GRAM_LEVERS.lever), tag="block129-pos0.125-bf16"),
+    # the leanest step: the three above, the preconditioning products in
+    # bfloat16 too (Muon orthogonalises in bfloat16 anyway) and Muon's
+    # Newton–Schulz iterations cut to 3 (K-FAC has whitened the direction)
+    Arm(
+        "muon",
+        kfac=True,
+        lever=(
+            *_BLOCKS,
+            *_GRAM_LEVERS.lever,
+            ("kfac.precondition_dtype", "bfloat16"),
+            ("muon_ns_steps", 3),
+        ),
+        tag="lean",
+    ),
 )
 
 #: text-lm-large's arms and, on Muon + K-FAC, every step-cost lever at once
@@ -346,7 +361,7 @@ CASES: dict[str, TrainCase] = {
                 "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
                 "factor statistics from an eighth of the positions, K-FAC on Muon's AdamW part "
                 "only, bfloat16 Grams, a looser KL clip under SGD, the two Gram levers together, "
-                "block-diagonal factors, every step-cost lever at once)",
+                "block-diagonal factors, every step-cost lever at once, the leanest step)",
             )
             for task in ("text-lm", "text-cnn")
         ),
