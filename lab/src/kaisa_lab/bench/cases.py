@@ -237,10 +237,11 @@ _BLOCKS = _blocks(129)  # text-lm's layers are 128 wide
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
 #: Monte Carlo Fisher on each base, factor statistics from an eighth of the
-#: positions, K-FAC on Muon's AdamW part only, bfloat16 Grams, SGD's KL
-#: clip loosened (kfac-pytorch's 0.001 caps SGD + K-FAC's steps), the two
-#: Gram levers together, block-diagonal factors, every step-cost lever at
-#: once, and those with bfloat16 products and 3 Newton–Schulz iterations
+#: positions or from each sequence's sum (K-FAC-reduce), K-FAC on Muon's
+#: AdamW part only, bfloat16 Grams, SGD's KL clip loosened (kfac-pytorch's
+#: 0.001 caps SGD + K-FAC's steps), the two Gram levers together,
+#: block-diagonal factors, every step-cost lever at once, and those with
+#: bfloat16 products and 3 Newton–Schulz iterations
 _LEVER_ARMS = (
     *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
     Arm("muon", kfac=True, lever=(("muon_ns_steps", 3),), tag="ns3"),
@@ -250,6 +251,7 @@ _LEVER_ARMS = (
     Arm("adamw", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
     Arm("sgd", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
     Arm("muon", kfac=True, lever=(("position_fraction", 0.125),), tag="pos0.125"),
+    Arm("muon", kfac=True, lever=(("kfac.kfac_approx", "reduce"),), tag="reduce"),
     Arm("muon", kfac=True, lever=(("kfac_layers", "adamw-part"),), tag="adamw-part"),
     Arm("muon", kfac=True, lever=(("kfac.factor_compute_dtype", "bfloat16"),), tag="bf16"),
     Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1"),
@@ -359,9 +361,10 @@ CASES: dict[str, TrainCase] = {
                 warmups=(0.0, 0.25),
                 description=f"{task} (batch 32): levers beside K-FAC at its defaults (Muon's "
                 "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
-                "factor statistics from an eighth of the positions, K-FAC on Muon's AdamW part "
-                "only, bfloat16 Grams, a looser KL clip under SGD, the two Gram levers together, "
-                "block-diagonal factors, every step-cost lever at once, the leanest step)",
+                "factor statistics from an eighth of the positions or each sequence's sum, "
+                "K-FAC on Muon's AdamW part only, bfloat16 Grams, a looser KL clip under SGD, "
+                "the two Gram levers together, block-diagonal factors, every step-cost lever "
+                "at once, the leanest step)",
             )
             for task in ("text-lm", "text-cnn")
         ),
