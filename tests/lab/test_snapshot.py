@@ -86,6 +86,8 @@ def _resume_matches(specs: list[RunSpec], tmp_path: Path, stop_at: int) -> None:
         assert a.resumed_at == [] and b.resumed_at == [stop_at]
         assert a.step_times is not None and b.step_times is not None
         assert a.step_times.count == b.step_times.count  # the steps before the stop kept
+        # and their CPU times: every step has one, so the resumed run has a CPU median
+        assert a.step_times.cpu_median_ms is not None and b.step_times.cpu_median_ms is not None
     assert list(tmp_path.glob("*.pt")) == []  # deleted as each run ended
 
 
@@ -116,6 +118,29 @@ def test_the_baselines_resume_bit_for_bit(optimizer: str, tmp_path: Path) -> Non
     except ImportError as exc:
         pytest.skip(f"{optimizer}: {exc}")
     _resume_matches([_spec(optimizer, False, compile_baseline=False)], tmp_path, stop_at=11)
+
+
+def test_a_snapshot_from_before_the_cpu_clock_resumes_without_cpu_times(tmp_path: Path) -> None:
+    """A snapshot written by a runner that kept no CPU clock (an in-flight
+    group of a campaign pinned to an older commit) still resumes to the same
+    curve; the run's CPU median is then unknown (None), not a median of the
+    steps after the restore alone."""
+    specs = [_spec("sgd", True)]
+    task = get_task("digits-mlp")
+    data = task.load()
+    whole = train_lockstep(specs, task, data, CPU, QUIET)
+    with pytest.raises(_InterruptedError):
+        train_lockstep(specs, task, data, CPU, _StopAfter(9), snapshots=Snapshots(tmp_path, 0.0))
+    (path,) = tmp_path.glob("*.pt")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    assert len(saved["state"]["cpu_seconds"]) == 9 and saved["state"]["cpu_clock_s"] > 0
+    del saved["state"]["cpu_seconds"], saved["state"]["cpu_clock_s"]
+    torch.save(saved, path)
+    (resumed,) = train_lockstep(specs, task, data, CPU, QUIET, snapshots=Snapshots(tmp_path, 1e9))
+    assert _curve(resumed) == _curve(whole[0]) and resumed.resumed_at == [9]
+    assert resumed.step_times is not None and resumed.step_times.median_ms > 0
+    assert resumed.step_times.cpu_median_ms is None
+    assert whole[0].step_times is not None and whole[0].step_times.cpu_median_ms is not None
 
 
 def test_a_snapshot_of_another_config_is_not_restored(tmp_path: Path) -> None:

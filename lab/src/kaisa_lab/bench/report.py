@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
@@ -58,6 +58,9 @@ class ArmRow:
     median_time_s: float  # over every seed, a miss counting as infinity
     step_ms: float | None
     records: tuple[Mapping[str, Any], ...]
+    #: the median step's CPU time (ms), where every record has one (CPU runs
+    #: recorded with the CPU clock): the step's cost without the machine's load
+    cpu_ms: float | None = None
 
 
 def _spread(values: Sequence[float]) -> tuple[float, float, float] | None:
@@ -79,6 +82,7 @@ def heldout_rows(campaign: Campaign) -> list[ArmRow]:
         reached = [r for r in results if r["reached"]]
         times = [r["time_to_target_s"] if r["reached"] else math.inf for r in results]
         costs = [r["step_times"]["median_ms"] for r in results if r.get("step_times")]
+        cpu = [(r.get("step_times") or {}).get("cpu_median_ms") for r in results]
         rows.append(
             ArmRow(
                 arm=arm,
@@ -90,6 +94,7 @@ def heldout_rows(campaign: Campaign) -> list[ArmRow]:
                 median_time_s=statistics.median(times),
                 step_ms=statistics.median(costs) if costs else None,
                 records=tuple(records),
+                cpu_ms=None if None in cpu else statistics.median(cast(list[float], cpu)),
             )
         )
     check_fairness(rows)
@@ -142,15 +147,19 @@ def markdown_heldout(campaign: Campaign) -> str:
     first_order = [r for r in rows if not r.arm.kfac]
     peer = min(first_order, key=lambda r: r.median_time_s) if first_order else None
     by_kind = {r.arm.kind: r for r in rows if not r.arm.kfac}
+    # the CPU clock's column where any arm has it (records written since it was kept)
+    with_cpu = any(r.cpu_ms is not None for r in rows)
     lines = [
         "| arm | selected setting | reached | steps to target | time to target (s) "
-        f"| ms/step | time vs {_label(peer.arm) if peer else 'best first-order'} "
-        "| time vs its base |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| ms/step{' | CPU ms/step' if with_cpu else ''} "
+        f"| time vs {_label(peer.arm) if peer else 'best first-order'} | time vs its base |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if with_cpu else ""),
     ]
     for row in rows:
         base = by_kind.get(row.arm.optimizer) if row.arm.kfac else None
         cost = "-" if row.step_ms is None else f"{row.step_ms:.1f}"
+        if with_cpu:
+            cost += " | -" if row.cpu_ms is None else f" | {row.cpu_ms:.1f}"
         vs_peer = _ratio(row.median_time_s, peer.median_time_s) if peer else "-"
         vs_base = _ratio(row.median_time_s, base.median_time_s) if base else "-"
         lines.append(
@@ -272,7 +281,10 @@ def lever_verdict(ratio: float) -> str:
 def markdown_levers(campaign: Campaign) -> str:
     """What each lever bought: its held-out medians over those of K-FAC at the
     library's defaults on the same base optimizer — steps, the step's cost and
-    the time to target, so a win or a loss reads as fewer steps or a cheaper step."""
+    the time to target, so a win or a loss reads as fewer steps or a cheaper step.
+
+    The step's cost is its CPU time where both arms' records have it (the
+    cost whatever else the machine ran), the wall clock's otherwise."""
     rows = heldout_rows(campaign)
     levers = [r for r in rows if r.arm.tag]
     if not levers:
@@ -291,9 +303,7 @@ def markdown_levers(campaign: Campaign) -> str:
         steps = (
             "-" if row.steps is None or ref.steps is None else _ratio(row.steps[0], ref.steps[0])
         )
-        cost = (
-            "-" if row.step_ms is None or ref.step_ms is None else _ratio(row.step_ms, ref.step_ms)
-        )
+        cost = _step_cost_ratio(row, ref)
         ratio = _quotient(row.median_time_s, ref.median_time_s)
         time_ = f"{ratio:.2f}" if math.isfinite(ratio) and ratio > 0 else "-"
         lines.append(
@@ -301,6 +311,16 @@ def markdown_levers(campaign: Campaign) -> str:
             f"| {cost} | {time_} | {lever_verdict(ratio)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _step_cost_ratio(row: ArmRow, ref: ArmRow) -> str:
+    """``row``'s step cost over ``ref``'s: CPU times where both have them
+    (marked ``CPU``), wall times otherwise."""
+    if row.cpu_ms is not None and ref.cpu_ms is not None:
+        return f"{_ratio(row.cpu_ms, ref.cpu_ms)} (CPU)"
+    if row.step_ms is None or ref.step_ms is None:
+        return "-"
+    return _ratio(row.step_ms, ref.step_ms)
 
 
 def markdown_machine(campaign: Campaign) -> str:

@@ -79,19 +79,30 @@ class StepTimes:
     q1_ms: float
     q3_ms: float
     count: int
+    #: the median step's CPU time (the process's, ms) on a CPU run: what the
+    #: step costs whatever else the machine runs, where the wall clock also
+    #: carries the machine's load; None on an accelerator
+    cpu_median_ms: float | None = None
 
     #: steps of a run not counted in its spread (allocations, lazy set-up)
     skip = 5
 
     @classmethod
-    def of(cls, seconds: Sequence[float]) -> StepTimes | None:
-        kept = [1e3 * s for s in seconds[cls.skip :]] or [1e3 * s for s in seconds]
+    def of(
+        cls, seconds: Sequence[float], cpu_seconds: Sequence[float] | None = None
+    ) -> StepTimes | None:
+        kept = cls._kept(seconds)
         if not kept:
             return None
+        cpu = statistics.median(cls._kept(cpu_seconds)) if cpu_seconds else None
         if len(kept) < 2:
-            return cls(kept[0], kept[0], kept[0], 1)
+            return cls(kept[0], kept[0], kept[0], 1, cpu)
         q1, median, q3 = statistics.quantiles(kept, n=4, method="inclusive")
-        return cls(median, q1, q3, len(kept))
+        return cls(median, q1, q3, len(kept), cpu)
+
+    @classmethod
+    def _kept(cls, seconds: Sequence[float]) -> list[float]:
+        return [1e3 * s for s in seconds[cls.skip :]] or [1e3 * s for s in seconds]
 
     @property
     def spread(self) -> float:
@@ -134,12 +145,17 @@ class RunResult:
 
 
 class _Clock:
-    """Accumulates training time between :meth:`start` and :meth:`stop`."""
+    """Accumulates training time between :meth:`start` and :meth:`stop`: the
+    wall clock's, and on a CPU run the process's CPU time too (``cpu``; a
+    lockstep group steps one run at a time, so the process's CPU time
+    between start and stop is that run's, unaffected by other processes)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.elapsed = 0.0
         self._started = 0.0
+        self.cpu: float | None = 0.0 if device.type == "cpu" else None
+        self._cpu_started = 0.0
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -148,9 +164,13 @@ class _Clock:
 
     def start(self) -> None:
         self._started = self._now()
+        if self.cpu is not None:
+            self._cpu_started = time.process_time()
 
     def stop(self) -> float:
         """Add the time since :meth:`start`; return the total."""
+        if self.cpu is not None:
+            self.cpu += time.process_time() - self._cpu_started
         self.elapsed += self._now() - self._started
         return self.elapsed
 
@@ -279,6 +299,7 @@ class _Lane:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         self.segment_steps = 0
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
         self.done = False
 
     @property
@@ -289,7 +310,7 @@ class _Lane:
         """Take one timed training step (with this run's own random state)."""
         saved = _RandomState.take()
         self.rng.put()
-        before = self.clock.elapsed
+        before, cpu_before = self.clock.elapsed, self.clock.cpu
         self.clock.start()
         chunk = self.orders[self.epoch - 1][
             self.epoch_step * self.spec.batch_size : (self.epoch_step + 1) * self.spec.batch_size
@@ -300,6 +321,8 @@ class _Lane:
         loss = self.trainer.step(x, y)
         self.clock.stop()
         self.seconds.append(self.clock.elapsed - before)
+        if self.clock.cpu is not None and cpu_before is not None:
+            self.cpu_seconds.append(self.clock.cpu - cpu_before)
         self.rng = _RandomState.take()
         saved.put()
         self.loss_sum += loss
@@ -357,6 +380,8 @@ class _Lane:
             "rng": self.rng,
             "clock_s": self.clock.elapsed,
             "seconds": list(self.seconds),
+            "cpu_clock_s": self.clock.cpu,
+            "cpu_seconds": list(self.cpu_seconds),
             "position": (self.epoch, self.epoch_step, self.step, self.segment_steps),
             "loss_sum": self.loss_sum.cpu(),
             "curve": [dataclasses.asdict(r) for r in result.curve],
@@ -370,6 +395,9 @@ class _Lane:
         self.rng = state["rng"]
         self.clock.elapsed = state["clock_s"]
         self.seconds = list(state["seconds"])
+        # a snapshot from before the CPU clock: its steps' CPU times are unknown
+        self.clock.cpu = state.get("cpu_clock_s") if self.clock.cpu is not None else None
+        self.cpu_seconds = list(state.get("cpu_seconds", ()))
         self.epoch, self.epoch_step, self.step, self.segment_steps = state["position"]
         self.loss_sum = state["loss_sum"].to(self.ctx.device)
         result = self.result
@@ -382,7 +410,9 @@ class _Lane:
     def finish(self, why: str) -> None:
         self.done = True
         self.result.stopped = why
-        self.result.step_times = StepTimes.of(self.seconds)
+        # CPU times only where every step has one (not after an old snapshot)
+        cpu = self.cpu_seconds if len(self.cpu_seconds) == len(self.seconds) else None
+        self.result.step_times = StepTimes.of(self.seconds, cpu)
         self.trainer.close()
 
 
