@@ -234,6 +234,20 @@ def _blocks(dim: int) -> tuple[tuple[str, Any], ...]:
 
 _BLOCKS = _blocks(129)  # text-lm's layers are 128 wide
 
+
+def _lean(optimizer: str) -> Arm:
+    """K-FAC on ``optimizer`` with every step-cost lever: block-diagonal
+    factors, an eighth of the positions, bfloat16 Grams and preconditioning
+    products, and on Muon 3 Newton–Schulz iterations."""
+    lever = (
+        *_BLOCKS,
+        *_GRAM_LEVERS.lever,
+        ("kfac.precondition_dtype", "bfloat16"),
+        *((("muon_ns_steps", 3),) if optimizer == "muon" else ()),
+    )
+    return Arm(optimizer, kfac=True, lever=lever, tag="lean")
+
+
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
 #: Monte Carlo Fisher on each base, factor statistics from an eighth of the
@@ -241,7 +255,7 @@ _BLOCKS = _blocks(129)  # text-lm's layers are 128 wide
 #: AdamW part only, bfloat16 Grams, SGD's KL clip loosened (kfac-pytorch's
 #: 0.001 caps SGD + K-FAC's steps), the two Gram levers together,
 #: block-diagonal factors, every step-cost lever at once, and those with
-#: bfloat16 products and 3 Newton–Schulz iterations
+#: bfloat16 products on Muon (and 3 Newton–Schulz iterations) and on AdamW
 _LEVER_ARMS = (
     *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
     Arm("muon", kfac=True, lever=(("muon_ns_steps", 3),), tag="ns3"),
@@ -260,20 +274,11 @@ _LEVER_ARMS = (
     _GRAM_LEVERS,
     Arm("muon", kfac=True, lever=_BLOCKS, tag="block129"),
     Arm("muon", kfac=True, lever=(*_BLOCKS, *_GRAM_LEVERS.lever), tag="block129-pos0.125-bf16"),
-    # the leanest step: the three above, the preconditioning products in
-    # bfloat16 too (Muon orthogonalises in bfloat16 anyway) and Muon's
-    # Newton–Schulz iterations cut to 3 (K-FAC has whitened the direction)
-    Arm(
-        "muon",
-        kfac=True,
-        lever=(
-            *_BLOCKS,
-            *_GRAM_LEVERS.lever,
-            ("kfac.precondition_dtype", "bfloat16"),
-            ("muon_ns_steps", 3),
-        ),
-        tag="lean",
-    ),
+    # the leanest step: the three above and the preconditioning products in
+    # bfloat16 too; on Muon (which orthogonalises in bfloat16 anyway) its
+    # Newton–Schulz iterations cut to 3 as well (K-FAC has whitened the direction)
+    _lean("muon"),
+    _lean("adamw"),
 )
 
 #: text-lm-large's arms and, on Muon + K-FAC, every step-cost lever at once
