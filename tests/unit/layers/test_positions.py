@@ -81,6 +81,32 @@ def test_a_sequence_layers_factors_are_those_of_the_kept_positions() -> None:
     torch.testing.assert_close(_factor(precond, "G"), _factor(reference, "G"), rtol=1e-12, atol=0)
 
 
+def test_block_diagonal_factors_keep_the_kept_positions_blocks() -> None:
+    """With ``large_factor='block'`` (the leanest step sets both): each kept
+    factor is the kept positions' dense factor with its off-block entries zeroed."""
+    from kaisa.core.specs import FactorKind
+
+    net, x = _sequence_net()
+    precond, reference, twin, grad = _one_step(
+        net, x, factor_position_fraction=0.375, max_factor_dim=2, large_factor="block"
+    )
+    draws = PositionSampler(0.375)
+    kept_a, kept_g = (draws.kept(name, 8) for name in ("A", "G"))
+    assert kept_a is not None and kept_g is not None
+    rows = torch.cat([x[:, kept_a].reshape(-1, 5), torch.ones(12, 1, dtype=torch.float64)], 1)
+    mask = torch.zeros(1, 8, 1, dtype=torch.float64)
+    mask[0, kept_g] = (8 / 3) ** 0.5
+    twin(x).backward(grad * mask)
+    reference.step()
+    layer = next(iter(precond.layers.values()))
+    for spec, dense in zip(layer.factors, (rows.T @ rows / 12, _factor(reference, "G"))):
+        assert spec.kind is FactorKind.BLOCK_DIAGONAL
+        blocks = torch.block_diag(*(torch.ones(b, b) for b in spec.layout.sizes())).double()
+        torch.testing.assert_close(
+            spec.layout.dense(_factor(precond, spec.name)), dense * blocks, rtol=1e-12, atol=0
+        )
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.9])
 def test_a_fraction_keeping_every_position_leaves_the_factors_as_they_were(
     fraction: float,
