@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +59,16 @@ def _kept(matrix: torch.Tensor, spec: FactorSpec) -> torch.Tensor:
     return matrix
 
 
+def _stored(layer: Any, spec: FactorSpec) -> torch.Tensor:
+    """A layer's stored factor as the dense matrix it stands for."""
+    stored = layer.factor(spec.name)
+    if spec.kind is FactorKind.BLOCK_DIAGONAL:
+        return spec.layout.dense(stored)
+    if spec.kind is FactorKind.DIAGONAL:
+        return torch.diag(stored)
+    return stored
+
+
 def _reference(model: nn.Module, module: nn.Module, x: torch.Tensor, y: torch.Tensor):
     """Dense A and G from the layer's rows (float64, explicit outer products)."""
     inp, zg = per_example_output_grads(
@@ -69,6 +80,16 @@ def _reference(model: nn.Module, module: nn.Module, x: torch.Tensor, y: torch.Te
     else:
         rows, g_rows = inp.reshape(-1, inp.shape[-1]), zg.reshape(-1, zg.shape[-1])
     return outer_mean(with_ones(rows)), g_rows.t() @ g_rows / x.shape[0]
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options: Any):
+    """One K-FAC step with every factor above 4 rows limited: the
+    preconditioner and each layer's gradient before it."""
+    precond = KFACPreconditioner(model, damping=DAMPING, kl_clip=None, max_factor_dim=4, **options)
+    F.cross_entropy(model(x), y).backward()
+    raw = {n: grad_matrix(la.adapter.module).clone() for n, la in precond.layers.items()}
+    precond.step()
+    return precond, raw
 
 
 @pytest.mark.usefixtures("float64_default")
@@ -89,18 +110,10 @@ def test_kept_factor_equals_its_dense_definition(
     x = torch.randn(12, 6, generator=g) if case == "mlp" else torch.randn(6, 2, 4, 4, generator=g)
     classes = 11 if case == "mlp" else 5
     y = torch.randint(0, classes, (x.shape[0],), generator=g)
-    precond = KFACPreconditioner(
-        model,
-        damping=DAMPING,
-        kl_clip=None,
-        compute_method=method,
-        compute_eigenvalue_outer_product=outer,
-        max_factor_dim=4,
+    precond, raw = _step(
+        model, x, y, compute_method=method, compute_eigenvalue_outer_product=outer,
         large_factor=mode,
-    )
-    F.cross_entropy(model(x), y).backward()
-    raw = {n: grad_matrix(la.adapter.module).clone() for n, la in precond.layers.items()}
-    precond.step()
+    )  # fmt: skip
     want = FactorKind.BLOCK_DIAGONAL if mode == "block" else FactorKind.DIAGONAL
     for name, layer in precond.layers.items():
         module = layer.adapter.module
@@ -109,12 +122,7 @@ def test_kept_factor_equals_its_dense_definition(
         assert want in (spec_a.kind, spec_g.kind)
         A, G = (_kept(m, s) for m, s in zip(_reference(model, module, x, y), layer.factors))
         for spec, dense in ((spec_a, A), (spec_g, G)):
-            stored = layer.factor(spec.name)
-            if spec.kind is FactorKind.BLOCK_DIAGONAL:
-                stored = spec.layout.dense(stored)
-            elif spec.kind is FactorKind.DIAGONAL:
-                stored = torch.diag(stored)
-            assert rel_err(stored, dense) <= TOL, (name, spec.name)
+            assert rel_err(_stored(layer, spec), dense) <= TOL, (name, spec.name)
         solve = dense_precondition if method == "eigen" else dense_precondition_pi
         expected = solve(raw[name], A, G, DAMPING)
         assert rel_err(grad_matrix(module), expected) <= TOL, name
@@ -279,29 +287,15 @@ def test_kept_factors_in_bfloat16_stay_within_the_precision_bounds(
     model = _mlp()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 6, generator=g), torch.randint(0, 11, (40,), generator=g)
-    precond = KFACPreconditioner(
-        model,
-        damping=DAMPING,
-        kl_clip=None,
-        compute_method=method,
-        max_factor_dim=4,
-        large_factor=mode,
-        **{option: "bfloat16"},
+    precond, raw = _step(
+        model, x, y, compute_method=method, large_factor=mode, **{option: "bfloat16"}
     )
-    F.cross_entropy(model(x), y).backward()
-    raw = {n: grad_matrix(la.adapter.module).clone() for n, la in precond.layers.items()}
-    precond.step()
     errors = []
     for name, layer in precond.layers.items():
         module = layer.adapter.module
         A, G = (_kept(m, s) for m, s in zip(_reference(model, module, x, y), layer.factors))
         for spec, dense in zip(layer.factors, (A, G)):
-            stored = layer.factor(spec.name)
-            if spec.kind is FactorKind.BLOCK_DIAGONAL:
-                stored = spec.layout.dense(stored)
-            elif spec.kind is FactorKind.DIAGONAL:
-                stored = torch.diag(stored)
-            err = rel_err(stored, dense)
+            err = rel_err(_stored(layer, spec), dense)
             assert err <= (a_bound if option == "factor_compute_dtype" else TOL), (name, spec.name)
             if option == "factor_compute_dtype":
                 errors.append(err)
