@@ -111,9 +111,13 @@ def test_kept_factor_equals_its_dense_definition(
     classes = 11 if case == "mlp" else 5
     y = torch.randint(0, classes, (x.shape[0],), generator=g)
     precond, raw = _step(
-        model, x, y, compute_method=method, compute_eigenvalue_outer_product=outer,
+        model,
+        x,
+        y,
+        compute_method=method,
+        compute_eigenvalue_outer_product=outer,
         large_factor=mode,
-    )  # fmt: skip
+    )
     want = FactorKind.BLOCK_DIAGONAL if mode == "block" else FactorKind.DIAGONAL
     for name, layer in precond.layers.items():
         module = layer.adapter.module
