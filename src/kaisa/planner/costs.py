@@ -93,6 +93,9 @@ class CostModel:
         eigh_fixed: seconds every eigendecomposition costs whatever its size.
         inverse_n3, inverse_fixed: the same for a damped Cholesky inverse.
         flops: dense matrix-product rate (FLOP/s) for Grams and preconditioning.
+        bf16_flops: the same in bfloat16, for the products ``factor_compute_dtype``
+            and ``precondition_dtype`` put there (tensor cores, AMX or AVX-512
+            BF16 run them faster; elsewhere slower).  None: ``flops``.
         memory_bandwidth: bytes/s of a large device-memory copy: building a
             factor's rows (a conv's unfolded patches) is bound by it.
         bandwidth: bytes per second a rank moves over the data-parallel link;
@@ -113,6 +116,7 @@ class CostModel:
     inverse_n3: float = 5e-11
     inverse_fixed: float = 5e-5
     flops: float = 1e11
+    bf16_flops: float | None = None
     memory_bandwidth: float = 1e10
     bandwidth: float = 1e9
     latency: float = 5e-5
@@ -122,13 +126,13 @@ class CostModel:
     intra_latency: float | None = None
 
     def __post_init__(self) -> None:
-        optional = ("ranks_per_node", "intra_bandwidth", "intra_latency")
+        optional = ("ranks_per_node", "intra_bandwidth", "intra_latency", "bf16_flops")
         for name, value in asdict(self).items():
             if name == "device" or (name in optional and value is None):
                 continue
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"cost model field {name} must be a number >= 0; got {value!r}")
-        for name in ("flops", "bandwidth", "memory_bandwidth", "intra_bandwidth"):
+        for name in ("flops", "bf16_flops", "bandwidth", "memory_bandwidth", "intra_bandwidth"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"cost model field {name} must be > 0")
         rpn = self.ranks_per_node
@@ -153,7 +157,11 @@ class CostModel:
             return self.eigh_n3 * n**3 + self.eigh_fixed
         return self.inverse_n3 * n**3 + self.inverse_fixed
 
-    def compute(self, flop: float) -> float:
+    def compute(self, flop: float, dtype: torch.dtype | None = None) -> float:
+        """Seconds for ``flop`` of dense matrix products in ``dtype`` (None:
+        the factors' float32/float64, at ``flops``)."""
+        if dtype == torch.bfloat16 and self.bf16_flops is not None:
+            return flop / self.bf16_flops
         return flop / self.flops
 
     def traffic(self, nbytes: float) -> float:
@@ -282,7 +290,8 @@ def measure_costs(
     latency: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
-    """Time eigh, Cholesky inverse and a matrix product on ``device``.
+    """Time eigh, Cholesky inverse and a matrix product on ``device`` (in
+    ``dtype`` and in bfloat16).
 
     Link figures cannot be measured from one process; they are taken as
     given (defaults: 1 GB/s and 50 µs, a CPU gloo link; pass a cluster's).
@@ -309,6 +318,8 @@ def measure_costs(
     n = max(sizes)
     a = torch.randn(n, n, generator=gen).to(device, dtype)
     product = _best_of(lambda: a @ a, sync, repeats, clock)
+    half = a.to(torch.bfloat16)
+    product_bf16 = _best_of(lambda: half @ half, sync, repeats, clock)
     big = torch.empty(2**24, dtype=torch.float32, device=device)  # 64 MiB
     copy = _best_of(lambda: big.clone(), sync, repeats, clock)
     eigh_n3, eigh_fixed = _fit_cubic(list(sizes), eigh)
@@ -321,6 +332,7 @@ def measure_costs(
         inverse_n3=inverse_n3,
         inverse_fixed=inverse_fixed,
         flops=2 * n**3 / product,
+        bf16_flops=2 * n**3 / product_bf16,
         memory_bandwidth=2 * big.numel() * big.element_size() / copy,
         bandwidth=bandwidth if bandwidth is not None else defaults.bandwidth,
         latency=latency if latency is not None else defaults.latency,

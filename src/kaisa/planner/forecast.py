@@ -279,10 +279,16 @@ class _Tally:
 
 
 def _add_factors(
-    t: _Tally, layer: LayerCost, owners: Sequence[int], cost: CostModel, sym: bool
+    t: _Tally,
+    layer: LayerCost,
+    owners: Sequence[int],
+    cost: CostModel,
+    sym: bool,
+    gram_dtype: torch.dtype | None = None,
 ) -> None:
     """One layer's factors: held by their owners, reduced to them and folded
-    there on factor steps, captured on every rank."""
+    there on factor steps, captured on every rank; the Grams at the rate of
+    ``gram_dtype`` (``factor_compute_dtype``)."""
     for spec, owner in zip(layer.factors, owners):
         t.memory["factors"][owner] += spec.numel * layer.factor_itemsize
         t.factor_step["factor_reduce"] += layer.factor_itemsize * messages.statistic_numel(
@@ -299,7 +305,10 @@ def _add_factors(
             dense = spec.kind is not FactorKind.DIAGONAL
             copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
             t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
-            t.secs["capture"] += cost.compute(layer.rows * (2.0 * spec.numel if dense else 1))
+            if dense:
+                t.secs["capture"] += cost.compute(layer.rows * 2.0 * spec.numel, gram_dtype)
+            else:
+                t.secs["capture"] += cost.compute(layer.rows)
     t.factor_step["factor_counts"] += messages.COUNT_DTYPE.itemsize * len(layer.factors)
 
 
@@ -365,7 +374,7 @@ def forecast(
     for layer in layers:
         lp = plan.layer(layer.name)
         workers, m = lp.worker_slice, len(lp.grad_workers)
-        _add_factors(t, layer, lp.owners, cost, sym)
+        _add_factors(t, layer, lp.owners, cost, sym, config.factor_compute_dtype)
         extra = method.statistics(layer.factors)[len(layer.factors) :]
         _add_statistics(t, layer, extra, cost, sym)
         held = method.held(layer.factors, lp.colocated)
@@ -388,7 +397,9 @@ def forecast(
                 # over the layer's worker column {g, g+n, …}: across nodes
                 column = range(w)[workers]
                 t.secs["inverse_comm"][workers] += cost.collective(sent, column, 1)
-        t.secs["precondition"][workers] += cost.compute(_product_flop(layer, method))
+        t.secs["precondition"][workers] += cost.compute(
+            _product_flop(layer, method), config.precondition_dtype
+        )
         message = messages.grad_message(layer.grad_shape)
         grad_bytes += messages.message_numel(message, False) * layer.grad_itemsize
     if plan.grad_workers < w:

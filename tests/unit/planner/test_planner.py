@@ -51,6 +51,7 @@ def test_cost_model_rejects_bad_fields_and_round_trips(tmp_path: Path) -> None:
 def test_measured_costs_grow_with_n_cubed() -> None:
     cost = measure_costs("cpu", sizes=(64, 128, 256), repeats=2)
     assert cost.flops > 1e8 and cost.eigh_n3 > 0 and cost.inverse_n3 > 0
+    assert cost.bf16_flops is not None and cost.bf16_flops > 1e7  # measured, not assumed
     assert cost.decompose(512, "eigh") > cost.decompose(128, "eigh")
     assert cost.decompose(512, "eigh", dense=False) < cost.decompose(512, "eigh")
 
@@ -361,3 +362,29 @@ def test_auto_fraction_sees_the_method_the_run_resolves(tmp_path: Path) -> None:
     chosen, options = choose_fraction(costs, 4, None, None, InverseMethod(), **kfac)
     assert {fc.config["compute_method"] for fc in options} == {"inverse"}
     assert auto_fraction(layers, 4, KFACConfig.from_options(**kfac), InverseMethod()) == chosen
+
+
+def test_bfloat16_products_are_costed_at_their_own_rate(tmp_path: Path) -> None:
+    """``factor_compute_dtype`` and ``precondition_dtype`` put the Grams and
+    the preconditioning products in bfloat16, which runs at the cost model's
+    ``bf16_flops``: capture's Gram part and the products scale by
+    ``flops / bf16_flops``; without a bfloat16 rate, or in float32, nothing
+    changes.  A cost model saved before the field existed still loads."""
+    layers = layer_costs(mlp(), {f"{i}": 64 for i in range(0, 8, 2)})
+    base = CostModel(flops=1e12, memory_bandwidth=1e30)  # the Grams' row copies cost nothing
+    fast = dataclasses.replace(base, bf16_flops=4e12)
+    lean = {"factor_compute_dtype": "bfloat16", "precondition_dtype": "bfloat16"}
+    f32 = forecast(layers, 1, fast).seconds
+    bf16 = forecast(layers, 1, fast, **lean).seconds
+    for stage in ("capture", "precondition"):
+        assert f32[stage][0] > 0
+        assert bf16[stage][0] == pytest.approx(f32[stage][0] / 4)
+        assert forecast(layers, 1, base, **lean).seconds[stage][0] == pytest.approx(f32[stage][0])
+    only_grams = forecast(layers, 1, fast, factor_compute_dtype="bfloat16").seconds
+    assert only_grams["capture"][0] == pytest.approx(f32["capture"][0] / 4)
+    assert only_grams["precondition"][0] == pytest.approx(f32["precondition"][0])
+    with pytest.raises(ValueError, match="bf16_flops"):
+        CostModel(bf16_flops=0.0)
+    old = {k: v for k, v in dataclasses.asdict(base).items() if k != "bf16_flops"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert CostModel.load(tmp_path / "old.json") == base
