@@ -253,6 +253,13 @@ def test_a_campaign_runs_the_protocol_to_the_end_and_records_every_run(tmp_path:
     for record in heldout:
         times = record["result"]["step_times"]
         assert times["cpu_median_ms"] > 0 and times["median_ms"] > 0
+        cpu = [point["cpu_s"] for point in record["curve"]]
+        assert all(c > 0 for c in cpu) and cpu == sorted(cpu)
+        if record["result"]["reached"]:  # the CPU clock at the reading that reached
+            reached = next(
+                p for p in record["curve"] if p["step"] == record["result"]["steps_to_target"]
+            )
+            assert record["result"]["cpu_time_to_target_s"] == reached["cpu_s"]
     assert all(r.cpu_ms is not None and r.cpu_ms > 0 for r in rows)
     table = markdown_heldout(campaign)
     assert "sgd + K-FAC (library defaults)" in table and "sgd + K-FAC (tuned)" in table
@@ -474,7 +481,9 @@ def test_the_levers_table_sets_each_lever_beside_kfac_at_the_defaults_on_its_bas
     assert ours.cpu_ms is not None and ref.cpu_ms is not None
     assert cells[4] == f"{ours.cpu_ms / ref.cpu_ms:.2f} (CPU)"
     ratio = ours.median_time_s / ref.median_time_s
-    assert cells[5] == f"{ratio:.2f}" and cells[6] == lever_verdict(ratio)
+    assert cells[5] == f"{ratio:.2f}" and cells[7] == lever_verdict(ratio)
+    assert ours.cpu_time_s is not None and ref.cpu_time_s is not None
+    assert cells[6] == f"{ours.cpu_time_s / ref.cpu_time_s:.2f}"
 
 
 def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:

@@ -86,8 +86,13 @@ def _resume_matches(specs: list[RunSpec], tmp_path: Path, stop_at: int) -> None:
         assert a.resumed_at == [] and b.resumed_at == [stop_at]
         assert a.step_times is not None and b.step_times is not None
         assert a.step_times.count == b.step_times.count  # the steps before the stop kept
-        # and their CPU times: every step has one, so the resumed run has a CPU median
+        # and their CPU times: every step has one, so the resumed run has a CPU median,
+        # and every reading its cumulative CPU time (growing, at most the wall clock's
+        # plus the intra-op threads'; one thread here)
         assert a.step_times.cpu_median_ms is not None and b.step_times.cpu_median_ms is not None
+        for run in (a, b):
+            cpu = [r.cpu_time_s for r in run.curve]
+            assert all(c is not None and c > 0 for c in cpu) and cpu == sorted(cpu)
     assert list(tmp_path.glob("*.pt")) == []  # deleted as each run ended
 
 
@@ -140,6 +145,9 @@ def test_a_snapshot_from_before_the_cpu_clock_resumes_without_cpu_times(tmp_path
     assert _curve(resumed) == _curve(whole[0]) and resumed.resumed_at == [9]
     assert resumed.step_times is not None and resumed.step_times.median_ms > 0
     assert resumed.step_times.cpu_median_ms is None
+    # the readings after the restore have no CPU clock to read (those before keep theirs)
+    assert [r.cpu_time_s is None for r in resumed.curve] == [r.step > 9 for r in resumed.curve]
+    assert resumed.cpu_time_to_target_s is None
     assert whole[0].step_times is not None and whole[0].step_times.cpu_median_ms is not None
 
 

@@ -216,6 +216,7 @@ def train_record(
             "reached": result.steps_to_target is not None,
             "steps_to_target": result.steps_to_target,
             "time_to_target_s": result.time_to_target_s,
+            "cpu_time_to_target_s": result.cpu_time_to_target_s,
             "steps": result.curve[-1].step if result.curve else 0,
             "train_time_s": result.wall_time_s,
             "final_metric": result.final_metric,
@@ -232,6 +233,7 @@ def train_record(
             {
                 "step": r.step,
                 "time_s": r.wall_time_s,
+                "cpu_s": r.cpu_time_s,
                 "train_loss": r.train_loss,
                 "metric": r.metric,
             }

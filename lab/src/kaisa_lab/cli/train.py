@@ -64,6 +64,9 @@ class EpochRecord:
     train_loss: float
     metric: float
     eval: dict[str, float] = field(default_factory=dict)
+    #: cumulative training time on the process's CPU clock (a CPU run; None
+    #: on an accelerator or after a snapshot from before the CPU clock)
+    cpu_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class RunResult:
     higher_is_better: bool
     curve: list[EpochRecord] = field(default_factory=list)
     time_to_target_s: float | None = None
+    #: the same on the CPU clock (:attr:`EpochRecord.cpu_time_s`)
+    cpu_time_to_target_s: float | None = None
     steps_to_target: int | None = None
     epochs_to_target: float | None = None
     initial_weights: str = ""
@@ -352,12 +357,15 @@ class _Lane:
         )
         at = self.epoch - 1 + self.epoch_step / self.steps_per_epoch
         metric = evals[self.task.metric.name]
-        record = EpochRecord(at, self.step, self.clock.elapsed, train_loss, metric, evals)
+        record = EpochRecord(
+            at, self.step, self.clock.elapsed, train_loss, metric, evals, self.clock.cpu
+        )
         reached = self.task.metric.reached(metric, self.spec.target)
         result = self.result
         result.curve.append(record)
         if reached and result.steps_to_target is None:
             result.time_to_target_s = record.wall_time_s
+            result.cpu_time_to_target_s = record.cpu_time_s
             result.steps_to_target = record.step
             result.epochs_to_target = record.epoch
         if not math.isfinite(train_loss):
@@ -386,6 +394,7 @@ class _Lane:
             "loss_sum": self.loss_sum.cpu(),
             "curve": [dataclasses.asdict(r) for r in result.curve],
             "to_target": (result.time_to_target_s, result.steps_to_target, result.epochs_to_target),
+            "cpu_to_target": result.cpu_time_to_target_s,
             "resumed_at": list(result.resumed_at),
         }
 
@@ -405,6 +414,7 @@ class _Lane:
         result.time_to_target_s, result.steps_to_target, result.epochs_to_target = state[
             "to_target"
         ]
+        result.cpu_time_to_target_s = state.get("cpu_to_target")
         result.resumed_at = [*state["resumed_at"], self.step]
 
     def finish(self, why: str) -> None:
