@@ -97,6 +97,7 @@ def test_compare_writes_both_runs_with_all_fields(
         assert [p["epoch"] for p in curve] == [1, 2]
         assert [p["step"] for p in curve] == [5, 10]
         assert 0 < curve[0]["wall_time_s"] < curve[1]["wall_time_s"] == run["wall_time_s"]
+        assert 0 < curve[0]["cpu_time_s"] < curve[1]["cpu_time_s"]  # a CPU run: both clocks
         assert all(0.0 <= p["metric"] <= 1.0 and p["train_loss"] > 0 for p in curve)
         assert run["final_metric"] == curve[-1]["metric"]
         # Target reached: the first epoch at or above it is the one reported.
@@ -235,13 +236,18 @@ def test_train_without_kfac_and_other_optimizer(tmp_path: Path) -> None:
     assert len(run["curve"]) == 2
 
 
+def _without_clocks(curve: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A curve without its clocks' readings (the wall's and the CPU's): what a
+    rerun of the same seed reproduces bit for bit."""
+    return [{k: v for k, v in p.items() if k not in ("wall_time_s", "cpu_time_s")} for p in curve]
+
+
 def test_same_seed_same_results_other_seed_other_results(tmp_path: Path) -> None:
     args = ("train", "--no-kfac", *QUICK, "--epochs", "1")
     a = run_cli(tmp_path / "a", *args, "--seed", "1")[0]["curve"]
     b = run_cli(tmp_path / "b", *args, "--seed", "1")[0]["curve"]
     c = run_cli(tmp_path / "c", *args, "--seed", "2")[0]["curve"]
-    strip = [{k: v for k, v in p.items() if k != "wall_time_s"} for p in a]
-    assert strip == [{k: v for k, v in p.items() if k != "wall_time_s"} for p in b]
+    assert _without_clocks(a) == _without_clocks(b)
     assert a[0]["train_loss"] != c[0]["train_loss"]
 
 
@@ -548,8 +554,7 @@ def test_constant_schedule_never_writes_the_lr(
     (explicit,) = run_cli(tmp_path / "b", *args, "--schedule", "constant")
     assert {lr for _, lr, _ in seen} == {base}
     assert default["config"]["schedule"] == "constant" and default["config"]["warmup_epochs"] == 0
-    strip = [{k: v for k, v in p.items() if k != "wall_time_s"} for p in default["curve"]]
-    assert strip == [{k: v for k, v in p.items() if k != "wall_time_s"} for p in explicit["curve"]]
+    assert _without_clocks(default["curve"]) == _without_clocks(explicit["curve"])
 
 
 def test_constant_schedule_with_warmup_ramps_then_holds(
