@@ -264,8 +264,13 @@ def test_a_campaign_runs_the_protocol_to_the_end_and_records_every_run(tmp_path:
     table = markdown_heldout(campaign)
     assert "sgd + K-FAC (library defaults)" in table and "sgd + K-FAC (tuned)" in table
     header, rule, *body = table.splitlines()
-    assert "| ms/step | CPU ms/step |" in header and rule.count("---") == 9
+    assert "| ms/step | CPU ms/step | CPU time to target (s) |" in header
+    assert rule.count("---") == 10
     assert all(len(line.split("|")) == len(header.split("|")) for line in body)
+    at = [c.strip() for c in header.split("|")].index("CPU time to target (s)")
+    for row, line in zip(rows, body, strict=True):
+        assert row.cpu_time_s is not None and math.isfinite(row.cpu_time_s)
+        assert line.split("|")[at].strip() == f"{row.cpu_time_s:.3g}"
     assert "**" in markdown_tuning(campaign)
 
 

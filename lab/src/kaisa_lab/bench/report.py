@@ -158,15 +158,16 @@ def markdown_heldout(campaign: Campaign) -> str:
     with_cpu = any(r.cpu_ms is not None for r in rows)
     lines = [
         "| arm | selected setting | reached | steps to target | time to target (s) "
-        f"| ms/step{' | CPU ms/step' if with_cpu else ''} "
+        f"| ms/step{' | CPU ms/step | CPU time to target (s)' if with_cpu else ''} "
         f"| time vs {_label(peer.arm) if peer else 'best first-order'} | time vs its base |",
-        "|---|---|---|---|---|---|---|---|" + ("---|" if with_cpu else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if with_cpu else ""),
     ]
     for row in rows:
         base = by_kind.get(row.arm.optimizer) if row.arm.kfac else None
         cost = "-" if row.step_ms is None else f"{row.step_ms:.1f}"
         if with_cpu:
             cost += " | -" if row.cpu_ms is None else f" | {row.cpu_ms:.1f}"
+            cost += " | -" if row.cpu_time_s is None else f" | {_time(row.cpu_time_s)}"
         vs_peer = _ratio(row.median_time_s, peer.median_time_s) if peer else "-"
         vs_base = _ratio(row.median_time_s, base.median_time_s) if base else "-"
         lines.append(
