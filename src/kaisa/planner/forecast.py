@@ -305,10 +305,8 @@ def _add_factors(
             dense = spec.kind is not FactorKind.DIAGONAL
             copies = layer.input_copies if spec.source is FactorSource.INPUT else 1
             t.secs["capture"] += cost.traffic(2.0 * layer.rows * spec.dim * 4 * copies)
-            if dense:
-                t.secs["capture"] += cost.compute(layer.rows * 2.0 * spec.numel, gram_dtype)
-            else:
-                t.secs["capture"] += cost.compute(layer.rows)
+            flop = layer.rows * (2.0 * spec.numel if dense else 1)
+            t.secs["capture"] += cost.compute(flop, gram_dtype if dense else None)
     t.factor_step["factor_counts"] += messages.COUNT_DTYPE.itemsize * len(layer.factors)
 
 

@@ -315,16 +315,22 @@ def markdown_levers(campaign: Campaign) -> str:
         )
         cost = _step_cost_ratio(row, ref)
         ratio = _quotient(row.median_time_s, ref.median_time_s)
-        time_ = f"{ratio:.2f}" if math.isfinite(ratio) and ratio > 0 else "-"
-        cpu = "-"
-        if row.cpu_time_s is not None and ref.cpu_time_s is not None:
-            cpu_ratio = _quotient(row.cpu_time_s, ref.cpu_time_s)
-            cpu = f"{cpu_ratio:.2f}" if math.isfinite(cpu_ratio) and cpu_ratio > 0 else "-"
+        time_ = _time_ratio(row.median_time_s, ref.median_time_s)
+        cpu = _time_ratio(row.cpu_time_s, ref.cpu_time_s)
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} | {steps} "
             f"| {cost} | {time_} | {cpu} | {lever_verdict(ratio)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _time_ratio(a: float | None, b: float | None) -> str:
+    """Two median times to target (a miss: infinity) as a ratio cell; ``-``
+    where either is unknown or the ratio has no finite, positive value."""
+    if a is None or b is None:
+        return "-"
+    ratio = _quotient(a, b)
+    return f"{ratio:.2f}" if math.isfinite(ratio) and ratio > 0 else "-"
 
 
 def _step_cost_ratio(row: ArmRow, ref: ArmRow) -> str:
