@@ -11,8 +11,9 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -24,10 +25,12 @@ from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup,
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
 from kaisa_lab.bench.report import (
     FairnessError,
+    _quotient,
     heldout_rows,
     lever_verdict,
     markdown_heldout,
     markdown_tuning,
+    paired_ratio,
 )
 from kaisa_lab.cli import trainer as trainer_module
 from kaisa_lab.cli.distributed import DistContext
@@ -404,9 +407,9 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> Non
     table = markdown_summary([campaign])
     (line,) = [row for row in table.splitlines() if row.startswith("| quick | 64 | sgd |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
-    base, kfac = rows["sgd"].median_time_s, rows["sgd+kfac"].median_time_s
-    expected = "-" if math.isinf(base) or math.isinf(kfac) else f"{kfac / base:.2f}×"
-    assert cells[4] == expected
+    ratio = paired_ratio(rows["sgd+kfac"], rows["sgd"])
+    assert ratio is not None
+    assert cells[4] == (f"{ratio:.2f}×" if math.isfinite(ratio) and ratio > 0 else "-")
     assert verdict(0.8) == "add K-FAC" and verdict(1.2) == "keep the optimizer alone"
     assert verdict(1.03) == "a tie" and verdict(math.nan) == "neither reaches the target"
     assert verdict(0.0) == "add K-FAC" and "misses" in verdict(math.inf)
@@ -481,16 +484,32 @@ def test_the_levers_table_sets_each_lever_beside_kfac_at_the_defaults_on_its_bas
     assert len(lines) == 1 and len(table.splitlines()) == 3  # one lever row
     cells = [c.strip() for c in lines[0].split("|")[1:-1]]
     assert cells[1] == "sgd" and cells[2] == f"{ours.reached}/{ours.seeds}"
-    assert ours.steps is not None and ref.steps is not None
-    assert cells[3] == f"{ours.steps[0] / ref.steps[0]:.2f}"
+    # every figure a median over the held-out seeds of the two arms' ratio on each seed
+    by_seed = [
+        (mine["result"], theirs["result"])
+        for mine in ours.records
+        for theirs in ref.records
+        if mine["seed"] == theirs["seed"]
+    ]
+    assert len(by_seed) == len(campaign.protocol.heldout_seeds)
+
+    def cell(key: str, missed: float | None = math.inf) -> str:
+        ratios = [
+            _quotient(*(r[key] if r["reached"] else missed for r in pair)) for pair in by_seed
+        ]
+        ratios = [q for q in ratios if not math.isnan(q)]
+        value = statistics.median(ratios) if ratios else math.nan
+        return f"{value:.2f}" if math.isfinite(value) and value > 0 else "-"
+
+    assert cells[3] == cell("steps_to_target")
     # the step's cost from the CPU clock, which every CPU run now records
-    assert ours.cpu_ms is not None and ref.cpu_ms is not None
-    assert cells[4] == f"{ours.cpu_ms / ref.cpu_ms:.2f} (CPU)"
-    ratio = ours.median_time_s / ref.median_time_s
-    assert cells[5] == f"{ratio:.2f}" and cells[7] == lever_verdict(ratio)
-    assert ours.cpu_time_s is not None and ref.cpu_time_s is not None
-    cpu_ratio = ours.cpu_time_s / ref.cpu_time_s if ref.cpu_time_s > 0 else math.nan
-    assert cells[6] == (f"{cpu_ratio:.2f}" if math.isfinite(cpu_ratio) and cpu_ratio > 0 else "-")
+    costs = [
+        (a["step_times"]["cpu_median_ms"], b["step_times"]["cpu_median_ms"]) for a, b in by_seed
+    ]
+    assert cells[4] == f"{statistics.median(a / b for a, b in costs):.2f} (CPU)"
+    ratio = paired_ratio(ours, ref)
+    assert ratio is not None and cells[7] == lever_verdict(ratio)
+    assert cells[5] == cell("time_to_target_s") and cells[6] == cell("cpu_time_to_target_s")
 
 
 def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:
@@ -502,3 +521,48 @@ def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:
     assert lever_verdict(math.inf) == "loses (misses the target)"
     assert lever_verdict(math.nan) == "neither reaches the target"
     assert lever_verdict(0.0) == "wins (the defaults miss the target)"
+
+
+def _row(name: str, times: list[float | None], cpu_ms: list[float]) -> Any:
+    """An arm's held-out row from per-seed times to target (None: a miss)."""
+    from kaisa_lab.bench.report import ArmRow
+
+    records = tuple(
+        {
+            "seed": seed,
+            "result": {
+                "reached": t is not None,
+                "time_to_target_s": t,
+                "steps_to_target": None if t is None else 10 * t,
+                "step_times": {"median_ms": 1.0, "cpu_median_ms": ms},
+            },
+        }
+        for seed, (t, ms) in enumerate(zip(times, cpu_ms, strict=True))
+    )
+    return ArmRow(Arm(name), "s", len(times), 0, None, None, 0.0, None, records)
+
+
+def test_ratios_pair_the_arms_of_each_seed() -> None:
+    """Each seed's arms share a lockstep group and its load; seeds' groups do not. A
+    ratio of medians mixes one arm's busy seed with the other's quiet one; the
+    paired ratio (the median of the per-seed ratios) does not."""
+    # every seed: 0.8× the reference, each seed under its own load
+    ours = _row("sgd", [8.0, 16.0, 32.0, 2.4], [1.0] * 4)
+    ref = _row("adamw", [10.0, 20.0, 40.0, 3.0], [2.0] * 4)
+    assert paired_ratio(ours, ref) == pytest.approx(0.8)
+    # seeds under loads 1, 3 and 1.5: ours takes 100, 100 and 130 steps, the reference 125,
+    # 125 and 110: 0.8× on two seeds of three, yet the ratio of the medians reads 1.18
+    ours = _row("sgd", [100.0, 300.0, 195.0], [1.0] * 3)
+    ref = _row("adamw", [125.0, 375.0, 165.0], [2.0] * 3)
+    assert statistics.median([100.0, 300.0, 195.0]) / statistics.median([125, 375, 165]) > 1.1
+    assert paired_ratio(ours, ref) == pytest.approx(0.8)
+    # misses: ours alone (infinity), the reference alone (0), both (no ratio)
+    ours = _row("sgd", [None, 1.0, None, 2.4], [1.0] * 4)
+    ref = _row("adamw", [10.0, None, None, 3.0], [2.0] * 4)
+    assert paired_ratio(ours, ref) == pytest.approx(0.8)  # median of inf, 0, 0.8
+    assert math.isnan(cast(float, paired_ratio(_row("a", [None], [1.0]), _row("b", [None], [1.0]))))
+    # the other clocks pair the same way; a value not recorded leaves no figure
+    from kaisa_lab.bench.report import _cpu_ms, _cpu_time
+
+    assert paired_ratio(ours, ref, _cpu_ms) == pytest.approx(0.5)
+    assert paired_ratio(ours, ref, _cpu_time) is None  # these records carry no CPU time

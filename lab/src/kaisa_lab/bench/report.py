@@ -5,8 +5,10 @@ Two questions, two tables:
 - ``heldout``: the reported comparison. Per arm, its selected setting and,
   over the held-out seeds, the median [min–max] steps and time to target on
   the runs' own clocks, how many seeds reached it, the median step cost, and
-  the ratio of its median time to the best first-order arm's and (for a
-  K-FAC arm) to its base optimizer's. Before anything is computed the report
+  its time against the best first-order arm's and (for a K-FAC arm) its base
+  optimizer's, as a paired ratio (:func:`paired_ratio`: the median over the
+  held-out seeds of the two arms' ratio on each seed, whose runs shared a
+  lockstep group and so the machine's load). Before anything is computed the report
   checks that every arm started each held-out seed from the same weights and
   data order (the records' fingerprints); a mismatch is an error, not a row.
 - ``tuning``: every setting each arm tried, with its median steps and time
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -36,6 +38,7 @@ __all__ = [
     "markdown_machine",
     "markdown_summary",
     "markdown_tuning",
+    "paired_ratio",
     "plot",
     "verdict",
 ]
@@ -68,6 +71,62 @@ class ArmRow:
 
 def _spread(values: Sequence[float]) -> tuple[float, float, float] | None:
     return (statistics.median(values), min(values), max(values)) if values else None
+
+
+def _time(record: Mapping[str, Any]) -> float:
+    """A run's time to target on the wall clock; a miss is infinitely slow."""
+    result = record["result"]
+    return float(result["time_to_target_s"]) if result["reached"] else math.inf
+
+
+def _cpu_time(record: Mapping[str, Any]) -> float | None:
+    """A run's time to target on the CPU clock (a miss: infinity); None where not recorded."""
+    result = record["result"]
+    if not result["reached"]:
+        return math.inf
+    value = result.get("cpu_time_to_target_s")
+    return None if value is None else float(value)
+
+
+def _steps(record: Mapping[str, Any]) -> float:
+    result = record["result"]
+    return float(result["steps_to_target"]) if result["reached"] else math.inf
+
+
+def _step_ms(record: Mapping[str, Any]) -> float | None:
+    value = (record["result"].get("step_times") or {}).get("median_ms")
+    return None if value is None else float(value)
+
+
+def _cpu_ms(record: Mapping[str, Any]) -> float | None:
+    value = (record["result"].get("step_times") or {}).get("cpu_median_ms")
+    return None if value is None else float(value)
+
+
+def paired_ratio(
+    row: ArmRow, ref: ArmRow, value: Callable[[Mapping[str, Any]], float | None] = _time
+) -> float | None:
+    """The median over the seeds both arms ran of ``row``'s value over ``ref``'s on that seed.
+
+    Why paired: every arm of a held-out seed steps in one lockstep group, so
+    the machine's load during that group falls on both alike, while seeds'
+    groups run hours apart under loads of their own. A ratio of the two
+    medians keeps that spread (one arm's median may come from a busy hour,
+    the other's from a quiet one); the ratio per seed cancels it. A seed
+    that only ``row`` misses reads as infinity, one that only ``ref``
+    misses as 0 (:func:`_quotient`), one both miss carries no ratio and is
+    left out (NaN where no seed is left). None where a seed lacks the value
+    (records from before that clock was kept) or the arms share no seed.
+    """
+    mine = {r["seed"]: value(r) for r in row.records}
+    theirs = {r["seed"]: value(r) for r in ref.records}
+    seeds = sorted(mine.keys() & theirs.keys())
+    pairs = [(mine[s], theirs[s]) for s in seeds]
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return None
+    ratios = [_quotient(cast(float, a), cast(float, b)) for a, b in pairs]
+    ratios = [q for q in ratios if not math.isnan(q)]
+    return statistics.median(ratios) if ratios else math.nan
 
 
 def heldout_rows(campaign: Campaign) -> list[ArmRow]:
@@ -125,12 +184,6 @@ def check_fairness(rows: Sequence[ArmRow]) -> None:
             )
 
 
-def _ratio(a: float, b: float) -> str:
-    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
-        return "-"
-    return f"{a / b:.2f}"
-
-
 def _fmt(spread: tuple[float, float, float] | None, spec: str) -> str:
     if spread is None:
         return "not reached"
@@ -167,9 +220,9 @@ def markdown_heldout(campaign: Campaign) -> str:
         cost = "-" if row.step_ms is None else f"{row.step_ms:.1f}"
         if with_cpu:
             cost += " | -" if row.cpu_ms is None else f" | {row.cpu_ms:.1f}"
-            cost += " | -" if row.cpu_time_s is None else f" | {_time(row.cpu_time_s)}"
-        vs_peer = _ratio(row.median_time_s, peer.median_time_s) if peer else "-"
-        vs_base = _ratio(row.median_time_s, base.median_time_s) if base else "-"
+            cost += " | -" if row.cpu_time_s is None else f" | {_seconds(row.cpu_time_s)}"
+        vs_peer = _paired_cell(row, peer)
+        vs_base = _paired_cell(row, base)
         lines.append(
             f"| {_label(row.arm)} | {row.setting} | {row.reached}/{row.seeds} "
             f"| {_fmt(row.steps, '.0f')} | {_fmt(row.time_s, '.3g')} | {cost} "
@@ -178,12 +231,12 @@ def markdown_heldout(campaign: Campaign) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: a ratio of median times within this band of 1 is called a tie
+#: a ratio of times to target within this band of 1 is called a tie
 TIE = 0.05
 
 
 def _read_ratio(ratio: float, *, nan: str, inf: str, win: str, lose: str) -> str:
-    """A ratio of median times to target read with the tie band (:data:`TIE`)."""
+    """A ratio of times to target read with the tie band (:data:`TIE`)."""
     if math.isnan(ratio):
         return nan
     if math.isinf(ratio):
@@ -194,7 +247,7 @@ def _read_ratio(ratio: float, *, nan: str, inf: str, win: str, lose: str) -> str
 
 
 def verdict(ratio: float) -> str:
-    """What a user reads from a ratio of median times to target (K-FAC arm / its base)."""
+    """What a user reads from a paired ratio of times to target (K-FAC arm / its base)."""
     return _read_ratio(
         ratio,
         nan="neither reaches the target",
@@ -209,10 +262,10 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
     held-out medians.
 
     Each row: the base optimizer's median time to target, K-FAC at the library's
-    defaults and tuned as ratios of it, the best first-order arm of the family
-    and the defaults arm against it, and the verdict at the library's
-    defaults. A family still being measured — an arm not yet selected, or
-    without a record of every held-out seed — is left out: a median over
+    defaults and tuned as paired ratios of it (:func:`paired_ratio`), the
+    best first-order arm of the family and the defaults arm against it, and
+    the verdict at the library's defaults. A family still being measured —
+    an arm not yet selected, or without a record of every held-out seed — is left out: a median over
     the seeds that happen to be done is not the comparison the protocol
     defines."""
     lines = [
@@ -242,22 +295,33 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
             if defaults is None:
                 continue
             tuned = next((r for r in rows if r.arm.knobs and r.arm.optimizer == optimizer), None)
-            ratio = _quotient(defaults.median_time_s, base.median_time_s)
+            ratio = paired_ratio(defaults, base)
             lines.append(
-                f"| {campaign.case.name} | {batch} | {optimizer} | {_time(base.median_time_s)} "
-                f"| {_times(defaults, base)} | {_times(tuned, base)} "
-                f"| {peer.arm.optimizer} ({_time(peer.median_time_s)} s) "
-                f"| {_times(defaults, peer)} | {verdict(ratio)} |"
+                f"| {campaign.case.name} | {batch} | {optimizer} "
+                f"| {_seconds(base.median_time_s)} | {_times(defaults, base)} "
+                f"| {_times(tuned, base)} "
+                f"| {peer.arm.optimizer} ({_seconds(peer.median_time_s)} s) "
+                f"| {_times(defaults, peer)} | {verdict(math.nan if ratio is None else ratio)} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def _times(row: ArmRow | None, base: ArmRow) -> str:
-    """``row``'s median time to target over ``base``'s, as ``0.83×`` (``-`` where undefined)."""
-    if row is None:
-        return "-"
-    text = _ratio(row.median_time_s, base.median_time_s)
+    """``row``'s time to target over ``base``'s (paired), as ``0.83×`` (``-`` where undefined)."""
+    text = _paired_cell(row, base)
     return text if text == "-" else f"{text}×"
+
+
+def _paired_cell(
+    row: ArmRow | None,
+    ref: ArmRow | None,
+    value: Callable[[Mapping[str, Any]], float | None] = _time,
+) -> str:
+    """A table cell of :func:`paired_ratio`: ``-`` where it has no finite, positive value."""
+    if row is None or ref is None:
+        return "-"
+    ratio = paired_ratio(row, ref, value)
+    return f"{ratio:.2f}" if ratio is not None and math.isfinite(ratio) and ratio > 0 else "-"
 
 
 def _quotient(a: float, b: float) -> float:
@@ -268,12 +332,12 @@ def _quotient(a: float, b: float) -> float:
     return a / b if b > 0 else math.nan
 
 
-def _time(value: float) -> str:
+def _seconds(value: float) -> str:
     return "not reached" if math.isinf(value) else f"{value:.3g}"
 
 
 def lever_verdict(ratio: float) -> str:
-    """What a lever bought, from its median time to target over K-FAC's at the defaults."""
+    """What a lever bought, from its time to target over K-FAC's at the defaults (paired)."""
     if ratio == 0.0:  # the lever reaches the target, K-FAC at the defaults does not
         return "wins (the defaults miss the target)"
     finite = math.isfinite(ratio)
@@ -287,9 +351,10 @@ def lever_verdict(ratio: float) -> str:
 
 
 def markdown_levers(campaign: Campaign) -> str:
-    """What each lever bought: its held-out medians over those of K-FAC at the
-    library's defaults on the same base optimizer — steps, the step's cost and
-    the time to target, so a win or a loss reads as fewer steps or a cheaper step.
+    """What each lever bought: its held-out figures over those of K-FAC at the
+    library's defaults on the same base optimizer, paired by seed
+    (:func:`paired_ratio`) — steps, the step's cost and the time to target,
+    so a win or a loss reads as fewer steps or a cheaper step.
 
     The step's cost is its CPU time where both arms' records have it (the
     cost whatever else the machine ran), the wall clock's otherwise; the
@@ -310,37 +375,22 @@ def markdown_levers(campaign: Campaign) -> str:
         if ref is None:
             lines.append(f"| {row.arm.kind} | {row.arm.optimizer}: not held out | | | | | | |")
             continue
-        steps = (
-            "-" if row.steps is None or ref.steps is None else _ratio(row.steps[0], ref.steps[0])
-        )
-        cost = _step_cost_ratio(row, ref)
-        ratio = _quotient(row.median_time_s, ref.median_time_s)
-        time_ = _time_ratio(row.median_time_s, ref.median_time_s)
-        cpu = _time_ratio(row.cpu_time_s, ref.cpu_time_s)
+        ratio = paired_ratio(row, ref)
         lines.append(
-            f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} | {steps} "
-            f"| {cost} | {time_} | {cpu} | {lever_verdict(ratio)} |"
+            f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} "
+            f"| {_paired_cell(row, ref, _steps)} | {_step_cost_ratio(row, ref)} "
+            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, _cpu_time)} "
+            f"| {lever_verdict(math.nan if ratio is None else ratio)} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def _time_ratio(a: float | None, b: float | None) -> str:
-    """Two median times to target (a miss: infinity) as a ratio cell; ``-``
-    where either is unknown or the ratio has no finite, positive value."""
-    if a is None or b is None:
-        return "-"
-    ratio = _quotient(a, b)
-    return f"{ratio:.2f}" if math.isfinite(ratio) and ratio > 0 else "-"
-
-
 def _step_cost_ratio(row: ArmRow, ref: ArmRow) -> str:
-    """``row``'s step cost over ``ref``'s: CPU times where both have them
-    (marked ``CPU``), wall times otherwise."""
+    """``row``'s step cost over ``ref``'s, paired by seed: CPU times where both
+    have them (marked ``CPU``), wall times otherwise."""
     if row.cpu_ms is not None and ref.cpu_ms is not None:
-        return f"{_ratio(row.cpu_ms, ref.cpu_ms)} (CPU)"
-    if row.step_ms is None or ref.step_ms is None:
-        return "-"
-    return _ratio(row.step_ms, ref.step_ms)
+        return f"{_paired_cell(row, ref, _cpu_ms)} (CPU)"
+    return _paired_cell(row, ref, _step_ms)
 
 
 def markdown_machine(campaign: Campaign) -> str:
