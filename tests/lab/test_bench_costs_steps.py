@@ -190,6 +190,34 @@ def test_task_step_cost_builds_kfac_at_the_task_settings_or_the_library_defaults
     assert "| sgd+kfac |" in TIMING_CASES["task-step-cost"].tables["kfac"]([lib])
 
 
+def test_levers_step_cost_builds_each_arm_with_its_lever(tmp_path: Path) -> None:
+    """The levers cases' arms timed as the campaign runs them: K-FAC at the
+    library's defaults plus the lever's keywords, its run fields on the step."""
+    from kaisa_lab.bench.cases import get_case
+
+    records = run_quick(
+        "levers-step-cost", tmp_path, "rounds=1", "block=1",
+        'arms=["muon", "muon+kfac", "muon+kfac-lean", "adamw"]',
+    )  # fmt: skip
+    by_arm = {r["config"]["arm"]: r for r in records}
+    # AdamW alone is no arm of the levers case: an optimizer alone is the same everywhere
+    assert set(by_arm) == {"muon", "muon+kfac", "muon+kfac-lean", "adamw"}
+    assert by_arm["adamw"]["config"]["lever"] == {} and by_arm["adamw"]["config"]["kfac"] is None
+    assert all(timed(r["result"]) and r["result"]["cpu_ms"] > 0 for r in records)
+    (lean,) = [a for a in get_case("text-lm-levers").arms if a.kind == "muon+kfac-lean"]
+    built = by_arm["muon+kfac-lean"]["config"]
+    assert built["lever"] == dict(lean.lever)
+    for key, value in lean.kfac_lever().items():  # its K-FAC keywords, as built
+        assert str(built["kfac"][key]).removeprefix("torch.") == str(value), key
+    assert built["kfac"]["factor_position_fraction"] == lean.run_lever()["position_fraction"]
+    plain = by_arm["muon+kfac"]["config"]
+    assert plain["lever"] == {} and plain["kfac"]["max_factor_dim"] != 129
+    table = TIMING_CASES["levers-step-cost"].tables["kfac"](records)
+    assert "`muon_ns_steps=3`" in table and "| muon+kfac | " in table
+    with pytest.raises(ValueError, match="muon\\+kfac-lean"):
+        run_quick("levers-step-cost", tmp_path / "bad", 'arms=["muon+kfac-leaner"]')
+
+
 def test_task_step_cost_rejects_an_unknown_kfac_keyword(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         main(["bench", "run", "task-step-cost", "--quick", "--records", str(tmp_path),

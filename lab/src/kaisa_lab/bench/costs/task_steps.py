@@ -54,7 +54,15 @@ from kaisa.step.profile import DECOMPOSE, PRODUCTS, StepProfile
 from kaisa_lab.bench.timer import interleave
 from kaisa_lab.bench.timing import Row, TimingCase, register
 
-__all__ = ["TaskArm", "floor_blocks", "kfac_keywords", "parse_kfac_kwargs", "task_batches"]
+__all__ = [
+    "TaskArm",
+    "build_arm",
+    "case_arm",
+    "floor_blocks",
+    "kfac_keywords",
+    "parse_kfac_kwargs",
+    "task_batches",
+]
 
 #: at most this many distinct batches, cycled (each arm sees them in the same order)
 MAX_BATCHES = 256
@@ -295,6 +303,43 @@ def floor_kernels(blocks: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Callable[[
     return run
 
 
+def build_arm(
+    task: Any, name: str, options: Mapping[str, Any], extra: Mapping[str, Any], batches: list[Any]
+) -> TaskArm:
+    """The arm ``name``: an optimizer or ``opt+kfac`` (K-FAC as ``options["kfac"]``
+    says), or with ``options["case"]`` one of that time-to-target case's K-FAC
+    arm kinds (``muon+kfac-lean``): its lever's K-FAC keywords on top and its
+    run fields a timed step carries (:attr:`TaskArm.LEVERS`)."""
+    case_name = options.get("case")
+    if not case_name or "+" not in name:  # an optimizer alone is the same in every case
+        optimizer, kfac, _ = name.partition("+")
+        keywords = kfac_keywords(task, optimizer, options["kfac"], extra) if kfac else None
+        return TaskArm(task, name, keywords, batches)
+    arm = case_arm(case_name, name)
+    keywords = (
+        {**kfac_keywords(task, arm.optimizer, options["kfac"], extra), **arm.kfac_lever()}
+        if arm.kfac
+        else None
+    )
+    base = f"{arm.optimizer}+kfac" if arm.kfac else arm.optimizer
+    return TaskArm(task, base, keywords, batches, lever=arm.run_lever())
+
+
+def case_arm(case_name: str, kind: str) -> Any:
+    """The arm of time-to-target case ``case_name`` whose runs are called ``kind``
+    (its K-FAC-tuned twin, which shares the kind, is not a step of its own)."""
+    from kaisa_lab.bench.cases import get_case
+
+    arms = [a for a in get_case(case_name).arms if not a.knobs]
+    for arm in arms:
+        if arm.kind == kind:
+            return arm
+    raise ValueError(
+        f"arms: {kind!r} is not an arm of case {case_name!r}; choose from "
+        f"{', '.join(a.kind for a in arms)}"
+    )
+
+
 def measure(options: Mapping[str, Any]) -> list[Row]:
     from kaisa_lab.tasks import get_task
 
@@ -310,9 +355,7 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         arms: dict[str, Callable[[], object]] = {}
         built: dict[str, TaskArm] = {}
         for name in names:
-            optimizer, kfac, _ = name.partition("+")
-            keywords = kfac_keywords(task, optimizer, options["kfac"], extra) if kfac else None
-            built[name] = TaskArm(task, name, keywords, batches)
+            built[name] = build_arm(task, name, options, extra, batches)
             arms[name] = built[name]
         if options["floor"] and any(arm.precond is not None for arm in built.values()):
             torch.manual_seed(0)
@@ -326,6 +369,8 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         first = names[0]
         for position, (name, timing) in enumerate(timed.items()):
             config: dict[str, Any] = {"task": task_name, "arm": name, "batch": bs, "first": first}
+            if options.get("case") and name in built:  # what the arm's lever set
+                config["lever"] = dict(case_arm(options["case"], name).lever) if "+" in name else {}
             result: dict[str, Any] = {**timing.summary(), "position": position}
             arm = built.get(name)
             if arm is not None:
@@ -388,13 +433,19 @@ SHOWN = ("compute_method", "factor_update_steps", "inv_update_steps", "damping",
 
 
 def kfac_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """Each K-FAC arm's settings as built (what was timed)."""
-    lines = ["| task | arm | " + " | ".join(SHOWN) + " |", "|---|---|" + "---|" * len(SHOWN)]
+    """Each K-FAC arm's settings as built (what was timed), and where the arms
+    came from a time-to-target case, what each one's lever set."""
+    levers = any("lever" in r["config"] for r in records)
+    head = [*SHOWN, "lever"] if levers else list(SHOWN)
+    lines = ["| task | arm | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for r in _ordered(records):
         config = r["config"].get("kfac")
         if config:
-            cells = " | ".join(str(config.get(k)) for k in SHOWN)
-            lines.append(f"| {r['config']['task']} | {r['config']['arm']} | {cells} |")
+            cells = [str(config.get(k)) for k in SHOWN]
+            if levers:
+                lever = r["config"].get("lever") or {}
+                cells.append(", ".join(f"`{k}={v}`" for k, v in lever.items()) or "-")
+            lines.append(f"| {r['config']['task']} | {r['config']['arm']} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -435,6 +486,41 @@ CASE = register(
             "floor": True,
         },
         quick={"tasks": ["digits-mlp"], "rounds": 2, "block": 2},
+        tables={"cost": cost_table, "kfac": kfac_table},
+        plot=plot,
+    )
+)
+
+
+#: the levers cases' step-cost arms: Muon and AdamW alone, with K-FAC at the
+#: library's defaults, and with every step-cost lever (the leanest step)
+LEVER_STEP_ARMS = [
+    "muon",
+    "muon+kfac",
+    "muon+kfac-lean",
+    "adamw",
+    "adamw+kfac",
+    "adamw+kfac-lean",
+]
+
+LEVERS_CASE = register(
+    TimingCase(
+        name="levers-step-cost",
+        description="the step of the levers cases' arms (Muon and AdamW, ± K-FAC at the "
+        "library's defaults, ± every step-cost lever) on text-lm's and text-cnn's models, "
+        "interleaved, factor steps and decompositions amortised, on the CPU clock",
+        measure=measure,
+        options={
+            "tasks": ["text-lm", "text-cnn"],
+            "case": "text-lm-levers",  # where the arms are declared (both levers cases share them)
+            "arms": LEVER_STEP_ARMS,
+            "kfac": "defaults",
+            "kfac_kwargs": {},
+            "rounds": 10,
+            "block": 10,
+            "floor": False,
+        },
+        quick={"tasks": ["text-lm"], "arms": ["muon", "muon+kfac-lean"], "rounds": 1, "block": 2},
         tables={"cost": cost_table, "kfac": kfac_table},
         plot=plot,
     )
