@@ -205,7 +205,7 @@ def test_a_kfac_keyword_lever_reaches_the_preconditioners_keywords_and_the_recor
     arm = case.arm("sgd+kfac-clip0.1")
     spec = case.spec(arm, case.grid(arm)[0], 0)
     assert spec.kfac_kwargs["kl_clip"] == 0.1 and spec.to_dict()["kfac"]["kl_clip"] == 0.1
-    bf16 = case.spec(case.arm("muon+kfac-bf16"), case.grid(arm)[0], 0)
+    bf16 = case.spec(case.arm("muon+kfac-block129-pos0.125-bf16"), case.grid(arm)[0], 0)
     assert bf16.kfac_config().factor_compute_dtype is torch.bfloat16
     plain = case.spec(case.arm("sgd+kfac"), case.grid(arm)[0], 0)
     assert plain.to_dict()["kfac"]["kl_clip"] == 0.001  # kfac-pytorch's, the library default

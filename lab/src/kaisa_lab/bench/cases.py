@@ -252,9 +252,8 @@ def _lean(optimizer: str) -> Arm:
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
 #: Monte Carlo Fisher on each base, factor statistics from an eighth of the
 #: positions or from each sequence's sum (K-FAC-reduce), K-FAC on Muon's
-#: AdamW part only, bfloat16 Grams, SGD's KL clip loosened (kfac-pytorch's
-#: 0.001 caps SGD + K-FAC's steps), the two Gram levers together,
-#: block-diagonal factors, every step-cost lever at once, and those with
+#: AdamW part only, SGD's KL clip loosened (kfac-pytorch's 0.001 caps SGD +
+#: K-FAC's steps), the factors' step-cost levers together, and those with
 #: bfloat16 products on Muon (and 3 Newton–Schulz iterations) and on AdamW
 _LEVER_ARMS = (
     *_arms(("muon",), ("muon", "adamw", "sgd"), ()),
@@ -267,12 +266,11 @@ _LEVER_ARMS = (
     Arm("muon", kfac=True, lever=(("position_fraction", 0.125),), tag="pos0.125"),
     Arm("muon", kfac=True, lever=(("kfac.kfac_approx", "reduce"),), tag="reduce"),
     Arm("muon", kfac=True, lever=(("kfac_layers", "adamw-part"),), tag="adamw-part"),
-    Arm("muon", kfac=True, lever=(("kfac.factor_compute_dtype", "bfloat16"),), tag="bf16"),
     Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1"),
-    # the two cheaper-Gram levers together: a factor step's Grams are most of
-    # K-FAC's CPU cost beside Muon's, and each lever alone trims a few percent
-    _GRAM_LEVERS,
-    Arm("muon", kfac=True, lever=_BLOCKS, tag="block129"),
+    # the factors' step-cost levers together (block-diagonal factors, an eighth
+    # of the positions, bfloat16 Grams): bfloat16 Grams and blocks alone change
+    # the step's cost, which levers-step-cost times, far more than its steps,
+    # so they run for steps only together (the positions alone are above)
     Arm("muon", kfac=True, lever=(*_BLOCKS, *_GRAM_LEVERS.lever), tag="block129-pos0.125-bf16"),
     # the leanest step: the three above and the preconditioning products in
     # bfloat16 too; on Muon (which orthogonalises in bfloat16 anyway) its
@@ -367,9 +365,8 @@ CASES: dict[str, TrainCase] = {
                 description=f"{task} (batch 32): levers beside K-FAC at its defaults (Muon's "
                 "Newton-Schulz iterations, a partial inverse power, the Monte Carlo Fisher, "
                 "factor statistics from an eighth of the positions or each sequence's sum, "
-                "K-FAC on Muon's AdamW part only, bfloat16 Grams, a looser KL clip under SGD, "
-                "the two Gram levers together, block-diagonal factors, every step-cost lever "
-                "at once, the leanest step)",
+                "K-FAC on Muon's AdamW part only, a looser KL clip under SGD, the factors' "
+                "step-cost levers together, the leanest step)",
             )
             for task in ("text-lm", "text-cnn")
         ),
