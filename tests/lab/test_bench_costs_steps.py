@@ -214,6 +214,7 @@ def test_levers_step_cost_builds_each_arm_with_its_lever(tmp_path: Path) -> None
     assert plain["lever"] == {} and plain["kfac"]["max_factor_dim"] != 129
     table = TIMING_CASES["levers-step-cost"].tables["kfac"](records)
     assert "`muon_ns_steps=3`" in table and "| muon+kfac | " in table
+    assert_plots("levers-step-cost", tmp_path)  # the CPU time per step, Muon's as a line
     with pytest.raises(ValueError, match="muon\\+kfac-lean"):
         run_quick("levers-step-cost", tmp_path / "bad", 'arms=["muon+kfac-leaner"]')
 
