@@ -142,10 +142,10 @@ def heldout_rows(campaign: Campaign) -> list[ArmRow]:
             continue
         results = [r["result"] for r in records]
         reached = [r for r in results if r["reached"]]
-        times = [r["time_to_target_s"] if r["reached"] else math.inf for r in results]
+        times = [_time(r) for r in records]
         costs = [r["step_times"]["median_ms"] for r in results if r.get("step_times")]
         cpu = [(r.get("step_times") or {}).get("cpu_median_ms") for r in results]
-        cpu_times = [r.get("cpu_time_to_target_s") if r["reached"] else math.inf for r in results]
+        cpu_times = [_cpu_time(r) for r in records]
         rows.append(
             ArmRow(
                 arm=arm,
