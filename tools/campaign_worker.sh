@@ -21,6 +21,7 @@ set -u
 name=${1:?usage: tools/campaign_worker.sh NAME [STATE_DIR]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 state=${2:-${KAISA_CAMPAIGN_DIR:-$root/runs/campaign}}
+state=$(mkdir -p "$state" && cd "$state" && pwd)  # absolute: worktrees are added from $root
 records=${KAISA_CAMPAIGN_RECORDS:-$root/benchmarks/records}
 log=$state/worker-$name.log
 python=$root/.venv/bin/python

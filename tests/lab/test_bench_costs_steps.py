@@ -210,8 +210,10 @@ def test_levers_step_cost_builds_each_arm_with_its_lever(tmp_path: Path) -> None
     for key, value in lean.kfac_lever().items():  # its K-FAC keywords, as built
         assert str(built["kfac"][key]).removeprefix("torch.") == str(value), key
     assert built["kfac"]["factor_position_fraction"] == lean.run_lever()["position_fraction"]
+    assert built["muon_ns_steps"] == lean.run_lever()["muon_ns_steps"] == 3  # as stepped
     plain = by_arm["muon+kfac"]["config"]
     assert plain["lever"] == {} and plain["kfac"]["max_factor_dim"] != 129
+    assert plain["muon_ns_steps"] == 5 and "muon_ns_steps" not in by_arm["adamw"]["config"]
     table = TIMING_CASES["levers-step-cost"].tables["kfac"](records)
     assert "`muon_ns_steps=3`" in table and "| muon+kfac | " in table
     assert_plots("levers-step-cost", tmp_path)  # the CPU time per step, Muon's as a line

@@ -8,9 +8,10 @@ Two questions, two tables:
   its time against the best first-order arm's and (for a K-FAC arm) its base
   optimizer's, as a paired ratio (:func:`paired_ratio`: the median over the
   held-out seeds of the two arms' ratio on each seed, whose runs shared a
-  lockstep group and so the machine's load). Before anything is computed the report
-  checks that every arm started each held-out seed from the same weights and
-  data order (the records' fingerprints); a mismatch is an error, not a row.
+  lockstep group and so the machine's load). Before anything is computed
+  the report checks that every arm started each held-out seed from the same
+  weights and data order (the records' fingerprints); a mismatch is an
+  error, not a row.
 - ``tuning``: every setting each arm tried, with its median steps and time
   over the selection seeds, the selected one marked.
 """
@@ -143,8 +144,8 @@ def heldout_rows(campaign: Campaign) -> list[ArmRow]:
         results = [r["result"] for r in records]
         reached = [r for r in results if r["reached"]]
         times = [_time(r) for r in records]
-        costs = [r["step_times"]["median_ms"] for r in results if r.get("step_times")]
-        cpu = [(r.get("step_times") or {}).get("cpu_median_ms") for r in results]
+        costs = [c for c in map(_step_ms, records) if c is not None]
+        cpu = [_cpu_ms(r) for r in records]
         cpu_times = [_cpu_time(r) for r in records]
         rows.append(
             ArmRow(
@@ -265,9 +266,9 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
     defaults and tuned as paired ratios of it (:func:`paired_ratio`), the
     best first-order arm of the family and the defaults arm against it, and
     the verdict at the library's defaults. A family still being measured —
-    an arm not yet selected, or without a record of every held-out seed — is left out: a median over
-    the seeds that happen to be done is not the comparison the protocol
-    defines."""
+    an arm not yet selected, or without a record of every held-out seed — is
+    left out: a figure over the seeds that happen to be done is not the
+    comparison the protocol defines."""
     lines = [
         "| family | batch | base optimizer | base: time to target (s) | + K-FAC, library "
         "defaults | + K-FAC, tuned | best first-order | defaults vs best | at the defaults |",
@@ -318,9 +319,11 @@ def _paired_cell(
     value: Callable[[Mapping[str, Any]], float | None] = _time,
 ) -> str:
     """A table cell of :func:`paired_ratio`: ``-`` where it has no finite, positive value."""
-    if row is None or ref is None:
-        return "-"
-    ratio = paired_ratio(row, ref, value)
+    return "-" if row is None or ref is None else _cell(paired_ratio(row, ref, value))
+
+
+def _cell(ratio: float | None) -> str:
+    """A ratio as a table cell: ``-`` where it has no finite, positive value."""
     return f"{ratio:.2f}" if ratio is not None and math.isfinite(ratio) and ratio > 0 else "-"
 
 
@@ -379,7 +382,7 @@ def markdown_levers(campaign: Campaign) -> str:
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} "
             f"| {_paired_cell(row, ref, _steps)} | {_step_cost_ratio(row, ref)} "
-            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, _cpu_time)} "
+            f"| {_cell(ratio)} | {_paired_cell(row, ref, _cpu_time)} "
             f"| {lever_verdict(math.nan if ratio is None else ratio)} |"
         )
     return "\n".join(lines) + "\n"

@@ -305,16 +305,17 @@ def floor_kernels(blocks: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Callable[[
 
 def build_arm(
     task: Any, name: str, options: Mapping[str, Any], extra: Mapping[str, Any], batches: list[Any]
-) -> TaskArm:
-    """The arm ``name``: an optimizer or ``opt+kfac`` (K-FAC as ``options["kfac"]``
-    says), or with ``options["case"]`` one of that time-to-target case's K-FAC
-    arm kinds (``muon+kfac-lean``): its lever's K-FAC keywords on top and its
-    run fields a timed step carries (:attr:`TaskArm.LEVERS`)."""
+) -> tuple[TaskArm, dict[str, Any] | None]:
+    """The arm ``name`` and, with ``options["case"]``, the lever it was built
+    with (None without a case): an optimizer or ``opt+kfac`` (K-FAC as
+    ``options["kfac"]`` says), or with a case one of that time-to-target
+    case's K-FAC arm kinds (``muon+kfac-lean``): its lever's K-FAC keywords
+    on top and its run fields a timed step carries (:attr:`TaskArm.LEVERS`)."""
     case_name = options.get("case")
     if not case_name or "+" not in name:  # an optimizer alone is the same in every case
         optimizer, kfac, _ = name.partition("+")
         keywords = kfac_keywords(task, optimizer, options["kfac"], extra) if kfac else None
-        return TaskArm(task, name, keywords, batches)
+        return TaskArm(task, name, keywords, batches), ({} if case_name else None)
     arm = case_arm(case_name, name)
     keywords = (
         {**kfac_keywords(task, arm.optimizer, options["kfac"], extra), **arm.kfac_lever()}
@@ -322,7 +323,7 @@ def build_arm(
         else None
     )
     base = f"{arm.optimizer}+kfac" if arm.kfac else arm.optimizer
-    return TaskArm(task, base, keywords, batches, lever=arm.run_lever())
+    return TaskArm(task, base, keywords, batches, lever=arm.run_lever()), dict(arm.lever)
 
 
 def case_arm(case_name: str, kind: str) -> Any:
@@ -354,8 +355,9 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         names = options["arms"] or [task.defaults.optimizer, f"{task.defaults.optimizer}+kfac"]
         arms: dict[str, Callable[[], object]] = {}
         built: dict[str, TaskArm] = {}
+        levers: dict[str, dict[str, Any] | None] = {}
         for name in names:
-            built[name] = build_arm(task, name, options, extra, batches)
+            built[name], levers[name] = build_arm(task, name, options, extra, batches)
             arms[name] = built[name]
         if options["floor"] and any(arm.precond is not None for arm in built.values()):
             torch.manual_seed(0)
@@ -369,12 +371,14 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
         first = names[0]
         for position, (name, timing) in enumerate(timed.items()):
             config: dict[str, Any] = {"task": task_name, "arm": name, "batch": bs, "first": first}
-            if options.get("case") and name in built:  # what the arm's lever set
-                config["lever"] = dict(case_arm(options["case"], name).lever) if "+" in name else {}
+            if levers.get(name) is not None:  # what the arm's lever set
+                config["lever"] = levers[name]
             result: dict[str, Any] = {**timing.summary(), "position": position}
             arm = built.get(name)
             if arm is not None:
                 config["kfac"] = arm.kfac_config()
+                if arm.ns_steps():  # Muon's Newton–Schulz iterations, as stepped
+                    config["muon_ns_steps"] = arm.ns_steps()
                 result["cpu_ms"] = 1e3 * arm.cpu_s / max(1, arm.calls)
                 if arm.precond is not None:
                     result["step_call_mean_ms"] = statistics.fmean(arm.step_ms)
