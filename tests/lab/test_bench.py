@@ -449,6 +449,15 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> Non
     unfinished = Campaign(get_case("quick"), RecordStore(tmp_path))
     unfinished.refresh()
     assert missing["seed"] == seed and "| quick |" not in markdown_summary([unfinished])
+    # ... but a lever arm with no record yet holds nothing back
+    lever = Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1")
+    case = dataclasses.replace(get_case("quick"), arms=(lever, *get_case("quick").arms))
+    with_lever = Campaign(case, RecordStore(tmp_path))
+    with_lever.refresh()
+    assert "| quick |" not in markdown_summary([with_lever])  # sgd's record still missing
+    (tmp_path / "quick" / "sgd" / path.name).write_text(json.dumps(missing))
+    with_lever.refresh()
+    assert markdown_summary([with_lever]) == table
 
 
 def test_non_finite_outcomes_survive_the_record_file(tmp_path: Path) -> None:

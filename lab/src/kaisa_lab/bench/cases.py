@@ -235,17 +235,18 @@ def _blocks(dim: int) -> tuple[tuple[str, Any], ...]:
 _BLOCKS = _blocks(129)  # text-lm's layers are 128 wide
 
 
-def _lean(optimizer: str) -> Arm:
+def _lean(optimizer: str, positions: bool = True) -> Arm:
     """K-FAC on ``optimizer`` with every step-cost lever: block-diagonal
-    factors, an eighth of the positions, bfloat16 Grams and preconditioning
+    factors, an eighth of the positions (unless not ``positions``: every
+    position read, tag ``lean-allpos``), bfloat16 Grams and preconditioning
     products, and on Muon 3 Newton–Schulz iterations."""
     lever = (
         *_BLOCKS,
-        *_GRAM_LEVERS.lever,
+        *(_GRAM_LEVERS.lever if positions else (("kfac.factor_compute_dtype", "bfloat16"),)),
         ("kfac.precondition_dtype", "bfloat16"),
         *((("muon_ns_steps", 3),) if optimizer == "muon" else ()),
     )
-    return Arm(optimizer, kfac=True, lever=lever, tag="lean")
+    return Arm(optimizer, kfac=True, lever=lever, tag="lean" if positions else "lean-allpos")
 
 
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
@@ -278,6 +279,12 @@ _LEVER_ARMS = (
     _lean("muon"),
     _lean("adamw"),
 )
+
+#: at batch 512, the leanest step on Muon but every position read (an
+#: eighth of them cost steps there): what a data-parallel rank's step costs
+#: when each rank holds a few rows, where the preconditioning products and
+#: Muon's iterations, paid every step whatever the batch, weigh most
+_LEAN_ALL_POSITIONS = _lean("muon", positions=False)
 
 #: text-lm-large's arms and, on Muon + K-FAC, every step-cost lever at once
 #: (blocks of at most 257: its layers' width plus the bias)
@@ -353,7 +360,7 @@ CASES: dict[str, TrainCase] = {
             )
             for batch, epochs, evals, arms in (
                 (128, 3, 20, _LARGE_BATCH_ARMS),
-                (512, 2, 40, (*_LARGE_BATCH_ARMS, _GRAM_LEVERS)),
+                (512, 2, 40, (*_LARGE_BATCH_ARMS, _GRAM_LEVERS, _LEAN_ALL_POSITIONS)),
             )
         ),
         *(

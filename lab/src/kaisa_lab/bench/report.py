@@ -266,18 +266,21 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
     defaults and tuned as paired ratios of it (:func:`paired_ratio`), the
     best first-order arm of the family and the defaults arm against it, and
     the verdict at the library's defaults. A family still being measured —
-    an arm not yet selected, or without a record of every held-out seed — is
-    left out: a figure over the seeds that happen to be done is not the
-    comparison the protocol defines."""
+    an arm the table reads (every arm but the levers) not yet selected, or
+    without a record of every held-out seed — is left out: a figure over the
+    seeds that happen to be done is not the comparison the protocol defines.
+    A lever arm still being measured holds nothing back: its own table
+    (:func:`markdown_levers`) reports it."""
     lines = [
         "| family | batch | base optimizer | base: time to target (s) | + K-FAC, library "
         "defaults | + K-FAC, tuned | best first-order | defaults vs best | at the defaults |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for campaign in campaigns:
-        rows = heldout_rows(campaign)
+        rows = [r for r in heldout_rows(campaign) if not r.arm.lever]
         held_out = len(campaign.protocol.heldout_seeds)
-        if len(rows) < len(campaign.case.arms) or any(r.seeds < held_out for r in rows):
+        read = [a for a in campaign.case.arms if not a.lever]
+        if len(rows) < len(read) or any(r.seeds < held_out for r in rows):
             continue
         first = {r.arm.optimizer: r for r in rows if not r.arm.kfac}
         if not first:
