@@ -86,6 +86,25 @@ def test_a_forecast_is_the_held_out_steps_times_a_ranks_step_in_each_layout(
     table = TIMING_CASES["large-batch-forecast"].tables["forecast"](records)
     assert "| 2 | 32 | 16 | adamw |" in table and "torch thread(s)" in table
     assert "Replicated, per-rank batch 2: " in table and "Sharded, per-rank batch 2: " in table
+    # where each step goes: its timed parts and the rest, which add up to the step
+    parts = TIMING_CASES["large-batch-forecast"].tables["parts"](records)
+    for r in records:
+        res = r["result"]
+        cells = [
+            c.strip()
+            for c in next(
+                line
+                for line in parts.splitlines()
+                if line.startswith(f"| 2 | {r['config']['arm']} |")
+            )
+            .strip("|")
+            .split("|")
+        ]
+        numbers = [0.0 if c == "-" else float(c) for c in cells[2:7]]
+        assert numbers[0] == pytest.approx(res["step_ms"], abs=0.05)
+        assert sum(numbers[1:]) == pytest.approx(numbers[0], abs=0.2)
+        decompose = res["parts_ms"].get("decompose")
+        assert cells[7] == ("-" if decompose is None else f"{decompose / res['step_ms']:.1%}")
     assert_plots("large-batch-forecast", tmp_path)
 
 

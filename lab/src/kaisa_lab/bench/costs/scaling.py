@@ -90,6 +90,7 @@ __all__ = [
     "kfac_shares",
     "muon_gather_seconds",
     "ns_flops",
+    "parts_table",
     "rank_step_ms",
     "timing_passes",
 ]
@@ -513,6 +514,37 @@ def forecast_table(records: Records) -> str:
     return "\n".join(lines)
 
 
+def parts_table(records: Records) -> str:
+    """Where one rank's step goes, per per-rank batch and arm (at the largest
+    global batch the records hold, whose arms include every lever): Muon's
+    own step, K-FAC's preconditioning products and decompositions, and the
+    rest (forward, backward, the first-order update, K-FAC's statistics).
+    A lever that cuts a part can save at most that part's share."""
+    if not records:
+        return "No records yet: `kaisa bench run large-batch-forecast`."
+    top = max(r["config"]["batch"] for r in records)
+    lines = [
+        "| per-rank batch | arm | step (ms) | Muon's step (ms) | K-FAC's products (ms) "
+        "| K-FAC's decompositions (ms) | the rest (ms) | decompositions' share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (b, _world), arms in sorted(_by_world(records).items()):
+        for name, r in arms.items():
+            res = r["result"]
+            if r["config"]["batch"] != top or not res["measured"]:
+                continue
+            parts = res["parts_ms"]
+            rest = res["step_ms"] - sum(parts.values())
+            cells = [parts.get(k) for k in ("muon", "products", "decompose")]
+            shown = " | ".join("-" if v is None else f"{v:.1f}" for v in cells)
+            decompose = parts.get("decompose")
+            share = "-" if decompose is None else f"{decompose / res['step_ms']:.1%}"
+            lines.append(
+                f"| {b} | {name} | {res['step_ms']:.1f} | {shown} | {rest:.1f} | {share} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(records: Records, path: Path) -> None:
     import matplotlib
 
@@ -583,6 +615,7 @@ CASE = register(
                 "muon+kfac",
                 "muon+kfac tuned",
                 "muon+kfac-pos0.125-bf16",
+                "muon+kfac-lean-allpos",
             ],
             "records": "benchmarks/records",
             # 2: batch 32, 128, 512 on 16, 64, 256 ranks; 4: on 8, 32, 128; 8: on 4, 16, 64
@@ -604,7 +637,7 @@ CASE = register(
             "device": "cpu",
         },
         quick={"cases": ["text-lm"], "per_rank_batch": [2], "rounds": 1, "block": 2},
-        tables={"forecast": forecast_table},
+        tables={"forecast": forecast_table, "parts": parts_table},
         plot=plot,
         in_make_bench=False,
         device="any",
