@@ -39,6 +39,7 @@ __all__ = [
     "Arm",
     "TrainCase",
     "get_case",
+    "lever_cases",
     "summary_cases",
 ]
 
@@ -400,6 +401,11 @@ def get_case(name: str) -> TrainCase:
         return CASES[name]
     except KeyError:
         raise KeyError(f"unknown case {name!r}; choose from {', '.join(CASES)}") from None
+
+
+def lever_cases() -> list[TrainCase]:
+    """The cases that run a lever arm (the columns of the levers across families)."""
+    return [c for c in CASES.values() if not c.quick and any(a.tag for a in c.arms)]
 
 
 def summary_cases() -> list[TrainCase]:

@@ -29,12 +29,13 @@ import torch
 from kaisa_lab.bench import costs as _costs  # registers the cost cases
 from kaisa_lab.bench.ab import ab, markdown_ab
 from kaisa_lab.bench.campaign import Campaign, selections, work
-from kaisa_lab.bench.cases import CASES, get_case, summary_cases
+from kaisa_lab.bench.cases import CASES, get_case, lever_cases, summary_cases
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
     FairnessError,
     markdown_heldout,
     markdown_levers,
+    markdown_levers_across,
     markdown_machine,
     markdown_summary,
     markdown_tuning,
@@ -75,6 +76,11 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     )
     summary.add_argument(
         "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
+    )
+    summary.add_argument(
+        "--levers",
+        action="store_true",
+        help="instead: each lever on every case that runs it, against K-FAC at the defaults",
     )
     select = sub.add_parser(
         "select",
@@ -175,6 +181,9 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         return _list()
     if args.bench_command == "summary":
         store = RecordStore(args.records)
+        if args.levers:
+            cases = [Campaign(c, store) for c in lever_cases()]
+            return _print_fair(lambda: markdown_levers_across(cases), "summary --levers")
         families = [Campaign(c, store) for c in summary_cases()]
         return _print_fair(lambda: markdown_summary(families), "summary")
     if args.bench_command == "ab":

@@ -36,6 +36,7 @@ __all__ = [
     "lever_verdict",
     "markdown_heldout",
     "markdown_levers",
+    "markdown_levers_across",
     "markdown_machine",
     "markdown_summary",
     "markdown_tuning",
@@ -366,18 +367,15 @@ def markdown_levers(campaign: Campaign) -> str:
     cost whatever else the machine ran), the wall clock's otherwise; the
     time to target is read on both clocks (the verdict on the wall clock's,
     the protocol's measure)."""
-    rows = heldout_rows(campaign)
-    levers = [r for r in rows if r.arm.tag]
+    levers = _lever_pairs(heldout_rows(campaign))
     if not levers:
         return "_No lever arm held out yet._\n"
-    plain = {r.arm.optimizer: r for r in rows if r.arm.kfac and not r.arm.tag and not r.arm.knobs}
     lines = [
         "| lever | K-FAC at the defaults on | reached | steps vs defaults | step cost vs defaults "
         "| time vs defaults | CPU time vs defaults | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for row in levers:
-        ref = plain.get(row.arm.optimizer)
+    for row, ref in levers:
         if ref is None:
             lines.append(f"| {row.arm.kind} | {row.arm.optimizer}: not held out | | | | | | |")
             continue
@@ -388,6 +386,68 @@ def markdown_levers(campaign: Campaign) -> str:
             f"| {_cell(ratio)} | {_paired_cell(row, ref, _cpu_time)} "
             f"| {lever_verdict(math.nan if ratio is None else ratio)} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def _lever_pairs(rows: Sequence[ArmRow]) -> list[tuple[ArmRow, ArmRow | None]]:
+    """Each lever arm's row with that of K-FAC at the library's defaults on the
+    same base optimizer (None while that one is not held out)."""
+    plain = {r.arm.optimizer: r for r in rows if r.arm.kfac and not r.arm.tag and not r.arm.knobs}
+    return [(r, plain.get(r.arm.optimizer)) for r in rows if r.arm.tag]
+
+
+def _lever_word(ratio: float) -> str:
+    """A lever's paired time ratio in a word: ``win``, ``tie``, ``loss`` or,
+    where neither arm reaches the target, ``neither``."""
+    if ratio == 0.0:  # the lever reaches the target, the defaults do not
+        return "win"
+    return _read_ratio(ratio, nan="neither", inf="loss", win="win", lose="loss").replace(
+        "a tie", "tie"
+    )
+
+
+def _across_cell(ratio: float | None) -> str:
+    """One family's cell of :func:`markdown_levers_across`."""
+    if ratio is None:
+        return "-"
+    if math.isfinite(ratio) and ratio > 0:
+        return f"{ratio:.2f}× {_lever_word(ratio)}"
+    return {0.0: "win (the defaults miss)", math.inf: "loss (misses)"}.get(ratio, "neither")
+
+
+def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
+    """Each lever on every case that runs it: its time to target over K-FAC's at
+    the library's defaults on the same base, paired by seed
+    (:func:`paired_ratio`; "-" where it is not held out yet), and what the
+    families measured say together.  The row a change of the library's
+    defaults is read from: a lever that wins on every family is a candidate
+    default, one that loses on any is not."""
+    names = [c.case.name for c in campaigns]
+    ratios: dict[str, dict[str, float]] = {}
+    for campaign in campaigns:
+        for arm in campaign.case.arms:
+            if arm.tag:
+                ratios.setdefault(arm.kind, {})
+        for row, ref in _lever_pairs(heldout_rows(campaign)):
+            ratio = None if ref is None else paired_ratio(row, ref)
+            if ratio is not None:
+                ratios[row.arm.kind][campaign.case.name] = ratio
+    lines = [
+        "| lever | " + " | ".join(f"`{n}`" for n in names) + " | the families measured |",
+        "|---|" + "---|" * len(names) + "---|",
+    ]
+    for kind, by_case in ratios.items():
+        words = sorted({_lever_word(r) for r in by_case.values()})
+        n = len(by_case)
+        families = f"{n} {'family' if n == 1 else 'families'}"
+        if not n:
+            across = "not held out yet"
+        elif len(words) == 1:
+            across = f"{words[0]} ({families})"
+        else:
+            across = f"mixed ({families}): {', '.join(words)}"
+        cells = " | ".join(_across_cell(by_case.get(name)) for name in names)
+        lines.append(f"| {kind} | {cells} | {across} |")
     return "\n".join(lines) + "\n"
 
 
