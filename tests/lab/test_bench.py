@@ -425,13 +425,27 @@ def test_the_summary_lists_each_tasks_case_and_its_larger_batches() -> None:
     assert "text-lm-levers" not in names and "quick" not in names
 
 
-def test_the_summary_compares_each_kfac_arm_with_its_base(tmp_path: Path) -> None:
+def test_the_summary_compares_each_kfac_arm_with_its_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kaisa_lab.bench.report import markdown_summary, verdict
 
+    # every reading of the date a second later: a group's runs end at different times
+    real_environment = campaign_module.environment
+    ticks = iter(range(10**6))
+
+    def environment(*args: Any) -> dict[str, Any]:
+        return {**real_environment(*args), "date": f"2026-01-01T00:00:00+{next(ticks)}s"}
+
+    monkeypatch.setattr(campaign_module, "environment", environment)
     campaign = Campaign(get_case("quick"), RecordStore(tmp_path))
     work(campaign, QUIET, wait_s=0)
     campaign.refresh()
     rows = {r.arm.name: r for r in heldout_rows(campaign)}
+    # a held-out seed's arms stepped in one lockstep group, and their records say so
+    for seed in campaign.protocol.heldout_seeds:
+        groups = {r["group"] for row in rows.values() for r in row.records if r["seed"] == seed}
+        assert len(groups) == 1 and groups.pop().startswith(f"heldout-s{seed}@")
     table = markdown_summary([campaign])
     (line,) = [row for row in table.splitlines() if row.startswith("| quick | 64 | sgd |")]
     cells = [c.strip() for c in line.strip("|").split("|")]

@@ -267,6 +267,10 @@ def run_unit(
     specs = [run.spec for run in unit.runs]
     warm_up(specs, task, data, ctx)
     load_start = load_average()
+    # one label for every run of this lockstep group: its name and when it
+    # started, so a report can tell runs that stepped side by side from runs
+    # of one seed trained apart (an arm added after the others were held out)
+    group = f"{unit.name}@{environment(device)['date']}"
     bests: dict[str, float] = {}
     cut = campaign.protocol.cutoff
 
@@ -289,7 +293,7 @@ def run_unit(
             role=run.role,
             result=result,
             env=env,
-            group=f"{unit.name}@{env['date']}",
+            group=group,
         )
         campaign.store.write(record)
 
