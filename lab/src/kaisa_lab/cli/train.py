@@ -22,7 +22,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,38 +181,18 @@ class _Clock:
 
 
 @torch.no_grad()
-@contextlib.contextmanager
-def _training_kernels() -> Iterator[None]:
-    """Keep PyTorch's fused multi-head-attention inference path off (restored after)."""
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
-
-
 def evaluate(
     model: nn.Module, task: Task, dataset: BatchDataset, ctx: DistContext, batch_size: int
 ) -> dict[str, float]:
-    """The task's metrics on ``dataset``; each rank scores a shard and the sums are reduced.
-
-    The forward runs without autograd: no graph is recorded for outputs that
-    are never differentiated, which cuts an evaluation's cost (by half on
-    text-lm-large) and so a campaign worker's time per run; every run's clock
-    excludes evaluation anyway.  ``nn.TransformerEncoderLayer`` would take
-    its fused inference kernel without autograd, whose sums differ in the
-    last bits; it is kept off, so the metric is the one a forward recording
-    a graph gives, to the bit, and records from before and after compare."""
+    """The task's metrics on ``dataset``; each rank scores a shard and the sums are reduced."""
     was_training = model.training
     ctx.sync_buffers(model)
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)
-    with torch.no_grad(), _training_kernels():
-        for chunk in eval_indices(len(dataset), ctx).split(batch_size):
-            x, y = dataset.get_batch(chunk)
-            x, y = x.to(ctx.device), y.to(ctx.device)
-            sums += task.eval_sums(model(x), y).as_tensor()
+    for chunk in eval_indices(len(dataset), ctx).split(batch_size):
+        x, y = dataset.get_batch(chunk)
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        sums += task.eval_sums(model(x), y).as_tensor()
     model.train(was_training)
     return task.summarize(EvalSums.from_tensor(ctx.sum(sums)))
 
