@@ -624,3 +624,41 @@ def test_ratios_pair_the_arms_of_each_seed() -> None:
 
     assert paired_ratio(ours, ref, _cpu_ms) == pytest.approx(0.5)
     assert paired_ratio(ours, ref, _cpu_time) is None  # these records carry no CPU time
+
+
+def _grouped(row: Any, groups: list[str]) -> Any:
+    """``row`` with each seed's record naming its lockstep group (and its runs)."""
+    records = tuple(
+        {**r, "key": f"{row.arm.name}-{r['seed']}", "group": g, "lockstep": [f"k{g}"]}
+        for r, g in zip(row.records, groups, strict=True)
+    )
+    return dataclasses.replace(row, records=records)
+
+
+def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:
+    """An arm held out after the others ran its seeds in groups of its own,
+    under another load: its wall-clock ratios to them are not paired (a cell
+    reads ``apart``), its steps and CPU times still pair by seed. Records
+    from before groups listed their runs pair by seed as they always did."""
+    from kaisa_lab.bench.report import _cpu_ms, _paired_cell, _steps, trained_apart
+
+    ours = _row("lever", [8.0, 16.0, 32.0], [1.0] * 3)
+    ref = _row("defaults", [10.0, 20.0, 40.0], [2.0] * 3)
+    together = ["heldout-s0@t0", "heldout-s1@t1", "heldout-s2@t2"]
+    later = ["heldout-s0@t9", "heldout-s1@t9", "heldout-s2@t9"]
+    # side by side on every seed: paired as before
+    assert paired_ratio(_grouped(ours, together), _grouped(ref, together)) == pytest.approx(0.8)
+    # apart on every seed: no wall-clock ratio, the cell says why; steps and CPU pair
+    mine, theirs = _grouped(ours, later), _grouped(ref, together)
+    assert trained_apart(mine, theirs) and not trained_apart(_grouped(ours, together), theirs)
+    assert paired_ratio(mine, theirs) is None
+    assert _paired_cell(mine, theirs) == "apart"
+    assert paired_ratio(mine, theirs, _steps) == pytest.approx(0.8)
+    assert _paired_cell(mine, theirs, _cpu_ms) == "0.50"
+    # apart on one seed of three: that seed's wall clock is left out
+    skewed = _row("lever", [8.0, 30.0, 1.0], [1.0] * 3)  # 0.8, 1.5 and 0.025 the reference
+    mixed = _grouped(skewed, [*together[:2], later[2]])
+    assert paired_ratio(mixed, theirs) == pytest.approx((0.8 + 1.5) / 2)
+    assert not trained_apart(mixed, theirs)
+    # a record without the list (from before it was kept) pairs by seed
+    assert paired_ratio(ours, theirs) == pytest.approx(0.8)

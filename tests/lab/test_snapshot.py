@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -164,14 +165,30 @@ def test_a_snapshot_of_another_config_is_not_restored(tmp_path: Path) -> None:
         Snapshots(tmp_path, every_s=-1.0)
 
 
-def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: Path) -> None:
+def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker killed in the middle of a unit: the next worker resumes its runs
-    (the record says where), and their records equal an uninterrupted worker's."""
+    (the record says where), and their records equal an uninterrupted worker's.
+    The resumed group is the group that started: its runs record its label and
+    the runs it started with, as they would have uninterrupted."""
+    from kaisa_lab.bench import campaign as campaign_module
     from kaisa_lab.bench.campaign import Campaign, work
     from kaisa_lab.bench.records import RecordStore
 
+    # every reading of the date a second later: a group started again is told apart
+    real_environment = campaign_module.environment
+    ticks = iter(range(10**6))
+
+    def environment(*args: Any) -> dict[str, Any]:
+        return {**real_environment(*args), "date": f"2026-01-01T00:00:00+{next(ticks)}s"}
+
+    monkeypatch.setattr(campaign_module, "environment", environment)
     whole = RecordStore(tmp_path / "whole")
     work(Campaign(get_case("quick"), whole), QUIET, max_units=1, wait_s=0)
+    ran = list(whole.read("quick"))
+    assert len({r["group"] for r in ran}) == 1
+    assert all(sorted(r["lockstep"]) == sorted(x["key"] for x in ran) for r in ran)
     stopped = RecordStore(tmp_path / "stopped")
     with pytest.raises(_InterruptedError):
         work(
@@ -185,7 +202,13 @@ def test_a_campaign_unit_stopped_part_way_goes_on_from_its_snapshots(tmp_path: P
     saved = list((tmp_path / "stopped" / "quick" / ".snapshots").glob("*.pt"))
     status = Campaign(get_case("quick"), stopped).status()[-1]
     assert saved and status.endswith(f"{len(saved)} run(s) in flight saved to resume")
+    (group_file,) = (tmp_path / "stopped" / "quick" / ".snapshots").glob("*.group")
+    started = json.loads(group_file.read_text())
     work(Campaign(get_case("quick"), stopped), QUIET, max_units=1, wait_s=0, snapshot_every_s=1e9)
+    resumed = list(stopped.read("quick"))
+    assert {r["group"] for r in resumed} == {started["label"]}
+    assert all(r["lockstep"] == started["lockstep"] for r in resumed)
+    assert not group_file.exists()  # the group ended: a unit of its name later is a new one
     first = {(r["key"], r["seed"]): r for r in whole.read("quick")}
     again = {(r["key"], r["seed"]): r for r in stopped.read("quick")}
     assert first.keys() == again.keys() and len(first) > 1

@@ -21,6 +21,7 @@ record is written the moment the run ends.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -267,10 +268,14 @@ def run_unit(
     specs = [run.spec for run in unit.runs]
     warm_up(specs, task, data, ctx)
     load_start = load_average()
-    # one label for every run of this lockstep group: its name and when it
-    # started, so a report can tell runs that stepped side by side from runs
-    # of one seed trained apart (an arm added after the others were held out)
-    group = f"{unit.name}@{environment(device)['date']}"
+    snapshots = None
+    if snapshot_every_s is not None:
+        snapshots = Snapshots(
+            campaign.store.root / campaign.case.name / ".snapshots", snapshot_every_s
+        )
+        for record in campaign.every_record():  # a worker stopped between a record and its discard
+            snapshots.discard(record["config"])
+    group, lockstep = _group_of(unit, snapshots, device)
     bests: dict[str, float] = {}
     cut = campaign.protocol.cutoff
 
@@ -294,17 +299,11 @@ def run_unit(
             result=result,
             env=env,
             group=group,
+            lockstep=lockstep,
         )
         campaign.store.write(record)
 
     labels = [run.label for run in unit.runs]
-    snapshots = None
-    if snapshot_every_s is not None:
-        snapshots = Snapshots(
-            campaign.store.root / campaign.case.name / ".snapshots", snapshot_every_s
-        )
-        for record in campaign.every_record():  # a worker stopped between a record and its discard
-            snapshots.discard(record["config"])
     train_lockstep(
         specs,
         task,
@@ -316,6 +315,36 @@ def run_unit(
         on_finish=on_finish,
         snapshots=snapshots,
     )
+    if snapshots is not None:
+        _group_file(snapshots, unit).unlink(missing_ok=True)
+
+
+def _group_file(snapshots: Snapshots, unit: Unit) -> Path:
+    return snapshots.root / f"{unit.name}.group"
+
+
+def _group_of(unit: Unit, snapshots: Snapshots | None, device: str) -> tuple[str, list[str]]:
+    """The label every run of this lockstep group records, and the keys of the
+    runs it started with: its name and when it started, so a report can tell
+    runs that stepped side by side from runs of one seed trained apart (an arm
+    added after the others were held out, a run repeated alone).
+
+    A group stopped part-way and resumed from its snapshots is the same group:
+    its label and runs are kept beside the snapshots and read back, so the
+    runs that ended before the stop and those that end after it share them.
+    A group none of whose runs has a snapshot starts afresh (its runs start
+    from their first step, apart from any that ended before)."""
+    fresh = (f"{unit.name}@{environment(device)['date']}", [run.key for run in unit.runs])
+    if snapshots is None:
+        return fresh
+    path = _group_file(snapshots, unit)
+    if path.exists() and any(snapshots.path(run.spec).exists() for run in unit.runs):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            saved = json.loads(path.read_text())
+            return str(saved["label"]), [str(k) for k in saved["lockstep"]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"label": fresh[0], "lockstep": fresh[1]}))
+    return fresh
 
 
 def work(

@@ -32,7 +32,7 @@ import math
 import os
 import platform
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -196,8 +196,13 @@ def train_record(
     result: Any,
     env: Mapping[str, Any],
     group: str,
+    lockstep: Sequence[str],
 ) -> dict[str, Any]:
-    """The record of one training run (a :class:`kaisa_lab.cli.train.RunResult`)."""
+    """The record of one training run (a :class:`kaisa_lab.cli.train.RunResult`).
+
+    ``group`` names the lockstep group it stepped in (every run of a group
+    records the same), ``lockstep`` the keys of the runs that group started
+    with: what a report pairs wall-clock figures by."""
     config = result.spec.to_dict()
     return {
         "schema": SCHEMA,
@@ -208,6 +213,7 @@ def train_record(
         "seed": result.spec.seed,
         "key": config_key(config),
         "group": group,
+        "lockstep": list(lockstep),
         "config": config,
         "result": {
             "metric": result.metric_name,

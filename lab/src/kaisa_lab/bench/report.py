@@ -42,6 +42,8 @@ __all__ = [
     "markdown_tuning",
     "paired_ratio",
     "plot",
+    "side_by_side",
+    "trained_apart",
     "verdict",
 ]
 
@@ -105,6 +107,38 @@ def _cpu_ms(record: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
+def side_by_side(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two runs stepped in one lockstep group, under one load: their
+    records name the same group (:func:`kaisa_lab.bench.campaign.run_unit`
+    keeps the name through a resume). Records from before a record listed its
+    group's runs (no ``lockstep``) were all held out a seed to a group and
+    are taken as such."""
+    if "lockstep" not in a or "lockstep" not in b:
+        return True
+    return bool(a["group"] == b["group"])
+
+
+#: what a run's wall clock measures: its ratio to another run's means something
+#: only where the two shared the machine's load (:func:`side_by_side`)
+_WALL_CLOCK = (_time, _step_ms)
+
+
+def _seed_pairs(
+    row: ArmRow, ref: ArmRow, apart: bool = False
+) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """The two arms' records of each seed both ran, side by side (``apart``:
+    those trained apart instead)."""
+    theirs = {r["seed"]: r for r in ref.records}
+    pairs = [(r, theirs[r["seed"]]) for r in row.records if r["seed"] in theirs]
+    return [(a, b) for a, b in pairs if side_by_side(a, b) != apart]
+
+
+def trained_apart(row: ArmRow, ref: ArmRow) -> bool:
+    """Whether every seed the two arms share was trained in groups apart (an
+    arm held out after the others): their wall clocks do not pair."""
+    return bool(_seed_pairs(row, ref, apart=True)) and not _seed_pairs(row, ref)
+
+
 def paired_ratio(
     row: ArmRow, ref: ArmRow, value: Callable[[Mapping[str, Any]], float | None] = _time
 ) -> float | None:
@@ -118,12 +152,16 @@ def paired_ratio(
     that only ``row`` misses reads as infinity, one that only ``ref``
     misses as 0 (:func:`_quotient`), one both miss carries no ratio and is
     left out (NaN where no seed is left). None where a seed lacks the value
-    (records from before that clock was kept) or the arms share no seed.
+    (records from before that clock was kept) or the arms share no seed. A
+    wall-clock value pairs only runs that stepped side by side
+    (:func:`side_by_side`); steps and CPU times pair by seed alone.
     """
-    mine = {r["seed"]: value(r) for r in row.records}
-    theirs = {r["seed"]: value(r) for r in ref.records}
-    seeds = sorted(mine.keys() & theirs.keys())
-    pairs = [(mine[s], theirs[s]) for s in seeds]
+    records = (
+        _seed_pairs(row, ref)
+        if value in _WALL_CLOCK
+        else _seed_pairs(row, ref) + _seed_pairs(row, ref, apart=True)
+    )
+    pairs = [(value(a), value(b)) for a, b in records]
     if not pairs or any(a is None or b is None for a, b in pairs):
         return None
     ratios = [_quotient(cast(float, a), cast(float, b)) for a, b in pairs]
@@ -306,15 +344,22 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
                 f"| {_seconds(base.median_time_s)} | {_times(defaults, base)} "
                 f"| {_times(tuned, base)} "
                 f"| {peer.arm.optimizer} ({_seconds(peer.median_time_s)} s) "
-                f"| {_times(defaults, peer)} | {verdict(math.nan if ratio is None else ratio)} |"
+                f"| {_times(defaults, peer)} | {_verdict_cell(defaults, base, ratio)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _verdict_cell(row: ArmRow, base: ArmRow, ratio: float | None) -> str:
+    """:func:`verdict` of a paired ratio; where there is none, why."""
+    if ratio is not None:
+        return verdict(ratio)
+    return "not paired (trained apart)" if trained_apart(row, base) else "-"
 
 
 def _times(row: ArmRow | None, base: ArmRow) -> str:
     """``row``'s time to target over ``base``'s (paired), as ``0.83×`` (``-`` where undefined)."""
     text = _paired_cell(row, base)
-    return text if text == "-" else f"{text}×"
+    return text if text in ("-", "apart") else f"{text}×"
 
 
 def _paired_cell(
@@ -322,8 +367,14 @@ def _paired_cell(
     ref: ArmRow | None,
     value: Callable[[Mapping[str, Any]], float | None] = _time,
 ) -> str:
-    """A table cell of :func:`paired_ratio`: ``-`` where it has no finite, positive value."""
-    return "-" if row is None or ref is None else _cell(paired_ratio(row, ref, value))
+    """A table cell of :func:`paired_ratio`: ``-`` where it has no finite,
+    positive value, ``apart`` where a wall-clock figure has no seed whose
+    runs stepped side by side (:func:`trained_apart`)."""
+    if row is None or ref is None:
+        return "-"
+    if value in _WALL_CLOCK and trained_apart(row, ref):
+        return "apart"
+    return _cell(paired_ratio(row, ref, value))
 
 
 def _cell(ratio: float | None) -> str:
@@ -380,11 +431,15 @@ def markdown_levers(campaign: Campaign) -> str:
             lines.append(f"| {row.arm.kind} | {row.arm.optimizer}: not held out | | | | | | |")
             continue
         ratio = paired_ratio(row, ref)
+        if ratio is not None:
+            word = lever_verdict(ratio)
+        else:
+            word = "not paired (trained apart)" if trained_apart(row, ref) else "-"
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} "
             f"| {_paired_cell(row, ref, _steps)} | {_step_cost_ratio(row, ref)} "
-            f"| {_cell(ratio)} | {_paired_cell(row, ref, _cpu_time)} "
-            f"| {lever_verdict(math.nan if ratio is None else ratio)} |"
+            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, _cpu_time)} "
+            f"| {word} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -424,6 +479,7 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
     default, one that loses on any is not."""
     names = [c.case.name for c in campaigns]
     ratios: dict[str, dict[str, float]] = {}
+    apart: set[tuple[str, str]] = set()
     for campaign in campaigns:
         for arm in campaign.case.arms:
             if arm.tag:
@@ -432,6 +488,8 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
             ratio = None if ref is None else paired_ratio(row, ref)
             if ratio is not None:
                 ratios[row.arm.kind][campaign.case.name] = ratio
+            elif ref is not None and trained_apart(row, ref):
+                apart.add((row.arm.kind, campaign.case.name))
     lines = [
         "| lever | " + " | ".join(f"`{n}`" for n in names) + " | the families measured |",
         "|---|" + "---|" * len(names) + "---|",
@@ -441,12 +499,14 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
         n = len(by_case)
         families = f"{n} {'family' if n == 1 else 'families'}"
         if not n:
-            across = "not held out yet"
+            across = "not paired yet" if any(k == kind for k, _ in apart) else "not held out yet"
         elif len(words) == 1:
             across = f"{words[0]} ({families})"
         else:
             across = f"mixed ({families}): {', '.join(words)}"
-        cells = " | ".join(_across_cell(by_case.get(name)) for name in names)
+        cells = " | ".join(
+            "apart" if (kind, name) in apart else _across_cell(by_case.get(name)) for name in names
+        )
         lines.append(f"| {kind} | {cells} | {across} |")
     return "\n".join(lines) + "\n"
 
