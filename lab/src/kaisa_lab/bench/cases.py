@@ -286,6 +286,17 @@ _LEVER_ARMS = (
 #: when each rank holds a few rows, where the preconditioning products and
 #: Muon's iterations, paid every step whatever the batch, weigh most
 _LEAN_ALL_POSITIONS = _lean("muon", positions=False)
+#: at batch 512, the step cut where it leaves K-FAC's direction whole: the
+#: preconditioning products in bfloat16 and Muon's Newton–Schulz iterations
+#: at 3 (Muon orthogonalises in bfloat16 anyway), the factors dense and read
+#: from every position in float32 (the levers lean-allpos adds, blocks and
+#: bfloat16 Grams, change the curvature itself)
+_NS3_BF16_PRODUCTS = Arm(
+    "muon",
+    kfac=True,
+    lever=(("kfac.precondition_dtype", "bfloat16"), ("muon_ns_steps", 3)),
+    tag="ns3-bf16prod",
+)
 
 #: text-lm-large's arms and, on Muon + K-FAC, every step-cost lever at once
 #: (blocks of at most 257: its layers' width plus the bias)
@@ -361,7 +372,12 @@ CASES: dict[str, TrainCase] = {
             )
             for batch, epochs, evals, arms in (
                 (128, 3, 20, _LARGE_BATCH_ARMS),
-                (512, 2, 40, (*_LARGE_BATCH_ARMS, _GRAM_LEVERS, _LEAN_ALL_POSITIONS)),
+                (
+                    512,
+                    2,
+                    40,
+                    (*_LARGE_BATCH_ARMS, _GRAM_LEVERS, _LEAN_ALL_POSITIONS, _NS3_BF16_PRODUCTS),
+                ),
             )
         ),
         *(
