@@ -660,5 +660,7 @@ def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:
     mixed = _grouped(skewed, [*together[:2], later[2]])
     assert paired_ratio(mixed, theirs) == pytest.approx((0.8 + 1.5) / 2)
     assert not trained_apart(mixed, theirs)
-    # a record without the list (from before it was kept) pairs by seed
-    assert paired_ratio(ours, theirs) == pytest.approx(0.8)
+    # two records without the list (from before it was kept) pair by seed; one
+    # from before and one since never shared a group
+    assert paired_ratio(ours, ref) == pytest.approx(0.8)
+    assert paired_ratio(ours, theirs) is None and trained_apart(ours, theirs)

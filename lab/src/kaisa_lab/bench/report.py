@@ -110,12 +110,13 @@ def _cpu_ms(record: Mapping[str, Any]) -> float | None:
 def side_by_side(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two runs stepped in one lockstep group, under one load: their
     records name the same group (:func:`kaisa_lab.bench.campaign.run_unit`
-    keeps the name through a resume). Records from before a record listed its
-    group's runs (no ``lockstep``) were all held out a seed to a group and
-    are taken as such."""
-    if "lockstep" not in a or "lockstep" not in b:
+    keeps the name through a resume). Two records from before a record
+    listed its group's runs (no ``lockstep``) are taken at their seed's word,
+    as the reports always took them (their group names were each run's own
+    finish); one from before and one since never shared a group."""
+    if "lockstep" not in a and "lockstep" not in b:
         return True
-    return bool(a["group"] == b["group"])
+    return bool(a.get("group") == b.get("group"))
 
 
 #: what a run's wall clock measures: its ratio to another run's means something
