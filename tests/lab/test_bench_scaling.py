@@ -327,6 +327,22 @@ def test_a_task_arm_carries_the_levers_that_change_a_steps_cost() -> None:
         TaskArm(task, "muon+kfac", keywords, batches, lever={"fisher": "mc"})
     with pytest.raises(ValueError, match="position_fraction: a K-FAC arm's lever"):
         TaskArm(task, "muon", None, batches, lever={"position_fraction": 0.5})
+    # K-FAC on Muon's AdamW part only: every layer but those owning a Muon matrix
+    part = TaskArm(task, "muon+kfac", keywords, batches, lever={"kfac_layers": "adamw-part"})
+    assert part.precond is not None
+    muon = {n for n, p in part.model.named_parameters() if p.dim() >= 2} & set(
+        part.opt.split.muon  # type: ignore[attr-defined]
+    )
+    owners = {n.rpartition(".")[0] for n in muon}
+    kept = set(part.precond.layers)
+    assert kept and kept < set(plain.precond.layers)
+    assert kept == {
+        n
+        for n in plain.precond.layers
+        if n.removesuffix(".q").removesuffix(".k").removesuffix(".v") not in owners
+    }
+    with pytest.raises(ValueError, match="kfac_layers='adamw-part'"):
+        TaskArm(task, "adamw+kfac", keywords, batches, lever={"kfac_layers": "adamw-part"})
 
 
 def test_the_forecast_finds_each_arm_with_its_lever(tmp_path: Path) -> None:

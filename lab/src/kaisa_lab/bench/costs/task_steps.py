@@ -43,7 +43,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,8 @@ from kaisa.core.specs import FactorKind
 from kaisa.step.profile import DECOMPOSE, PRODUCTS, StepProfile
 from kaisa_lab.bench.timer import interleave
 from kaisa_lab.bench.timing import Row, TimingCase, register
+from kaisa_lab.levers import KFAC_LAYERS, adamw_part_skips
+from kaisa_lab.optim.muon import MuonWithAdamW
 
 __all__ = [
     "TaskArm",
@@ -127,11 +129,12 @@ class TaskArm:
     can split among themselves (:meth:`parts_ms`).
 
     ``lever``: a case arm's lever run fields (:mod:`kaisa_lab.levers`) the
-    step carries: ``position_fraction`` and ``muon_ns_steps`` (the levers
-    that change what a step costs without a pass of their own)."""
+    step carries: ``position_fraction``, ``muon_ns_steps`` and
+    ``kfac_layers`` (the levers that change what a step costs without a
+    pass of their own)."""
 
     #: the lever run fields a timed step can carry
-    LEVERS = ("position_fraction", "muon_ns_steps")
+    LEVERS = ("position_fraction", "muon_ns_steps", "kfac_layers")
 
     def __init__(
         self,
@@ -168,11 +171,18 @@ class TaskArm:
         fraction = lever.get("position_fraction")
         if fraction is not None and not kfac:
             raise ValueError("position_fraction: a K-FAC arm's lever")
+        layers = lever.get("kfac_layers", "all")
+        on_muon = isinstance(self.opt, MuonWithAdamW)
+        if layers not in KFAC_LAYERS or (layers != "all" and not on_muon):
+            raise ValueError(f"kfac_layers={layers!r}: one of {KFAC_LAYERS}, 'adamw-part' on Muon")
         self.precond: KFACPreconditioner | None = None
         if kfac:
             options = dict(keywords or {})
             if fraction is not None:
                 options["factor_position_fraction"] = fraction
+            if layers == "adamw-part":  # as the trainer builds it (kaisa_lab.cli.trainer)
+                skips = adamw_part_skips(cast(MuonWithAdamW, self.opt).split.muon)
+                options["skip_layers"] = [*options.get("skip_layers", ()), *skips]
             self.precond = KFACPreconditioner(self.model, optimizer=self.opt, **options)
         self.batches = batches
         self.index = 0
@@ -521,6 +531,7 @@ LEVER_STEP_ARMS = [
     "muon+kfac-block129-pos0.125-bf16",
     "muon+kfac-ns3",
     "muon+kfac-lean",
+    "muon+kfac-adamw-part",
     "adamw",
     "adamw+kfac",
     "adamw+kfac-lean",
