@@ -250,6 +250,11 @@ def _lean(optimizer: str, positions: bool = True) -> Arm:
     return Arm(optimizer, kfac=True, lever=lever, tag="lean" if positions else "lean-allpos")
 
 
+#: K-FAC under Muon on the layers Muon hands to AdamW only (the embeddings and
+#: the head): on text-lm's grid it needs the steps of K-FAC on every layer at
+#: a step that costs about Muon's (levers-step-cost)
+_ADAMW_PART = Arm("muon", kfac=True, lever=(("kfac_layers", "adamw-part"),), tag="adamw-part")
+
 #: the levers on text-lm (each K-FAC arm at the defaults beside its lever):
 #: fewer Newton–Schulz iterations under K-FAC, a partial inverse power, the
 #: Monte Carlo Fisher on each base, factor statistics from an eighth of the
@@ -267,7 +272,7 @@ _LEVER_ARMS = (
     Arm("sgd", kfac=True, lever=(("fisher", "mc"),), tag="mc"),
     Arm("muon", kfac=True, lever=(("position_fraction", 0.125),), tag="pos0.125"),
     Arm("muon", kfac=True, lever=(("kfac.kfac_approx", "reduce"),), tag="reduce"),
-    Arm("muon", kfac=True, lever=(("kfac_layers", "adamw-part"),), tag="adamw-part"),
+    _ADAMW_PART,
     Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1"),
     # the factors' step-cost levers together (block-diagonal factors, an eighth
     # of the positions, bfloat16 Grams): bfloat16 Grams and blocks alone change
@@ -299,7 +304,8 @@ _NS3_BF16_PRODUCTS = Arm(
 )
 
 #: text-lm-large's arms and, on Muon + K-FAC, every step-cost lever at once
-#: (blocks of at most 257: its layers' width plus the bias)
+#: (blocks of at most 257: its layers' width plus the bias), and K-FAC on
+#: Muon's AdamW part only
 _LARGE_ARMS = (
     *_LM_ARMS,
     Arm(
@@ -308,6 +314,7 @@ _LARGE_ARMS = (
         lever=(*_blocks(257), *_GRAM_LEVERS.lever),
         tag="block257-pos0.125-bf16",
     ),
+    _ADAMW_PART,
 )
 
 CASES: dict[str, TrainCase] = {
