@@ -443,6 +443,16 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(
     assert ratio is not None
     assert cells[4] == (f"{ratio:.2f}×" if math.isfinite(ratio) and ratio > 0 else "-")
     assert verdict(0.8) == "add K-FAC" and verdict(1.2) == "keep the optimizer alone"
+    # the selection check: per selected arm, the setting with the fewest median
+    # steps beside the selected one, never with more steps than it
+    from kaisa_lab.bench.report import markdown_selection
+
+    check = markdown_selection(campaign).splitlines()[2:]
+    assert len(check) == len([a for a in campaign.case.arms if campaign.state(a).selected])
+    for line in check:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        chosen, fewest = (float(c.split(",")[0].replace("-", "inf")) for c in (cells[2], cells[4]))
+        assert fewest <= chosen and (cells[3] != "same" or chosen == fewest)
     assert verdict(1.03) == "a tie" and verdict(math.nan) == "neither reaches the target"
     assert verdict(0.0) == "add K-FAC" and "misses" in verdict(math.inf)
     # a family still being measured is not summarised: one held-out run missing
@@ -633,6 +643,27 @@ def _grouped(row: Any, groups: list[str]) -> Any:
         for r, g in zip(row.records, groups, strict=True)
     )
     return dataclasses.replace(row, records=records)
+
+
+def test_the_selection_check_names_the_setting_with_the_fewest_steps() -> None:
+    """The rule selects by median time; the check by median steps (then time):
+    a follow-up timed under a lighter load wins the rule with more steps."""
+    from kaisa_lab.bench.protocol import fewest_steps
+
+    grid, later = Setting(0.08, 0.0, "cosine"), Setting(0.16, 0.0, "cosine")
+    results = {
+        grid: [Outcome(146.0, 50, 2.4), Outcome(150.0, 50, 2.4)],  # a group of ten
+        later: [Outcome(143.0, 60, 2.4), Outcome(140.0, 60, 2.4)],  # a group of one
+    }
+    assert best(results, higher_is_better=False) == later
+    assert fewest_steps(results, higher_is_better=False) == grid
+    # equal steps: the time decides, as in the rule
+    tied = {grid: results[grid], later: [Outcome(120.0, 50, 2.4), Outcome(121.0, 50, 2.4)]}
+    assert fewest_steps(tied, higher_is_better=False) == later
+    # a setting not run on every seed does not compete
+    partial = {**results, Setting(0.04, 0.0, "cosine"): [Outcome(90.0, 30, 2.4)]}
+    assert fewest_steps(partial, higher_is_better=False) == grid
+    assert fewest_steps({}, higher_is_better=False) is None
 
 
 def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:

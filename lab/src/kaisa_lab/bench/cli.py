@@ -37,6 +37,7 @@ from kaisa_lab.bench.report import (
     markdown_levers,
     markdown_levers_across,
     markdown_machine,
+    markdown_selection,
     markdown_summary,
     markdown_tuning,
     plot,
@@ -51,7 +52,7 @@ del _costs
 
 #: where records are read and written unless ``--records`` says otherwise
 DEFAULT_RECORDS = Path("benchmarks/records")
-TABLES = ("heldout", "tuning", "machine", "levers")
+TABLES = ("heldout", "tuning", "selection", "machine", "levers")
 STAGES = ("grid", "followup", "heldout")
 
 
@@ -201,6 +202,7 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
             error(f"argument --table: choose from {', '.join(TABLES)}; got {args.table!r}")
         render = {
             "tuning": markdown_tuning,
+            "selection": markdown_selection,
             "machine": markdown_machine,
             "levers": markdown_levers,
         }.get(args.table, markdown_heldout)

@@ -127,6 +127,29 @@ def best(results: Mapping[Setting, Sequence[Outcome]], higher_is_better: bool) -
     return ranked[0] if ranked else None
 
 
+def fewest_steps(
+    results: Mapping[Setting, Sequence[Outcome]], higher_is_better: bool
+) -> Setting | None:
+    """The setting :func:`best` would select by median steps to target first
+    (then time, then final metric): a check on the selection, not the rule.
+
+    Why: the rule compares an arm's settings by time, yet the grid's settings
+    step in a group of ten and each follow-up in a group of its own, under
+    other loads; for settings whose steps cost the same (a learning rate, a
+    warm-up) the steps are the comparison no load moves."""
+    complete = {s: o for s, o in results.items() if o}
+    if not complete:
+        return None
+    seeds = max(len(o) for o in complete.values())
+
+    def key(s: Setting) -> tuple[float, float, float, float, float]:
+        t, n, q = _score(complete[s], higher_is_better)
+        return (n, t, q, s.lr, s.warmup_epochs)
+
+    ranked = sorted((s for s, o in complete.items() if len(o) == seeds), key=key)
+    return ranked[0] if ranked else None
+
+
 def followup(
     protocol: Protocol,
     tried: Sequence[Setting],

@@ -27,6 +27,7 @@ from typing import Any, cast
 
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
+from kaisa_lab.bench.protocol import Outcome, fewest_steps
 from kaisa_lab.tasks.registry import get_task
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "markdown_levers",
     "markdown_levers_across",
     "markdown_machine",
+    "markdown_selection",
     "markdown_summary",
     "markdown_tuning",
     "paired_ratio",
@@ -566,6 +568,42 @@ def markdown_tuning(campaign: Campaign) -> str:
                 f"| {'-' if math.isinf(med_t) else f'{med_t:.3g}'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def markdown_selection(campaign: Campaign) -> str:
+    """Per arm, the selected setting (lowest median time to target over the
+    selection seeds, the protocol's rule) beside the one with the fewest
+    median steps (:func:`kaisa_lab.bench.protocol.fewest_steps`), each with
+    its median steps and time: where they differ, the rule chose more steps
+    for less time on another group's clock."""
+    seeds = campaign.protocol.selection_seeds
+    higher = get_task(campaign.case.task).metric.higher_is_better
+    lines = [
+        "| arm | selected (time) | its steps, time (s) | fewest steps | its steps, time (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in campaign.case.arms:
+        state = campaign.state(arm)
+        if state.selected is None:
+            continue
+        results = {s: campaign.outcomes(arm, s, seeds) for s in state.tried}
+        fewest = fewest_steps(results, higher)
+        if fewest is None:
+            continue
+        same = "same" if fewest == state.selected else fewest.describe()
+        lines.append(
+            f"| {_label(arm)} | {state.selected.describe()} "
+            f"| {_medians(results[state.selected])} | {same} | {_medians(results[fewest])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _medians(outcomes: Sequence[Outcome]) -> str:
+    """A setting's median steps and time to target, as ``140, 23`` (``-``: not reached)."""
+    steps = [o.steps if o.steps is not None else math.inf for o in outcomes]
+    times = [o.time_s if o.time_s is not None else math.inf for o in outcomes]
+    n, t = statistics.median(steps), statistics.median(times)
+    return f"{'-' if math.isinf(n) else f'{n:.0f}'}, {_seconds(t)}"
 
 
 def plot(campaign: Campaign, path: Path) -> None:
