@@ -383,7 +383,13 @@ CASES: dict[str, TrainCase] = {
                     512,
                     2,
                     40,
-                    (*_LARGE_BATCH_ARMS, _GRAM_LEVERS, _LEAN_ALL_POSITIONS, _NS3_BF16_PRODUCTS),
+                    (
+                        *_LARGE_BATCH_ARMS,
+                        _GRAM_LEVERS,
+                        _LEAN_ALL_POSITIONS,
+                        _NS3_BF16_PRODUCTS,
+                        _ADAMW_PART,
+                    ),
                 ),
             )
         ),

@@ -617,6 +617,7 @@ CASE = register(
                 "muon+kfac-pos0.125-bf16",
                 "muon+kfac-lean-allpos",
                 "muon+kfac-ns3-bf16prod",
+                "muon+kfac-adamw-part",
             ],
             "records": "benchmarks/records",
             # 2: batch 32, 128, 512 on 16, 64, 256 ranks; 4: on 8, 32, 128; 8: on 4, 16, 64
