@@ -126,20 +126,17 @@ def side_by_side(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 _WALL_CLOCK = (_time, _step_ms)
 
 
-def _seed_pairs(
-    row: ArmRow, ref: ArmRow, apart: bool = False
-) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
-    """The two arms' records of each seed both ran, side by side (``apart``:
-    those trained apart instead)."""
+def _seed_pairs(row: ArmRow, ref: ArmRow) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """The two arms' records of each seed both ran."""
     theirs = {r["seed"]: r for r in ref.records}
-    pairs = [(r, theirs[r["seed"]]) for r in row.records if r["seed"] in theirs]
-    return [(a, b) for a, b in pairs if side_by_side(a, b) != apart]
+    return [(r, theirs[r["seed"]]) for r in row.records if r["seed"] in theirs]
 
 
 def trained_apart(row: ArmRow, ref: ArmRow) -> bool:
     """Whether every seed the two arms share was trained in groups apart (an
     arm held out after the others): their wall clocks do not pair."""
-    return bool(_seed_pairs(row, ref, apart=True)) and not _seed_pairs(row, ref)
+    pairs = _seed_pairs(row, ref)
+    return bool(pairs) and not any(side_by_side(a, b) for a, b in pairs)
 
 
 def paired_ratio(
@@ -159,11 +156,9 @@ def paired_ratio(
     wall-clock value pairs only runs that stepped side by side
     (:func:`side_by_side`); steps and CPU times pair by seed alone.
     """
-    records = (
-        _seed_pairs(row, ref)
-        if value in _WALL_CLOCK
-        else _seed_pairs(row, ref) + _seed_pairs(row, ref, apart=True)
-    )
+    records = _seed_pairs(row, ref)
+    if value in _WALL_CLOCK:
+        records = [(a, b) for a, b in records if side_by_side(a, b)]
     pairs = [(value(a), value(b)) for a, b in records]
     if not pairs or any(a is None or b is None for a, b in pairs):
         return None
