@@ -21,7 +21,7 @@ import torch
 from kaisa_lab.bench import campaign as campaign_module
 from kaisa_lab.bench.campaign import Campaign, work
 from kaisa_lab.bench.cases import CASES, KFAC_KNOBS, Arm, get_case
-from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup, grid
+from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup, grid, work_base
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
 from kaisa_lab.bench.report import (
     FairnessError,
@@ -177,16 +177,20 @@ def _o(time_s: float | None, steps: int | None = None, final: float = 1.0) -> Ou
     return Outcome(time_s, steps if steps is not None else (None if time_s is None else 10), final)
 
 
-def test_best_is_the_lowest_median_time_a_miss_counting_as_infinite() -> None:
+def test_best_is_the_fewest_median_steps_a_miss_counting_as_infinite() -> None:
     a, b, c = (Setting(lr, 0.0, "cosine") for lr in (0.1, 0.2, 0.4))
     results = {
-        a: [_o(1.0), _o(None), _o(None)],  # fastest once, but misses on two seeds
-        b: [_o(3.0), _o(2.0), _o(2.5)],
-        c: [_o(2.4), _o(2.45), _o(None)],  # misses once: its median is still 2.45
+        a: [_o(1.0, 10), _o(None), _o(None)],  # fewest once, but misses on two seeds
+        b: [_o(3.0, 30), _o(2.0, 20), _o(2.5, 25)],
+        c: [_o(2.4, 24), _o(2.45, 24), _o(None)],  # misses once: its median is still 24
     }
     assert best(results, higher_is_better=False) == c
-    results[c] = [_o(2.4), _o(9.0), _o(None)]
+    results[c] = [_o(2.4, 24), _o(9.0, 90), _o(None)]
     assert best(results, higher_is_better=False) == b
+    # equal median steps: the fewer mean steps, whatever the clocks say
+    results[c] = [_o(9.0, 24), _o(9.0, 25), _o(9.0, 40)]
+    results[b] = [_o(1.0, 20), _o(1.0, 25), _o(1.0, 60)]
+    assert best(results, higher_is_better=False) == c
 
 
 def test_when_nothing_reaches_the_best_median_final_metric_wins() -> None:
@@ -443,16 +447,16 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(
     assert ratio is not None
     assert cells[4] == (f"{ratio:.2f}×" if math.isfinite(ratio) and ratio > 0 else "-")
     assert verdict(0.8) == "add K-FAC" and verdict(1.2) == "keep the optimizer alone"
-    # the selection check: per selected arm, the setting with the fewest median
-    # steps beside the selected one, never with more steps than it
+    # the selection check: per selected arm, the setting fastest on its clock
+    # beside the selected one, never with fewer steps than it (no work knob here)
     from kaisa_lab.bench.report import markdown_selection
 
     check = markdown_selection(campaign).splitlines()[2:]
     assert len(check) == len([a for a in campaign.case.arms if campaign.state(a).selected])
     for line in check:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        chosen, fewest = (float(c.split(",")[0].replace("-", "inf")) for c in (cells[2], cells[4]))
-        assert fewest <= chosen and (cells[3] != "same" or chosen == fewest)
+        chosen, clock = (float(c.split(",")[0].replace("-", "inf")) for c in (cells[2], cells[4]))
+        assert chosen <= clock and (cells[3] != "same" or chosen == clock)
     assert verdict(1.03) == "a tie" and verdict(math.nan) == "neither reaches the target"
     assert verdict(0.0) == "add K-FAC" and "misses" in verdict(math.inf)
     # a family still being measured is not summarised: one held-out run missing
@@ -645,25 +649,100 @@ def _grouped(row: Any, groups: list[str]) -> Any:
     return dataclasses.replace(row, records=records)
 
 
-def test_the_selection_check_names_the_setting_with_the_fewest_steps() -> None:
-    """The rule selects by median time; the check by median steps (then time):
-    a follow-up timed under a lighter load wins the rule with more steps."""
-    from kaisa_lab.bench.protocol import fewest_steps
+def test_selection_reads_steps_not_another_groups_clock() -> None:
+    """A follow-up timed under a lighter load than the grid's group of ten is
+    faster on its clock with more steps: the rule takes the fewer steps, the
+    check (:func:`fastest`) names the clock's pick; a setting that changes a
+    step's work is weighed by its measured step cost."""
+    from kaisa_lab.bench.protocol import fastest, work_base
 
     grid, later = Setting(0.08, 0.0, "cosine"), Setting(0.16, 0.0, "cosine")
     results = {
         grid: [Outcome(146.0, 50, 2.4), Outcome(150.0, 50, 2.4)],  # a group of ten
         later: [Outcome(143.0, 60, 2.4), Outcome(140.0, 60, 2.4)],  # a group of one
     }
-    assert best(results, higher_is_better=False) == later
-    assert fewest_steps(results, higher_is_better=False) == grid
-    # equal steps: the time decides, as in the rule
-    tied = {grid: results[grid], later: [Outcome(120.0, 50, 2.4), Outcome(121.0, 50, 2.4)]}
-    assert fewest_steps(tied, higher_is_better=False) == later
-    # a setting not run on every seed does not compete
+    assert best(results, higher_is_better=False) == grid
+    assert fastest(results) == later
+    # a setting not run on every seed competes in neither
     partial = {**results, Setting(0.04, 0.0, "cosine"): [Outcome(90.0, 30, 2.4)]}
-    assert fewest_steps(partial, higher_is_better=False) == grid
-    assert fewest_steps({}, higher_is_better=False) is None
+    assert best(partial, higher_is_better=False) == grid and fastest(partial) == later
+    assert best({}, higher_is_better=False) is None and fastest({}) is None
+    # an interval knob: 45 steps at 1.2x the step cost (54) lose to 50 at 1.0x,
+    # at 1.1x (49.5) they win; without a measured cost the rule refuses to rank it
+    knob = Setting(0.08, 0.0, "cosine", (("damping", 0.1), ("inv_update_steps", 10)))
+    assert work_base(knob) == Setting(0.08, 0.0, "cosine", (("damping", 0.1),))
+    assert work_base(grid) is None
+    assert work_base(Setting(0.08, 0.0, "cosine", (("damping", 0.1),))) is None
+    priced = {**results, knob: [Outcome(200.0, 45, 2.4), Outcome(200.0, 45, 2.4)]}
+    assert best(priced, higher_is_better=False, costs={knob: 1.2}) == grid
+    assert best(priced, higher_is_better=False, costs={knob: 1.1}) == knob
+    with pytest.raises(ValueError, match=r"costs: no step cost for lr 0\.08"):
+        best(priced, higher_is_better=False)
+
+
+def test_a_setting_that_changes_a_steps_work_is_priced_by_a_cost_pair(tmp_path: Path) -> None:
+    """The campaign holds a knob variant's arm at the ``cost`` stage until its
+    cost pair (it and its base, side by side, records apart from the tuning's)
+    is recorded on every selection seed, then selects with the pair's ratio."""
+    case = get_case("quick")
+    arm = next(a for a in case.arms if a.knobs)
+    store = RecordStore(tmp_path)
+    campaign = Campaign(case, store)
+
+    def put(run: Any, steps: int, train_time: float) -> None:
+        result = {"steps_to_target": steps, "time_to_target_s": train_time, "steps": steps}
+        store.write(
+            {
+                "kind": "train",
+                "case": case.name,
+                "arm": run.arm.kind,
+                "role": run.role,
+                "seed": run.seed,
+                "key": run.key,
+                "result": {
+                    **result,
+                    "train_time_s": train_time,
+                    "final_metric": 0.9,
+                    "reached": True,
+                },
+            }
+        )
+
+    settings = case.grid(arm)
+    inner = settings[1]  # the middle lr, no warm-up: the best, not at an edge
+    for s in settings:
+        put(campaign.run(arm, s, 0, "grid"), 20 if s == inner else 40, 1.0)
+    campaign.refresh()
+    state = campaign.state(arm)
+    assert state.stage == "followup" and state.pending is not None
+    knob = state.pending
+    assert work_base(knob) == inner
+    put(campaign.run(arm, knob, 0, "followup"), 18, 0.5)  # fewer steps, on a lighter clock
+    campaign.refresh()
+    state = campaign.state(arm)
+    assert (state.stage, state.pending, state.selected) == ("cost", knob, None)
+    (unit,) = [u for u in campaign.units() if u.stage == "cost"]
+    pair = campaign.cost_pair(arm, knob, 0)
+    assert unit.runs == pair and [r.setting for r in pair] == [knob, inner]
+    tuning_keys = {campaign.run(arm, s, 0, "").key for s in (knob, inner)}
+    assert {r.role for r in pair} == {"cost"} and not {r.key for r in pair} & tuning_keys
+    assert {r.spec.cost_pair for r in pair} == {campaign.run(arm, knob, 0, "").key}
+    # a worker trains the pair like any unit, and the records are found as the pair's
+    assert work(campaign, QUIET, stages=("cost",), wait_s=0) == 1
+    campaign.refresh()
+    assert all(campaign.record(run) is not None for run in pair)
+    assert campaign.step_cost(arm, knob) is not None
+    # side by side its step costs 2x its base's: 18 steps weigh 36 > 20
+    put(pair[0], 30, 3.0)
+    put(pair[1], 20, 1.0)
+    campaign.refresh()
+    assert campaign.step_cost(arm, knob) == pytest.approx(2.0)
+    state = campaign.state(arm)
+    assert state.stage == "heldout" and state.selected == inner
+    assert "| 2.00× |" in markdown_tuning(campaign)
+    put(pair[0], 30, 1.5)  # at 1.0x its 18 steps win
+    campaign.refresh()
+    assert campaign.state(arm).selected == knob
 
 
 def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:

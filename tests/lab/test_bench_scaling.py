@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.lab.test_bench_costs_steps import COMMITTED, assert_plots, run_quick
+from tests.lab.fake_campaign import fill
+from tests.lab.test_bench_costs_steps import assert_plots, run_quick
 
 from kaisa.planner.costs import CostModel
 from kaisa.planner.forecast import forecast, fractions_for, layer_costs
@@ -47,12 +48,16 @@ def test_a_forecast_is_the_held_out_steps_times_a_ranks_step_in_each_layout(
     busiest rank's share of it + the links' collectives). Replicated, every
     rank runs Muon whole and kaisa at COMM-OPT preconditions every layer;
     sharded, Muon's matrices and K-FAC's products are split over the ranks."""
+    campaign = fill(tmp_path / "campaign", "text-lm")
     records = run_quick(
-        "large-batch-forecast", tmp_path, f"records={COMMITTED}", 'arms=["adamw","muon+kfac"]'
+        "large-batch-forecast",
+        tmp_path,
+        f"records={tmp_path / 'campaign'}",
+        'arms=["adamw","muon+kfac"]',
     )
     want = {
         row.arm.name: row.steps[0]
-        for row in heldout_rows(Campaign(get_case("text-lm"), RecordStore(COMMITTED)))
+        for row in heldout_rows(campaign)
         if row.steps is not None and row.reached == row.seeds
     }
     assert {r["config"]["arm"] for r in records} == {"adamw", "muon+kfac"}
@@ -201,7 +206,7 @@ def test_a_batch_not_held_out_yet_is_not_forecast(tmp_path: Path) -> None:
 
 def test_a_per_rank_batch_that_does_not_divide_the_global_batch_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="per_rank_batch 3 does not divide text-lm's batch 32"):
-        run_quick("large-batch-forecast", tmp_path, f"records={COMMITTED}", "per_rank_batch=[2,3]")
+        run_quick("large-batch-forecast", tmp_path, f"records={tmp_path}", "per_rank_batch=[2,3]")
 
 
 def test_what_w_ranks_add_is_the_gradient_allreduce_and_kfacs_collectives() -> None:
@@ -301,7 +306,10 @@ def test_the_forecast_times_a_cpu_step_by_the_process_cpu_time(
         process_time=lambda: 0.25 * next(ticks), perf_counter=time.perf_counter
     )
     monkeypatch.setattr(scaling, "time", clocks)  # scaling's readings only
-    records = run_quick("large-batch-forecast", tmp_path, f"records={COMMITTED}", 'arms=["adamw"]')
+    fill(tmp_path / "campaign", "text-lm")
+    records = run_quick(
+        "large-batch-forecast", tmp_path, f"records={tmp_path / 'campaign'}", 'arms=["adamw"]'
+    )
     measured = [r for r in records if r["result"]["measured"]]
     assert measured and all(r["config"]["clock"] == CPU_CLOCK for r in measured)
     assert [r["result"]["step_ms"] for r in measured] == pytest.approx([250.0] * len(measured))

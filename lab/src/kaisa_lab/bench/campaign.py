@@ -9,6 +9,10 @@ turn, each on its own clock):
 
 - ``grid``: the grid of one kind of run on one selection seed;
 - ``followup``: every arm's next follow-up on one selection seed;
+- ``cost``: on one selection seed, every arm's cost pair: a tried setting
+  that changes a step's work (a K-FAC interval) and the same setting without
+  that knob, side by side, so the ratio of their amortised steps is read
+  under one load (what the selection weighs the setting's steps by);
 - ``heldout``: every arm's selected setting on one held-out seed, all arms in
   one group, so the load of the machine falls on the arms of a reported
   comparison alike. Held-out units start only when every arm is selected.
@@ -24,16 +28,17 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kaisa_lab.bench.cases import Arm, TrainCase
-from kaisa_lab.bench.protocol import Outcome, Setting, best, followup
+from kaisa_lab.bench.protocol import Outcome, Setting, best, followup, work_base
 from kaisa_lab.bench.records import RecordStore, config_key, environment, load_average, train_record
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.progress import Progress
@@ -83,9 +88,9 @@ class ArmState:
     """Where an arm stands: its stage, the settings tried, and (once done) its choice."""
 
     arm: Arm
-    stage: str  # "grid", "followup", "heldout" or "done"
+    stage: str  # "grid", "followup", "cost", "heldout" or "done"
     tried: tuple[Setting, ...]
-    pending: Setting | None  # the follow-up being run
+    pending: Setting | None  # the follow-up being run, or the setting a cost pair prices
     selected: Setting | None
 
 
@@ -126,6 +131,33 @@ class Campaign:
     def _missing(self, arm: Arm, setting: Setting, seeds: Sequence[int]) -> list[int]:
         return [s for s in seeds if self.record(self.run(arm, setting, s, "")) is None]
 
+    def cost_pair(self, arm: Arm, setting: Setting, seed: int) -> tuple[Run, Run]:
+        """The two runs that price ``setting`` (which sets a work knob) on
+        ``seed``: it, and it without its work knobs, each marked as the pair's."""
+        base = work_base(setting)
+        if base is None:
+            raise ValueError(f"{setting.describe()} changes no step's work: nothing to price")
+        pair = self.run(arm, setting, seed, "").key
+
+        def run(s: Setting) -> Run:
+            return Run(arm, s, seed, "cost", replace(self.case.spec(arm, s, seed), cost_pair=pair))
+
+        return run(setting), run(base)
+
+    def step_cost(self, arm: Arm, setting: Setting) -> float | None:
+        """``setting``'s step cost against the same setting without its work
+        knobs: the median over the selection seeds of the ratio of the cost
+        pair's amortised times a step (wall time over steps run, each run of
+        a pair in one lockstep group); None until every seed's pair is recorded."""
+        ratios = []
+        for seed in self.protocol.selection_seeds:
+            found = [self.record(run) for run in self.cost_pair(arm, setting, seed)]
+            if any(r is None for r in found):
+                return None
+            knob, base = (r["result"] for r in found if r is not None)
+            ratios.append(_per_step(knob) / _per_step(base))
+        return statistics.median(ratios)
+
     def state(self, arm: Arm) -> ArmState:
         """Replay the protocol for ``arm`` over the records: where it stands now."""
         seeds = self.protocol.selection_seeds
@@ -134,7 +166,15 @@ class Campaign:
             return ArmState(arm, "grid", tuple(tried), None, None)
         higher = get_task(self.case.task).metric.higher_is_better
         while True:
-            chosen = best({s: self.outcomes(arm, s, seeds) for s in tried}, higher)
+            costs: dict[Setting, float] = {}
+            for s in tried:
+                if work_base(s) is None:
+                    continue
+                cost = self.step_cost(arm, s)
+                if cost is None:
+                    return ArmState(arm, "cost", tuple(tried), s, None)
+                costs[s] = cost
+            chosen = best({s: self.outcomes(arm, s, seeds) for s in tried}, higher, costs)
             assert chosen is not None  # every tried setting has all its outcomes
             nxt = followup(self.protocol, tried, chosen, arm.knobs)
             if nxt is None:
@@ -167,6 +207,14 @@ class Campaign:
                 if st.stage == "followup" and st.pending is not None
             ]
             units.append(Unit("followup", seed, _pending(self, runs)))
+        for seed in seeds:
+            runs = [
+                run
+                for st in states
+                if st.stage == "cost" and st.pending is not None
+                for run in self.cost_pair(st.arm, st.pending, seed)
+            ]
+            units.append(Unit("cost", seed, _pending(self, runs)))
         if all(st.stage in ("heldout", "done") for st in states):
             for seed in self.protocol.heldout_seeds:
                 runs = [
@@ -212,6 +260,12 @@ class Campaign:
             f"{saved} run(s) in flight saved to resume"
         )
         return lines
+
+
+def _per_step(result: dict[str, Any]) -> float:
+    """A run's amortised wall time a step: every step it ran, factor steps and
+    decompositions among them."""
+    return float(result["train_time_s"]) / max(1, int(result["steps"]))
 
 
 def _pending(campaign: Campaign, runs: Sequence[Run]) -> tuple[Run, ...]:
@@ -353,7 +407,7 @@ def work(
     *,
     max_units: int | None = None,
     wait_s: float = 30.0,
-    stages: Sequence[str] = ("grid", "followup", "heldout"),
+    stages: Sequence[str] = ("grid", "followup", "cost", "heldout"),
     device: str = "cpu",
     snapshot_every_s: float | None = None,
 ) -> int:

@@ -53,7 +53,7 @@ del _costs
 #: where records are read and written unless ``--records`` says otherwise
 DEFAULT_RECORDS = Path("benchmarks/records")
 TABLES = ("heldout", "tuning", "selection", "machine", "levers")
-STAGES = ("grid", "followup", "heldout")
+STAGES = ("grid", "followup", "cost", "heldout")
 
 
 def add_bench_parser(commands: Any) -> argparse.ArgumentParser:

@@ -13,10 +13,18 @@ seeds, over the same axes:
    (a tuned K-FAC arm: damping, intervals), then (or, for an arm without
    knobs, at once) the lrs half a grid step either side of the best, then a
    quarter step, so that every arm spends its whole budget;
-3. **selection**: the setting with the lowest median time to target over the
-   selection seeds (a run that misses the target counts as infinitely slow;
-   ties go to fewer median steps); where no setting reaches the target on
-   most seeds, the best median final metric;
+3. **selection**: the setting with the fewest median steps to target over
+   the selection seeds (a run that misses the target counts as infinitely
+   many; ties go to the fewer mean steps, then the better median final
+   metric); a setting that changes a step's work (a K-FAC interval,
+   :data:`WORK_KNOBS`) has its steps weighed by its **step cost**, its
+   amortised time a step over that of the same setting without the knob,
+   the two timed side by side in one lockstep group on each selection seed
+   (a *cost pair*; the median of the seeds' ratios); where no setting
+   reaches the target on most seeds, the best median final metric. Wall
+   time decides nothing across groups: a grid's ten settings step in one
+   group and the follow-ups in others, under other loads and caches, and
+   the same setting's step has been timed 0.7–2× apart that way;
 4. **held-out**: the selected setting on the held-out seeds, which played no
    part in the choice; only those runs are reported.
 
@@ -34,7 +42,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Outcome", "Protocol", "Setting", "best", "followup", "grid"]
+__all__ = [
+    "WORK_KNOBS",
+    "Outcome",
+    "Protocol",
+    "Setting",
+    "best",
+    "fastest",
+    "followup",
+    "grid",
+    "work_base",
+]
 
 
 @dataclass(frozen=True)
@@ -100,53 +118,81 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.inf
 
 
-def _score(outcomes: Sequence[Outcome], higher_is_better: bool) -> tuple[float, float, float]:
-    """Sort key of a setting: (median time to target, median steps, minus quality)."""
-    times = [o.time_s if o.time_s is not None else math.inf for o in outcomes]
+#: K-FAC keywords whose value changes the work of a step (a factor step or a
+#: decomposition more or less often): a setting that sets one is weighed by its
+#: measured step cost (a cost pair), every other knob (lr, warm-up, damping)
+#: leaves a step's work as it is
+WORK_KNOBS = ("factor_update_steps", "inv_update_steps")
+
+
+def work_base(setting: Setting) -> Setting | None:
+    """``setting`` without its :data:`WORK_KNOBS` (what its step cost is timed
+    against), or None where it sets none (its steps cost the arm's own)."""
+    kept = tuple((k, v) for k, v in setting.kfac if k not in WORK_KNOBS)
+    if kept == setting.kfac:
+        return None
+    return Setting(setting.lr, setting.warmup_epochs, setting.schedule, kept)
+
+
+def _score(
+    outcomes: Sequence[Outcome], higher_is_better: bool, cost: float = 1.0
+) -> tuple[float, float, float]:
+    """Sort key of a setting: (median steps, mean steps, minus quality), the
+    steps weighed by ``cost``."""
     steps = [float(o.steps) if o.steps is not None else math.inf for o in outcomes]
     finals = [o.final_metric for o in outcomes if o.final_metric is not None]
     finals = [f for f in finals if math.isfinite(f)]
     quality = _median(finals) if finals else (-math.inf if higher_is_better else math.inf)
-    return (_median(times), _median(steps), -quality if higher_is_better else quality)
+    mean = statistics.fmean(steps) if steps else math.inf
+    return (_median(steps) * cost, mean * cost, -quality if higher_is_better else quality)
 
 
-def best(results: Mapping[Setting, Sequence[Outcome]], higher_is_better: bool) -> Setting | None:
-    """The selected setting: lowest median time to target, then steps, then final metric.
+def _complete(
+    results: Mapping[Setting, Sequence[Outcome]],
+) -> dict[Setting, Sequence[Outcome]]:
+    """The settings with an outcome on every seed (a half-run setting would
+    otherwise win or lose by the seeds it skipped)."""
+    seeds = max((len(o) for o in results.values()), default=0)
+    return {s: o for s, o in results.items() if o and len(o) == seeds}
 
-    Only settings with an outcome on every seed compete (a half-run setting
-    would otherwise win or lose by the seeds it skipped)."""
-    complete = {s: o for s, o in results.items() if o}
-    if not complete:
-        return None
-    counts = {len(o) for o in complete.values()}
-    seeds = max(counts)
+
+def best(
+    results: Mapping[Setting, Sequence[Outcome]],
+    higher_is_better: bool,
+    costs: Mapping[Setting, float] | None = None,
+) -> Setting | None:
+    """The selected setting: fewest median steps (weighed by ``costs`` where a
+    setting changes a step's work), then mean steps, then final metric.
+
+    Only settings with an outcome on every seed compete. A setting with
+    :data:`WORK_KNOBS` needs its cost in ``costs`` (the campaign times a cost
+    pair before it selects)."""
+    complete = _complete(results)
+    costs = costs or {}
+    missing = [s for s in complete if work_base(s) is not None and s not in costs]
+    if missing:
+        raise ValueError(f"costs: no step cost for {missing[0].describe()} (it sets {WORK_KNOBS})")
     ranked = sorted(
-        (s for s, o in complete.items() if len(o) == seeds),
-        key=lambda s: (_score(complete[s], higher_is_better), s.lr, s.warmup_epochs),
+        complete,
+        key=lambda s: (
+            _score(complete[s], higher_is_better, costs.get(s, 1.0)),
+            s.lr,
+            s.warmup_epochs,
+        ),
     )
     return ranked[0] if ranked else None
 
 
-def fewest_steps(
-    results: Mapping[Setting, Sequence[Outcome]], higher_is_better: bool
-) -> Setting | None:
-    """The setting :func:`best` would select by median steps to target first
-    (then time, then final metric): a check on the selection, not the rule.
+def fastest(results: Mapping[Setting, Sequence[Outcome]]) -> Setting | None:
+    """The setting with the lowest median wall time to target: a check beside
+    the rule, not the rule (each group's clock ran under its own load)."""
+    complete = _complete(results)
 
-    Why: the rule compares an arm's settings by time, yet the grid's settings
-    step in a group of ten and each follow-up in a group of its own, under
-    other loads; for settings whose steps cost the same (a learning rate, a
-    warm-up) the steps are the comparison no load moves."""
-    complete = {s: o for s, o in results.items() if o}
-    if not complete:
-        return None
-    seeds = max(len(o) for o in complete.values())
+    def key(s: Setting) -> tuple[float, float, float]:
+        times = [o.time_s if o.time_s is not None else math.inf for o in complete[s]]
+        return (_median(times), s.lr, s.warmup_epochs)
 
-    def key(s: Setting) -> tuple[float, float, float, float, float]:
-        t, n, q = _score(complete[s], higher_is_better)
-        return (n, t, q, s.lr, s.warmup_epochs)
-
-    ranked = sorted((s for s, o in complete.items() if len(o) == seeds), key=key)
+    ranked = sorted(complete, key=key)
     return ranked[0] if ranked else None
 
 

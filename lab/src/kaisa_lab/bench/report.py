@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
-from kaisa_lab.bench.protocol import Outcome, fewest_steps
+from kaisa_lab.bench.protocol import Outcome, fastest, work_base
 from kaisa_lab.tasks.registry import get_task
 
 __all__ = [
@@ -539,11 +539,13 @@ def markdown_machine(campaign: Campaign) -> str:
 
 
 def markdown_tuning(campaign: Campaign) -> str:
-    """Every setting each arm tried, median over the selection seeds; the choice in bold."""
+    """Every setting each arm tried, median over the selection seeds; the choice
+    in bold. A setting that changes a step's work shows its measured step cost
+    (its cost pair's ratio), which its steps are weighed by."""
     seeds = campaign.protocol.selection_seeds
     lines = [
-        "| arm | setting | reached | median steps | median time (s) |",
-        "|---|---|---|---|---|",
+        "| arm | setting | reached | median steps | step cost | median time (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for arm in campaign.case.arms:
         state = campaign.state(arm)
@@ -554,27 +556,30 @@ def markdown_tuning(campaign: Campaign) -> str:
             steps = [r["steps_to_target"] if r["reached"] else math.inf for r in results]
             med_t = statistics.median(times) if times else math.inf
             med_s = statistics.median(steps) if steps else math.inf
+            cost = campaign.step_cost(arm, setting) if work_base(setting) else 1.0
             text = setting.describe()
             if setting == state.selected:
                 text = f"**{text}**"
             lines.append(
                 f"| {_label(arm)} | {text} | {len(reached)}/{len(results)} "
                 f"| {'-' if math.isinf(med_s) else f'{med_s:.0f}'} "
+                f"| {'pending' if cost is None else f'{cost:.2f}×'} "
                 f"| {'-' if math.isinf(med_t) else f'{med_t:.3g}'} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def markdown_selection(campaign: Campaign) -> str:
-    """Per arm, the selected setting (lowest median time to target over the
-    selection seeds, the protocol's rule) beside the one with the fewest
-    median steps (:func:`kaisa_lab.bench.protocol.fewest_steps`), each with
-    its median steps and time: where they differ, the rule chose more steps
-    for less time on another group's clock."""
+    """Per arm, the selected setting (the protocol's rule: fewest median steps,
+    weighed by step cost where a setting changes a step's work) beside the one
+    with the lowest median wall time to target
+    (:func:`kaisa_lab.bench.protocol.fastest`), each with its median steps and
+    time: where they differ, the clock would have chosen by the load its
+    group ran under."""
     seeds = campaign.protocol.selection_seeds
-    higher = get_task(campaign.case.task).metric.higher_is_better
     lines = [
-        "| arm | selected (time) | its steps, time (s) | fewest steps | its steps, time (s) |",
+        "| arm | selected (steps) | its steps, time (s) | fastest on its clock "
+        "| its steps, time (s) |",
         "|---|---|---|---|---|",
     ]
     for arm in campaign.case.arms:
@@ -582,13 +587,13 @@ def markdown_selection(campaign: Campaign) -> str:
         if state.selected is None:
             continue
         results = {s: campaign.outcomes(arm, s, seeds) for s in state.tried}
-        fewest = fewest_steps(results, higher)
-        if fewest is None:
+        clock = fastest(results)
+        if clock is None:
             continue
-        same = "same" if fewest == state.selected else fewest.describe()
+        same = "same" if clock == state.selected else clock.describe()
         lines.append(
             f"| {_label(arm)} | {state.selected.describe()} "
-            f"| {_medians(results[state.selected])} | {same} | {_medians(results[fewest])} |"
+            f"| {_medians(results[state.selected])} | {same} | {_medians(results[clock])} |"
         )
     return "\n".join(lines) + "\n"
 

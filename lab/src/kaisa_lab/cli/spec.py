@@ -86,6 +86,11 @@ class RunSpec:
     #: which layers K-FAC preconditions: "all" it registers, or under Muon
     #: "adamw-part", the ones Muon hands to AdamW (embeddings, head)
     kfac_layers: str = "all"
+    #: a tuning campaign's cost pair this run is one of (the key of the setting
+    #: whose step cost the pair times, :mod:`kaisa_lab.bench.protocol`): it
+    #: trains as any run does; the field only keeps its record apart from the
+    #: tuning's run of the same setting
+    cost_pair: str | None = None
 
     def kfac_config(self) -> KFACConfig:
         """The K-FAC configuration in effect, with the optimizer's lr unless overridden."""
@@ -124,6 +129,7 @@ class RunSpec:
             **({"eigen_power": self.eigen_power} if self.eigen_power is not None else {}),
             **({"fisher": self.fisher} if self.fisher != "empirical" else {}),
             **({"kfac_layers": self.kfac_layers} if self.kfac_layers != "all" else {}),
+            **({"cost_pair": self.cost_pair} if self.cost_pair is not None else {}),
             **(
                 {"position_fraction": self.position_fraction}
                 if self.position_fraction is not None
