@@ -541,7 +541,8 @@ def markdown_machine(campaign: Campaign) -> str:
 def markdown_tuning(campaign: Campaign) -> str:
     """Every setting each arm tried, median over the selection seeds; the choice
     in bold. A setting that changes a step's work shows its measured step cost
-    (its cost pair's ratio), which its steps are weighed by."""
+    (its cost pair's ratio, ``pending`` until measured), which its steps are
+    weighed by; every other setting's step costs the arm's own (``-``)."""
     seeds = campaign.protocol.selection_seeds
     lines = [
         "| arm | setting | reached | median steps | step cost | median time (s) |",
@@ -556,14 +557,15 @@ def markdown_tuning(campaign: Campaign) -> str:
             steps = [r["steps_to_target"] if r["reached"] else math.inf for r in results]
             med_t = statistics.median(times) if times else math.inf
             med_s = statistics.median(steps) if steps else math.inf
-            cost = campaign.step_cost(arm, setting) if work_base(setting) else 1.0
+            priced = work_base(setting) is not None
+            cost = campaign.step_cost(arm, setting) if priced else None
             text = setting.describe()
             if setting == state.selected:
                 text = f"**{text}**"
             lines.append(
                 f"| {_label(arm)} | {text} | {len(reached)}/{len(results)} "
                 f"| {'-' if math.isinf(med_s) else f'{med_s:.0f}'} "
-                f"| {'pending' if cost is None else f'{cost:.2f}×'} "
+                f"| {'-' if not priced else 'pending' if cost is None else f'{cost:.2f}×'} "
                 f"| {'-' if math.isinf(med_t) else f'{med_t:.3g}'} |"
             )
     return "\n".join(lines) + "\n"
