@@ -467,6 +467,10 @@ def test_the_summary_compares_each_kfac_arm_with_its_base(
     unfinished = Campaign(get_case("quick"), RecordStore(tmp_path))
     unfinished.refresh()
     assert missing["seed"] == seed and "| quick |" not in markdown_summary([unfinished])
+    assert markdown_summary([unfinished]).startswith(
+        "Still being measured (not every arm held out): `quick`;"
+    )
+    assert "Still being measured" not in markdown_summary([campaign])
     # ... but a lever arm with no record yet holds nothing back
     lever = Arm("sgd", kfac=True, lever=(("kfac.kl_clip", 0.1),), tag="clip0.1")
     case = dataclasses.replace(get_case("quick"), arms=(lever, *get_case("quick").arms))

@@ -307,7 +307,10 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
     without a record of every held-out seed — is left out: a figure over the
     seeds that happen to be done is not the comparison the protocol defines.
     A lever arm still being measured holds nothing back: its own table
-    (:func:`markdown_levers`) reports it."""
+    (:func:`markdown_levers`) reports it. The families left out are named
+    under the table (without rows, in place of it), so a reader knows the
+    table is not all there is."""
+    measuring: list[str] = []
     lines = [
         "| family | batch | base optimizer | base: time to target (s) | + K-FAC, library "
         "defaults | + K-FAC, tuned | best first-order | defaults vs best | at the defaults |",
@@ -318,6 +321,7 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
         held_out = len(campaign.protocol.heldout_seeds)
         read = [a for a in campaign.case.arms if not a.lever]
         if len(rows) < len(read) or any(r.seeds < held_out for r in rows):
+            measuring.append(f"`{campaign.case.name}`")
             continue
         first = {r.arm.optimizer: r for r in rows if not r.arm.kfac}
         if not first:
@@ -344,7 +348,13 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
                 f"| {peer.arm.optimizer} ({_seconds(peer.median_time_s)} s) "
                 f"| {_times(defaults, peer)} | {_verdict_cell(defaults, base, ratio)} |"
             )
-    return "\n".join(lines) + "\n"
+    note = (
+        f"Still being measured (not every arm held out): {', '.join(measuring)}; "
+        "`kaisa bench status CASE` shows where each stands.\n"
+    )
+    if len(lines) == 2:
+        return note if measuring else "No family has been measured yet.\n"
+    return "\n".join(lines) + "\n" + (f"\n{note}" if measuring else "")
 
 
 def _verdict_cell(row: ArmRow, base: ArmRow, ratio: float | None) -> str:
