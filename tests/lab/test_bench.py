@@ -377,9 +377,15 @@ def test_tuning_runs_are_cut_off_but_held_out_runs_are_not(tmp_path: Path) -> No
     stopped = {(r["role"], r["result"]["stopped"]) for r in records}
     assert ("grid", "cutoff") in stopped
     assert all(r["result"]["stopped"] != "cutoff" for r in records if r["role"] == "heldout")
+    fewest: dict[tuple[str, int], int] = {}
     for r in records:
+        if r["result"]["reached"]:
+            at = (r["arm"], r["seed"])
+            fewest[at] = min(fewest.get(at, 10**9), r["result"]["steps_to_target"])
+    for r in records:  # cut by steps, past the fewest of its kind on its seed
         if r["result"]["stopped"] == "cutoff":
             assert not r["result"]["reached"]
+            assert r["result"]["steps"] > fewest[(r["arm"], r["seed"])]
 
 
 def test_kaisa_bench_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

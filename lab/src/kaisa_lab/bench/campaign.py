@@ -229,14 +229,14 @@ class Campaign:
         """Every record of the case (as last read)."""
         return list(self._index.values())
 
-    def best_time(self, kind: str, seed: int) -> float:
-        """The fastest time to target of any recorded run of ``kind`` on ``seed``."""
-        times = [
-            r["result"]["time_to_target_s"]
+    def fewest_steps(self, kind: str, seed: int) -> float:
+        """The fewest steps to target of any recorded run of ``kind`` on ``seed``."""
+        steps = [
+            r["result"]["steps_to_target"]
             for (k, _, s), r in self._index.items()
-            if k == kind and s == seed and r["result"]["time_to_target_s"] is not None
+            if k == kind and s == seed and r["result"]["steps_to_target"] is not None
         ]
-        return min(times, default=math.inf)
+        return min(steps, default=math.inf)
 
     def status(self) -> list[str]:
         """One line per arm: its stage, settings tried, and its choice; then what is
@@ -338,13 +338,13 @@ def run_unit(
         if run.role == "heldout" or cut is None:
             return False
         kind = run.arm.kind
-        fastest = min(bests.get(kind, math.inf), campaign.best_time(kind, unit.seed))
-        return result.wall_time_s > cut * fastest
+        fewest = min(bests.get(kind, math.inf), campaign.fewest_steps(kind, unit.seed))
+        return (result.curve[-1].step if result.curve else 0) > cut * fewest
 
     def on_finish(i: int, result: RunResult) -> None:
         run = unit.runs[i]
-        if result.time_to_target_s is not None:
-            bests[run.arm.kind] = min(bests.get(run.arm.kind, math.inf), result.time_to_target_s)
+        if result.steps_to_target is not None:
+            bests[run.arm.kind] = min(bests.get(run.arm.kind, math.inf), result.steps_to_target)
         env = environment(device, load_start, load_average())
         record = train_record(
             case=campaign.case.name,

@@ -88,8 +88,9 @@ class Protocol:
     lr_step: float = 2.0
     #: settings per arm: the grid, then follow-ups up to this many
     budget: int = 12
-    #: a tuning run stops once its clock passes this many times the fastest time
-    #: to target of a run of its own kind on its seed in its lockstep group
+    #: a tuning run stops once its steps pass this many times the fewest steps to
+    #: target of any run of its own kind on its seed (its group's or recorded):
+    #: steps, as the selection reads, so no group's load cuts a run sooner
     cutoff: float | None = 3.0
     warmups_note: str = field(default="none, and the task's", compare=False)
 
