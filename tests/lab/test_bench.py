@@ -690,6 +690,24 @@ def test_selection_reads_steps_not_another_groups_clock() -> None:
         best(priced, higher_is_better=False)
 
 
+def test_a_cost_pair_compares_its_runs_over_the_same_steps() -> None:
+    """The two runs stop at their own targets: the ratio is of their clocks at
+    the last reading both made, not of whole runs of different lengths."""
+    from kaisa_lab.bench.campaign import pair_ratio
+
+    def record(points: list[tuple[int, float]]) -> dict[str, Any]:
+        step, time_s = points[-1]
+        curve = [{"step": n, "time_s": t} for n, t in points]
+        return {"curve": curve, "result": {"steps": step, "train_time_s": time_s}}
+
+    knob = record([(0, 0.0), (20, 2.0), (40, 4.4)])
+    base = record([(0, 0.0), (20, 1.0), (40, 2.0), (60, 3.5)])
+    assert pair_ratio(knob, base) == pytest.approx(2.2)  # at step 40, not 0.11 / 0.0583
+    for r in (knob, base):
+        r["curve"] = []  # no shared reading: amortised times a step
+    assert pair_ratio(knob, base) == pytest.approx((4.4 / 40) / (3.5 / 60))
+
+
 def test_a_setting_that_changes_a_steps_work_is_priced_by_a_cost_pair(tmp_path: Path) -> None:
     """The campaign holds a knob variant's arm at the ``cost`` stage until its
     cost pair (it and its base, side by side, records apart from the tuning's)

@@ -48,7 +48,7 @@ from kaisa_lab.cli.train import RunResult, train_lockstep, warm_up
 from kaisa_lab.tasks.registry import get_task
 from kaisa_lab.tasks.tuned import Selection
 
-__all__ = ["ArmState", "Campaign", "Run", "Unit", "selections", "work"]
+__all__ = ["ArmState", "Campaign", "Run", "Unit", "pair_ratio", "selections", "work"]
 
 
 @dataclass(frozen=True)
@@ -146,16 +146,15 @@ class Campaign:
 
     def step_cost(self, arm: Arm, setting: Setting) -> float | None:
         """``setting``'s step cost against the same setting without its work
-        knobs: the median over the selection seeds of the ratio of the cost
-        pair's amortised times a step (wall time over steps run, each run of
-        a pair in one lockstep group); None until every seed's pair is recorded."""
+        knobs: the median over the selection seeds of the cost pair's ratio
+        (:func:`pair_ratio`, the two runs of a pair in one lockstep group);
+        None until every seed's pair is recorded."""
         ratios = []
         for seed in self.protocol.selection_seeds:
-            found = [self.record(run) for run in self.cost_pair(arm, setting, seed)]
-            if any(r is None for r in found):
+            knob, base = (self.record(run) for run in self.cost_pair(arm, setting, seed))
+            if knob is None or base is None:
                 return None
-            knob, base = (r["result"] for r in found if r is not None)
-            ratios.append(_per_step(knob) / _per_step(base))
+            ratios.append(pair_ratio(knob, base))
         return statistics.median(ratios)
 
     def state(self, arm: Arm) -> ArmState:
@@ -262,9 +261,22 @@ class Campaign:
         return lines
 
 
+def pair_ratio(knob: dict[str, Any], base: dict[str, Any]) -> float:
+    """How much a cost pair's knob run took over its base run for the same
+    steps: their clocks at the last reading both made (the runs stop at their
+    own targets; over one span of steps both paid the same start-up and
+    their own factor steps and decompositions in it, under one load). Records
+    without a shared reading: the ratio of their amortised times a step."""
+    at = {p["step"]: p["time_s"] for p in knob.get("curve") or ()}
+    shared = [p for p in base.get("curve") or () if p["step"] in at and p["step"] > 0]
+    if shared:
+        last = max(shared, key=lambda p: p["step"])
+        return float(at[last["step"]]) / float(last["time_s"])
+    return _per_step(knob["result"]) / _per_step(base["result"])
+
+
 def _per_step(result: dict[str, Any]) -> float:
-    """A run's amortised wall time a step: every step it ran, factor steps and
-    decompositions among them."""
+    """A run's amortised wall time a step: every step it ran."""
     return float(result["train_time_s"]) / max(1, int(result["steps"]))
 
 
