@@ -749,6 +749,7 @@ def test_a_setting_that_changes_a_steps_work_is_priced_by_a_cost_pair(tmp_path: 
     campaign.refresh()
     state = campaign.state(arm)
     assert (state.stage, state.pending, state.selected) == ("cost", knob, None)
+    assert any(f"; pricing {knob.describe()}" in line for line in campaign.status())
     (unit,) = [u for u in campaign.units() if u.stage == "cost"]
     pair = campaign.cost_pair(arm, knob, 0)
     assert unit.runs == pair and [r.setting for r in pair] == [knob, inner]

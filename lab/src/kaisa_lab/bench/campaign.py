@@ -246,7 +246,8 @@ class Campaign:
             st = self.state(arm)
             text = f"{arm.name:<22} {st.stage:<9} {len(st.tried)}/{self.protocol.budget} settings"
             if st.pending is not None:
-                text += f"; running {st.pending.describe()}"
+                doing = "pricing" if st.stage == "cost" else "running"
+                text += f"; {doing} {st.pending.describe()}"
             if st.selected is not None:
                 text += f"; selected {st.selected.describe()}"
             lines.append(text)

@@ -13,7 +13,10 @@ Two questions, two tables:
   weights and data order (the records' fingerprints); a mismatch is an
   error, not a row.
 - ``tuning``: every setting each arm tried, with its median steps and time
-  over the selection seeds, the selected one marked.
+  over the selection seeds (and, for a setting that changes a step's work,
+  its cost pair's step cost), the selected one marked;
+- ``selection``: each arm's selected setting beside the one its clock
+  would have picked.
 """
 
 from __future__ import annotations
