@@ -11,7 +11,7 @@ turn, each on its own clock):
 - ``followup``: every arm's next follow-up on one selection seed;
 - ``cost``: on one selection seed, every arm's cost pair: a tried setting
   that changes a step's work (a K-FAC interval) and the same setting without
-  that knob, side by side, so the ratio of their amortised steps is read
+  that knob, side by side, so their clocks over the same steps compare
   under one load (what the selection weighs the setting's steps by);
 - ``heldout``: every arm's selected setting on one held-out seed, all arms in
   one group, so the load of the machine falls on the arms of a reported

@@ -17,10 +17,10 @@ seeds, over the same axes:
    the selection seeds (a run that misses the target counts as infinitely
    many; ties go to the fewer mean steps, then the better median final
    metric); a setting that changes a step's work (a K-FAC interval,
-   :data:`WORK_KNOBS`) has its steps weighed by its **step cost**, its
-   amortised time a step over that of the same setting without the knob,
-   the two timed side by side in one lockstep group on each selection seed
-   (a *cost pair*; the median of the seeds' ratios); where no setting
+   :data:`WORK_KNOBS`) has its steps weighed by its **step cost**: it and
+   the same setting without the knob run side by side in one lockstep group
+   on each selection seed (a *cost pair*), and the median over the seeds of
+   their clocks' ratio at the last step both reached; where no setting
    reaches the target on most seeds, the best median final metric. Wall
    time decides nothing across groups: a grid's ten settings step in one
    group and the follow-ups in others, under other loads and caches, and

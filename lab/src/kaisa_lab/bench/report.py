@@ -1,6 +1,6 @@
 """Tables and plots of a case, computed from its records only.
 
-Two questions, two tables:
+The time-to-target tables:
 
 - ``heldout``: the reported comparison. Per arm, its selected setting and,
   over the held-out seeds, the median [min–max] steps and time to target on
