@@ -25,8 +25,8 @@ def lr_bowl(campaign: Campaign, run: Run) -> int:
     return int(100 + 20 * distance + (10 if run.setting.warmup_epochs else 0))
 
 
-def _record(case: str, run: Run, steps: int, group: str) -> dict[str, Any]:
-    seconds = 0.01 * steps
+def _record(case: str, run: Run, steps: int, group: str, step_s: float) -> dict[str, Any]:
+    seconds = step_s * steps
     return {
         "schema": SCHEMA,
         "kind": "train",
@@ -46,7 +46,7 @@ def _record(case: str, run: Run, steps: int, group: str) -> dict[str, Any]:
             "steps": steps,
             "train_time_s": seconds,
             "final_metric": 0.5,
-            "step_times": {"median_ms": 10.0, "cpu_median_ms": 10.0},
+            "step_times": {"median_ms": 1e3 * step_s, "cpu_median_ms": 1e3 * step_s},
             "fingerprints": {"initial_weights": f"w{run.seed}", "data_order": f"d{run.seed}"},
         },
         "curve": [],
@@ -54,14 +54,20 @@ def _record(case: str, run: Run, steps: int, group: str) -> dict[str, Any]:
     }
 
 
-def fill(root: Path, case_name: str, steps: Callable[[Campaign, Run], int] = lr_bowl) -> Campaign:
+def fill(
+    root: Path,
+    case_name: str,
+    steps: Callable[[Campaign, Run], int] = lr_bowl,
+    step_s: Callable[[Run], float] = lambda run: 0.01,
+) -> Campaign:
     """Write every record ``case_name``'s protocol calls for under ``root``, each
-    run's steps to target from ``steps``; the campaign, all its arms done."""
+    run's steps to target from ``steps`` and its seconds a step from
+    ``step_s``; the campaign, all its arms done."""
     store = RecordStore(root)
     campaign = Campaign(get_case(case_name), store)
     while units := campaign.units():
         for unit in units:
             for run in unit.runs:
-                store.write(_record(case_name, run, steps(campaign, run), unit.name))
+                store.write(_record(case_name, run, steps(campaign, run), unit.name, step_s(run)))
         campaign.refresh()
     return campaign

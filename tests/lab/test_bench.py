@@ -25,12 +25,12 @@ from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup,
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
 from kaisa_lab.bench.report import (
     FairnessError,
-    _quotient,
     heldout_rows,
     lever_verdict,
     markdown_heldout,
     markdown_tuning,
     paired_ratio,
+    quotient,
 )
 from kaisa_lab.cli import trainer as trainer_module
 from kaisa_lab.cli.distributed import DistContext
@@ -562,9 +562,7 @@ def test_the_levers_table_sets_each_lever_beside_kfac_at_the_defaults_on_its_bas
     assert len(by_seed) == len(campaign.protocol.heldout_seeds)
 
     def cell(key: str, missed: float | None = math.inf) -> str:
-        ratios = [
-            _quotient(*(r[key] if r["reached"] else missed for r in pair)) for pair in by_seed
-        ]
+        ratios = [quotient(*(r[key] if r["reached"] else missed for r in pair)) for pair in by_seed]
         ratios = [q for q in ratios if not math.isnan(q)]
         value = statistics.median(ratios) if ratios else math.nan
         return f"{value:.2f}" if math.isfinite(value) and value > 0 else "-"
@@ -782,7 +780,7 @@ def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:
     under another load: its wall-clock ratios to them are not paired (a cell
     reads ``apart``), its steps and CPU times still pair by seed. Records
     from before groups listed their runs pair by seed as they always did."""
-    from kaisa_lab.bench.report import _cpu_ms, _paired_cell, _steps, trained_apart
+    from kaisa_lab.bench.report import _cpu_ms, _paired_cell, steps_to_target, trained_apart
 
     ours = _row("lever", [8.0, 16.0, 32.0], [1.0] * 3)
     ref = _row("defaults", [10.0, 20.0, 40.0], [2.0] * 3)
@@ -795,7 +793,7 @@ def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:
     assert trained_apart(mine, theirs) and not trained_apart(_grouped(ours, together), theirs)
     assert paired_ratio(mine, theirs) is None
     assert _paired_cell(mine, theirs) == "apart"
-    assert paired_ratio(mine, theirs, _steps) == pytest.approx(0.8)
+    assert paired_ratio(mine, theirs, steps_to_target) == pytest.approx(0.8)
     assert _paired_cell(mine, theirs, _cpu_ms) == "0.50"
     # apart on one seed of three: that seed's wall clock is left out
     skewed = _row("lever", [8.0, 30.0, 1.0], [1.0] * 3)  # 0.8, 1.5 and 0.025 the reference

@@ -30,6 +30,8 @@ from kaisa_lab.bench import costs as _costs  # registers the cost cases
 from kaisa_lab.bench.ab import ab, markdown_ab
 from kaisa_lab.bench.campaign import Campaign, selections, work
 from kaisa_lab.bench.cases import CASES, get_case, lever_cases, summary_cases
+from kaisa_lab.bench.goals import checks as goal_checks
+from kaisa_lab.bench.goals import markdown_goals
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
     FairnessError,
@@ -78,10 +80,16 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     summary.add_argument(
         "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
     )
-    summary.add_argument(
+    instead = summary.add_mutually_exclusive_group()
+    instead.add_argument(
         "--levers",
         action="store_true",
         help="instead: each lever on every case that runs it, against K-FAC at the defaults",
+    )
+    instead.add_argument(
+        "--goals",
+        action="store_true",
+        help="instead: the bar against the best tuned peer, each claim met or missed and why",
     )
     select = sub.add_parser(
         "select",
@@ -185,6 +193,8 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         if args.levers:
             cases = [Campaign(c, store) for c in lever_cases()]
             return _print_fair(lambda: markdown_levers_across(cases), "summary --levers")
+        if args.goals:
+            return _print_fair(lambda: markdown_goals(goal_checks(store)), "summary --goals")
         families = [Campaign(c, store) for c in summary_cases()]
         return _print_fair(lambda: markdown_summary(families), "summary")
     if args.bench_command == "ab":

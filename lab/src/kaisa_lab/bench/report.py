@@ -36,6 +36,7 @@ from kaisa_lab.tasks.registry import get_task
 __all__ = [
     "ArmRow",
     "FairnessError",
+    "complete_rows",
     "heldout_rows",
     "lever_verdict",
     "markdown_heldout",
@@ -47,7 +48,11 @@ __all__ = [
     "markdown_tuning",
     "paired_ratio",
     "plot",
+    "quotient",
     "side_by_side",
+    "steps_to_target",
+    "time_per_step",
+    "time_to_target",
     "trained_apart",
     "verdict",
 ]
@@ -82,7 +87,7 @@ def _spread(values: Sequence[float]) -> tuple[float, float, float] | None:
     return (statistics.median(values), min(values), max(values)) if values else None
 
 
-def _time(record: Mapping[str, Any]) -> float:
+def time_to_target(record: Mapping[str, Any]) -> float:
     """A run's time to target on the wall clock; a miss is infinitely slow."""
     result = record["result"]
     return float(result["time_to_target_s"]) if result["reached"] else math.inf
@@ -97,7 +102,7 @@ def _cpu_time(record: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
-def _steps(record: Mapping[str, Any]) -> float:
+def steps_to_target(record: Mapping[str, Any]) -> float:
     result = record["result"]
     return float(result["steps_to_target"]) if result["reached"] else math.inf
 
@@ -110,6 +115,15 @@ def _step_ms(record: Mapping[str, Any]) -> float | None:
 def _cpu_ms(record: Mapping[str, Any]) -> float | None:
     value = (record["result"].get("step_times") or {}).get("cpu_median_ms")
     return None if value is None else float(value)
+
+
+def time_per_step(record: Mapping[str, Any]) -> float | None:
+    """A run's wall time over its steps (s): every step it took, factor steps
+    and decompositions amortised as training pays them (a step's median,
+    :func:`_step_ms`, is a plain step's). Whether or not it reached the target."""
+    result = record["result"]
+    steps = result.get("steps")
+    return float(result["train_time_s"]) / steps if steps else None
 
 
 def side_by_side(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -126,7 +140,7 @@ def side_by_side(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 #: what a run's wall clock measures: its ratio to another run's means something
 #: only where the two shared the machine's load (:func:`side_by_side`)
-_WALL_CLOCK = (_time, _step_ms)
+_WALL_CLOCK = (time_to_target, _step_ms, time_per_step)
 
 
 def _seed_pairs(row: ArmRow, ref: ArmRow) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
@@ -143,7 +157,7 @@ def trained_apart(row: ArmRow, ref: ArmRow) -> bool:
 
 
 def paired_ratio(
-    row: ArmRow, ref: ArmRow, value: Callable[[Mapping[str, Any]], float | None] = _time
+    row: ArmRow, ref: ArmRow, value: Callable[[Mapping[str, Any]], float | None] = time_to_target
 ) -> float | None:
     """The median over the seeds both arms ran of ``row``'s value over ``ref``'s on that seed.
 
@@ -153,7 +167,7 @@ def paired_ratio(
     medians keeps that spread (one arm's median may come from a busy hour,
     the other's from a quiet one); the ratio per seed cancels it. A seed
     that only ``row`` misses reads as infinity, one that only ``ref``
-    misses as 0 (:func:`_quotient`), one both miss carries no ratio and is
+    misses as 0 (:func:`quotient`), one both miss carries no ratio and is
     left out (NaN where no seed is left). None where a seed lacks the value
     (records from before that clock was kept) or the arms share no seed. A
     wall-clock value pairs only runs that stepped side by side
@@ -165,7 +179,7 @@ def paired_ratio(
     pairs = [(value(a), value(b)) for a, b in records]
     if not pairs or any(a is None or b is None for a, b in pairs):
         return None
-    ratios = [_quotient(cast(float, a), cast(float, b)) for a, b in pairs]
+    ratios = [quotient(cast(float, a), cast(float, b)) for a, b in pairs]
     ratios = [q for q in ratios if not math.isnan(q)]
     return statistics.median(ratios) if ratios else math.nan
 
@@ -183,7 +197,7 @@ def heldout_rows(campaign: Campaign) -> list[ArmRow]:
             continue
         results = [r["result"] for r in records]
         reached = [r for r in results if r["reached"]]
-        times = [_time(r) for r in records]
+        times = [time_to_target(r) for r in records]
         costs = [c for c in map(_step_ms, records) if c is not None]
         cpu = [_cpu_ms(r) for r in records]
         cpu_times = [_cpu_time(r) for r in records]
@@ -205,6 +219,19 @@ def heldout_rows(campaign: Campaign) -> list[ArmRow]:
             )
         )
     check_fairness(rows)
+    return rows
+
+
+def complete_rows(campaign: Campaign, levers: bool = True) -> list[ArmRow] | None:
+    """Every arm's held-out row (without ``levers``: every arm but the lever
+    arms), or None while one of them is not selected or lacks a record of a
+    held-out seed: a figure over the seeds that happen to be done is not the
+    comparison the protocol defines."""
+    rows = [r for r in heldout_rows(campaign) if levers or not r.arm.lever]
+    read = [a for a in campaign.case.arms if levers or not a.lever]
+    held_out = len(campaign.protocol.heldout_seeds)
+    if len(rows) < len(read) or any(r.seeds < held_out for r in rows):
+        return None
     return rows
 
 
@@ -320,10 +347,8 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for campaign in campaigns:
-        rows = [r for r in heldout_rows(campaign) if not r.arm.lever]
-        held_out = len(campaign.protocol.heldout_seeds)
-        read = [a for a in campaign.case.arms if not a.lever]
-        if len(rows) < len(read) or any(r.seeds < held_out for r in rows):
+        rows = complete_rows(campaign, levers=False)
+        if rows is None:
             measuring.append(f"`{campaign.case.name}`")
             continue
         first = {r.arm.optimizer: r for r in rows if not r.arm.kfac}
@@ -376,7 +401,7 @@ def _times(row: ArmRow | None, base: ArmRow) -> str:
 def _paired_cell(
     row: ArmRow | None,
     ref: ArmRow | None,
-    value: Callable[[Mapping[str, Any]], float | None] = _time,
+    value: Callable[[Mapping[str, Any]], float | None] = time_to_target,
 ) -> str:
     """A table cell of :func:`paired_ratio`: ``-`` where it has no finite,
     positive value, ``apart`` where a wall-clock figure has no seed whose
@@ -393,7 +418,9 @@ def _cell(ratio: float | None) -> str:
     return f"{ratio:.2f}" if ratio is not None and math.isfinite(ratio) and ratio > 0 else "-"
 
 
-def _quotient(a: float, b: float) -> float:
+def quotient(a: float, b: float) -> float:
+    """``a / b`` for times or steps where a miss is infinite: both missing is
+    no ratio (NaN), only ``b`` missing is 0 (``a`` wins outright)."""
     if math.isinf(a) and math.isinf(b):
         return math.nan
     if math.isinf(b):
@@ -448,7 +475,7 @@ def markdown_levers(campaign: Campaign) -> str:
             word = "not paired (trained apart)" if trained_apart(row, ref) else "-"
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} "
-            f"| {_paired_cell(row, ref, _steps)} | {_step_cost_ratio(row, ref)} "
+            f"| {_paired_cell(row, ref, steps_to_target)} | {_step_cost_ratio(row, ref)} "
             f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, _cpu_time)} "
             f"| {word} |"
         )
