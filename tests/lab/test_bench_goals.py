@@ -120,21 +120,26 @@ def _timed(task: str, arm: str, cpu_ms: float) -> dict[str, Any]:
     return {"config": {"task": task, "arm": arm}, "result": {"cpu_ms": cpu_ms}}
 
 
-def test_the_step_cost_check_is_the_cheapest_kfac_arm_on_muon_per_task() -> None:
+def test_the_step_cost_check_is_the_cheapest_kfac_arm_against_muon_per_task() -> None:
     records = [
         _timed("text-lm", "muon", 100.0),
         _timed("text-lm", "muon+kfac", 117.0),
         _timed("text-lm", "muon+kfac-lean", 99.0),
-        _timed("text-lm", "adamw+kfac-lean", 90.0),  # not on Muon: not read
+        _timed("text-lm", "adamw", 80.0),  # not a K-FAC arm: not read
         _timed("text-cnn", "muon", 100.0),
         _timed("text-cnn", "muon+kfac", 100.4),
+        _timed("text-cnn", "muon+kfac-ns3", 104.0),
+        _timed("text-cnn", "adamw+kfac-lean", 97.0),
     ]
     lm, cnn = step_cost_checks(records)
     assert lm.compared == "muon+kfac-lean / muon" and lm.ratio == pytest.approx(0.99)
-    assert lm.verdict == "met" and lm.why == "K-FAC at the defaults 1.17×"
-    assert cnn.verdict == "missed"
+    assert lm.verdict == "met" and lm.why == "muon+kfac (the defaults) 1.17×"
+    # the cheapest on any base, the cheapest on Muon itself beside it
+    assert cnn.compared == "adamw+kfac-lean / muon" and cnn.verdict == "met"
     # two decimals would round 1.004 onto the bar it misses
-    assert "| 1.004× | missed |" in markdown_goals([cnn])
+    assert cnn.why == "on muon: muon+kfac 1.004×, muon+kfac (the defaults) 1.004×"
+    (only_muon,) = step_cost_checks(records[4:7])
+    assert only_muon.verdict == "missed" and "| 1.004× | missed |" in markdown_goals([only_muon])
     assert [c.verdict for c in step_cost_checks([])] == ["not timed yet"]
 
 
