@@ -72,6 +72,7 @@ LEVER_FAMILIES = ("text-lm-levers", "text-cnn-levers")
 #: the large-batch study's batch-512 case
 LARGE_BATCH = "text-lm-b512"
 
+#: the bar's limits, each a ratio to the best peer's (Muon's for the step)
 TIME_AT_32 = 0.85
 STEPS_AT_512 = 0.7
 TIME_ON_64 = 0.8
@@ -152,7 +153,8 @@ def _pair(row: ArmRow, peer: ArmRow, bar: str, where: str, limit: float, steps: 
 
 
 def _split(campaign: Campaign, levers: bool = True) -> tuple[list[ArmRow], list[ArmRow]] | None:
-    """The K-FAC arms' and the peers' held-out rows, or None while any is measured."""
+    """The K-FAC arms' and the peers' held-out rows, or None while any arm is
+    still being measured (:func:`~kaisa_lab.bench.report.complete_rows`)."""
     rows = complete_rows(campaign, levers)
     if rows is None:
         return None
