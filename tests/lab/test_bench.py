@@ -524,10 +524,10 @@ def test_every_arm_spends_its_whole_budget() -> None:
 
 
 def test_every_arm_of_a_case_has_its_own_label_in_the_tables() -> None:
-    from kaisa_lab.bench.report import _label
+    from kaisa_lab.bench.report import arm_label
 
     for case in CASES.values():
-        labels = [_label(arm) for arm in case.arms]
+        labels = [arm_label(arm) for arm in case.arms]
         assert len(set(labels)) == len(labels), (case.name, labels)
 
 

@@ -21,6 +21,7 @@ from kaisa_lab.bench.goals import (
     steps_check,
     time_check,
 )
+from kaisa_lab.bench.records import RecordStore
 
 #: Muon needs half the steps of every other optimizer (the best peer); K-FAC
 #: at the defaults 0.8× its base's steps, tuned 0.7×, at a step 1.25× as long
@@ -65,20 +66,20 @@ def test_the_defaults_check_is_adamw_with_kfac_at_the_defaults_against_adamw(
     text_lm: Campaign,
 ) -> None:
     check = defaults_check(text_lm, limit=0.75)
-    assert check.compared == "adamw + K-FAC (defaults) / adamw"
+    assert check.compared == "adamw + K-FAC (library defaults) / adamw"
     # 0.8× the steps at 1.25× the step: the same time, and the figures say why
     assert check.ratio == pytest.approx(1.0)
     assert check.verdict == "missed"
     assert check.why == "steps 0.80×, time a step 1.25×"
 
 
-def test_a_case_still_being_measured_is_not_read(tmp_path: Path, text_lm: Campaign) -> None:
+def test_a_case_still_being_measured_is_not_read(text_lm: Campaign) -> None:
     # one held-out record of one arm missing: no check reads the case
     record = next(p for p in (text_lm.store.root / "text-lm" / "muon").glob("*-s5.json"))
     saved = record.read_bytes()
     record.unlink()
     try:
-        unfinished = Campaign(text_lm.case, type(text_lm.store)(text_lm.store.root))
+        unfinished = Campaign(text_lm.case, RecordStore(text_lm.store.root))
         for check in (time_check(unfinished), steps_check(unfinished), defaults_check(unfinished)):
             assert check.ratio is None and check.verdict == "not measured yet"
             assert "not measured yet" in markdown_goals([check])

@@ -135,6 +135,11 @@ class TrainCase:
     def schedule(self) -> str:
         return get_task(self.task).defaults.schedule
 
+    @property
+    def global_batch(self) -> int:
+        """The batch a step reads: the case's, else its task's."""
+        return self.batch_size or get_task(self.task).defaults.batch_size
+
     def prior_lr(self, optimizer: str) -> float:
         """The centre of an arm's lr grid: the task's lr for it, else its library's."""
         lrs = get_task(self.task).defaults.lr

@@ -40,6 +40,7 @@ from kaisa_lab.bench.cases import get_case
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
     ArmRow,
+    arm_label,
     complete_rows,
     paired_ratio,
     quotient,
@@ -49,7 +50,6 @@ from kaisa_lab.bench.report import (
     trained_apart,
 )
 from kaisa_lab.bench.timing import latest
-from kaisa_lab.tasks.registry import get_task
 
 __all__ = [
     "LARGE_BATCH",
@@ -117,15 +117,11 @@ def _ratio_text(ratio: float | None, limit: float | None = None) -> str:
 
 
 def _label(row: ArmRow) -> str:
-    if not row.arm.kfac:
-        return row.arm.optimizer
-    kind = "tuned" if row.arm.knobs else "defaults"
-    return f"{row.arm.optimizer} + K-FAC ({kind}{', ' + row.arm.tag if row.arm.tag else ''})"
+    return arm_label(row.arm)
 
 
 def _where(campaign: Campaign) -> str:
-    batch = campaign.case.batch_size or get_task(campaign.case.task).defaults.batch_size
-    return f"`{campaign.case.name}` (batch {batch})"
+    return f"`{campaign.case.name}` (batch {campaign.case.global_batch})"
 
 
 def _median_steps(row: ArmRow) -> float:
@@ -208,7 +204,7 @@ def forecast_checks(
     ``batch`` against the first-order arm forecast fastest (records of
     ``large-batch-forecast``); behind it, the held-out steps and a rank's
     step in that layout."""
-    from kaisa_lab.bench.costs.scaling import LAYOUTS
+    from kaisa_lab.bench.costs.scaling import LAYOUTS, rank_ms
 
     bar = f"time on {world} ranks ≤ {limit:g}× the best peer's"
     mine = [r for r in records if r["config"]["batch"] == batch and r["config"]["world"] == world]
@@ -230,7 +226,7 @@ def forecast_checks(
         peers = [r for r in mine if "+kfac" not in r["config"]["arm"]]
         best, peer = min(kfac, key=forecast), min(peers, key=forecast)
         plans = [r["result"]["layouts"][layout] for r in (best, peer)]
-        rank_ms = [p["step_ms"] + sum(p["comm_ms"].values()) for p in plans]
+        ranks = [rank_ms(p) for p in plans]
         steps = [float(r["result"]["steps"]) for r in (best, peer)]
         checks.append(
             Check(
@@ -240,7 +236,7 @@ def forecast_checks(
                 compared=f"{best['config']['arm']} / {peer['config']['arm']}",
                 ratio=quotient(forecast(best), forecast(peer)),
                 why=f"steps {_ratio_text(quotient(*steps))}, "
-                f"a rank's step {_ratio_text(quotient(*rank_ms))}",
+                f"a rank's step {_ratio_text(quotient(*ranks))}",
             )
         )
     return checks

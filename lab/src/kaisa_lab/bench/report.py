@@ -31,11 +31,11 @@ from typing import Any, cast
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
 from kaisa_lab.bench.protocol import Outcome, fastest, work_base
-from kaisa_lab.tasks.registry import get_task
 
 __all__ = [
     "ArmRow",
     "FairnessError",
+    "arm_label",
     "complete_rows",
     "heldout_rows",
     "lever_verdict",
@@ -259,7 +259,7 @@ def _fmt(spread: tuple[float, float, float] | None, spec: str) -> str:
     return f"{med:{spec}} [{lo:{spec}}–{hi:{spec}}]"
 
 
-def _label(arm: Arm) -> str:
+def arm_label(arm: Arm) -> str:
     """An arm's name in a table: unique within its case (a lever's tag included)."""
     if not arm.kfac:
         return arm.optimizer
@@ -280,7 +280,7 @@ def markdown_heldout(campaign: Campaign) -> str:
     lines = [
         "| arm | selected setting | reached | steps to target | time to target (s) "
         f"| ms/step{' | CPU ms/step | CPU time to target (s)' if with_cpu else ''} "
-        f"| time vs {_label(peer.arm) if peer else 'best first-order'} | time vs its base |",
+        f"| time vs {arm_label(peer.arm) if peer else 'best first-order'} | time vs its base |",
         "|---|---|---|---|---|---|---|---|" + ("---|---|" if with_cpu else ""),
     ]
     for row in rows:
@@ -292,7 +292,7 @@ def markdown_heldout(campaign: Campaign) -> str:
         vs_peer = _paired_cell(row, peer)
         vs_base = _paired_cell(row, base)
         lines.append(
-            f"| {_label(row.arm)} | {row.setting} | {row.reached}/{row.seeds} "
+            f"| {arm_label(row.arm)} | {row.setting} | {row.reached}/{row.seeds} "
             f"| {_fmt(row.steps, '.0f')} | {_fmt(row.time_s, '.3g')} | {cost} "
             f"| {vs_peer} | {vs_base} |"
         )
@@ -355,7 +355,7 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
         if not first:
             continue
         peer = min(first.values(), key=lambda r: r.median_time_s)
-        batch = campaign.case.batch_size or get_task(campaign.case.task).defaults.batch_size
+        batch = campaign.case.global_batch
         for optimizer, base in first.items():
             defaults = next(
                 (
@@ -603,7 +603,7 @@ def markdown_tuning(campaign: Campaign) -> str:
             if setting == state.selected:
                 text = f"**{text}**"
             lines.append(
-                f"| {_label(arm)} | {text} | {len(reached)}/{len(results)} "
+                f"| {arm_label(arm)} | {text} | {len(reached)}/{len(results)} "
                 f"| {'-' if math.isinf(med_s) else f'{med_s:.0f}'} "
                 f"| {'-' if not priced else 'pending' if cost is None else f'{cost:.2f}×'} "
                 f"| {'-' if math.isinf(med_t) else f'{med_t:.3g}'} |"
@@ -634,7 +634,7 @@ def markdown_selection(campaign: Campaign) -> str:
             continue
         same = "same" if clock == state.selected else clock.describe()
         lines.append(
-            f"| {_label(arm)} | {state.selected.describe()} "
+            f"| {arm_label(arm)} | {state.selected.describe()} "
             f"| {_medians(results[state.selected])} | {same} | {_medians(results[clock])} |"
         )
     return "\n".join(lines) + "\n"
@@ -667,7 +667,7 @@ def plot(campaign: Campaign, path: Path) -> None:
         plt.close(fig)
         return
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [_label(r.arm) for r in rows]
+    names = [arm_label(r.arm) for r in rows]
     medians = [r.time_s[0] if r.time_s else 0.0 for r in rows]
     lows = [r.time_s[0] - r.time_s[1] if r.time_s else 0.0 for r in rows]
     highs = [r.time_s[2] - r.time_s[0] if r.time_s else 0.0 for r in rows]
@@ -682,7 +682,7 @@ def plot(campaign: Campaign, path: Path) -> None:
             if record["seed"] == seed:
                 steps = [p["step"] for p in record["curve"]]
                 metric = [p["metric"] for p in record["curve"]]
-                curves.plot(steps, metric, label=_label(row.arm), color=f"C{i % 10}")
+                curves.plot(steps, metric, label=arm_label(row.arm), color=f"C{i % 10}")
     target = rows[0].records[0]["result"]["target"] if rows else None
     if target is not None:
         curves.axhline(target, color="grey", linestyle=":", label="target")

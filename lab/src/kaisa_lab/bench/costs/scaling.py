@@ -91,6 +91,7 @@ __all__ = [
     "muon_gather_seconds",
     "ns_flops",
     "parts_table",
+    "rank_ms",
     "rank_step_ms",
     "timing_passes",
 ]
@@ -228,8 +229,6 @@ Found = tuple[str, int, str, float | None, Mapping[str, Any] | None, Mapping[str
 
 def _found(options: Mapping[str, Any], store: RecordStore) -> tuple[str, list[Found]]:
     """The task the cases share, and every arm of every case with its held-out steps."""
-    from kaisa_lab.tasks import get_task
-
     found: list[Found] = []
     task_name = None
     for case_name in options["cases"]:
@@ -237,7 +236,7 @@ def _found(options: Mapping[str, Any], store: RecordStore) -> tuple[str, list[Fo
         task_name = task_name or case.task
         if case.task != task_name:
             raise ValueError(f"cases: {case_name} is on {case.task}, the others on {task_name}")
-        batch = case.batch_size or get_task(case.task).defaults.batch_size
+        batch = case.global_batch
         for b in options["per_rank_batch"]:
             if batch % b:
                 raise ValueError(f"per_rank_batch {b} does not divide {case_name}'s batch {batch}")
@@ -438,7 +437,7 @@ def _by_world(records: Records) -> dict[tuple[int, int], dict[str, Mapping[str, 
     return out
 
 
-def _rank_ms(layout: Mapping[str, Any]) -> float:
+def rank_ms(layout: Mapping[str, Any]) -> float:
     """A rank's step in a layout: its compute and its collectives (ms)."""
     return float(layout["step_ms"] + sum(layout["comm_ms"].values()))
 
@@ -485,7 +484,7 @@ def forecast_table(records: Records) -> str:
                 f = plan["grad_worker_fraction"] or "-"
                 fraction = "" if layout == "replicated" else f" {f} |"
                 cells.append(
-                    f" {_rank_ms(plan):.1f} |{fraction} {'-' if t is None else f'{t:.1f}'} | "
+                    f" {rank_ms(plan):.1f} |{fraction} {'-' if t is None else f'{t:.1f}'} | "
                     f"{ratio} |"
                 )
             lines.append(head + "".join(cells))
