@@ -201,7 +201,7 @@ def test_kfac_on_muons_adamw_part_registers_the_embeddings_and_head_only() -> No
 
 
 def test_a_kfac_keyword_lever_reaches_the_preconditioners_keywords_and_the_record() -> None:
-    case = get_case("text-cnn-levers")
+    case = get_case("text-lm-levers")
     arm = case.arm("sgd+kfac-clip0.1")
     spec = case.spec(arm, case.grid(arm)[0], 0)
     assert spec.kfac_kwargs["kl_clip"] == 0.1 and spec.to_dict()["kfac"]["kl_clip"] == 0.1

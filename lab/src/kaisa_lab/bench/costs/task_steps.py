@@ -546,7 +546,7 @@ LEVERS_CASE = register(
         measure=measure,
         options={
             "tasks": ["text-lm", "text-cnn"],
-            "case": "text-lm-levers",  # where the arms are declared (both levers cases share them)
+            "case": "text-lm-levers",  # the arms declared (text-cnn-levers: a subset)
             "arms": LEVER_STEP_ARMS,
             "kfac": "defaults",
             "kfac_kwargs": {},
