@@ -38,9 +38,7 @@ def lost_levers(campaign: Campaign) -> set[str]:
     levers = [a for a in arms if a.tag]
     base_steps = {o: _median_steps(campaign, a) for o, a in bases.items()}
     lost = {
-        a.name
-        for a in levers
-        if _median_steps(campaign, a) > STEPS_LOST * base_steps[a.optimizer]
+        a.name for a in levers if _median_steps(campaign, a) > STEPS_LOST * base_steps[a.optimizer]
     }
     for optimizer, base in bases.items():
         own = [a.name for a in levers if a.optimizer == optimizer]
