@@ -579,20 +579,20 @@ def test_the_levers_table_sets_each_lever_beside_kfac_at_the_defaults_on_its_bas
 
     # across families: the same paired ratio in the case's column, "-" in a case
     # that runs the lever but has no record of it, and the families measured
-    from kaisa_lab.bench.report import _lever_word, markdown_levers_across
+    from kaisa_lab.bench.report import lever_word, markdown_levers_across
 
     unrun = Campaign(dataclasses.replace(case, name="quick-unrun"), RecordStore(tmp_path))
     across = markdown_levers_across([campaign, unrun])
     head, _, row = across.splitlines()
     assert head == "| lever | `quick` | `quick-unrun` | the families measured |"
-    word = _lever_word(ratio)
+    word = lever_word(ratio)
     shown = f"{ratio:.2f}× {word}" if math.isfinite(ratio) and ratio > 0 else None
     assert row.startswith("| sgd+kfac-decay0.9 | ")
     assert row.endswith(f" | - | {word} (1 family) |")
     if shown is not None:
         assert f"| {shown} |" in row
-    assert _lever_word(0.8) == "win" and _lever_word(1.2) == "loss" and _lever_word(1.01) == "tie"
-    assert _lever_word(0.0) == "win" and _lever_word(math.inf) == "loss"
+    assert lever_word(0.8) == "win" and lever_word(1.2) == "loss" and lever_word(1.01) == "tie"
+    assert lever_word(0.0) == "win" and lever_word(math.inf) == "loss"
 
 
 def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:

@@ -38,7 +38,9 @@ __all__ = [
     "arm_label",
     "complete_rows",
     "heldout_rows",
+    "lever_pairs",
     "lever_verdict",
+    "lever_word",
     "markdown_heldout",
     "markdown_levers",
     "markdown_levers_across",
@@ -456,7 +458,7 @@ def markdown_levers(campaign: Campaign) -> str:
     cost whatever else the machine ran), the wall clock's otherwise; the
     time to target is read on both clocks (the verdict on the wall clock's,
     the protocol's measure)."""
-    levers = _lever_pairs(heldout_rows(campaign))
+    levers = lever_pairs(heldout_rows(campaign))
     if not levers:
         return "_No lever arm held out yet._\n"
     lines = [
@@ -482,14 +484,14 @@ def markdown_levers(campaign: Campaign) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _lever_pairs(rows: Sequence[ArmRow]) -> list[tuple[ArmRow, ArmRow | None]]:
+def lever_pairs(rows: Sequence[ArmRow]) -> list[tuple[ArmRow, ArmRow | None]]:
     """Each lever arm's row with that of K-FAC at the library's defaults on the
     same base optimizer (None while that one is not held out)."""
     plain = {r.arm.optimizer: r for r in rows if r.arm.kfac and not r.arm.tag and not r.arm.knobs}
     return [(r, plain.get(r.arm.optimizer)) for r in rows if r.arm.tag]
 
 
-def _lever_word(ratio: float) -> str:
+def lever_word(ratio: float) -> str:
     """A lever's paired time ratio in a word: ``win``, ``tie``, ``loss`` or,
     where neither arm reaches the target, ``neither``."""
     if ratio == 0.0:  # the lever reaches the target, the defaults do not
@@ -504,7 +506,7 @@ def _across_cell(ratio: float | None) -> str:
     if ratio is None:
         return "-"
     if math.isfinite(ratio) and ratio > 0:
-        return f"{ratio:.2f}× {_lever_word(ratio)}"
+        return f"{ratio:.2f}× {lever_word(ratio)}"
     return {0.0: "win (the defaults miss)", math.inf: "loss (misses)"}.get(ratio, "neither")
 
 
@@ -522,7 +524,7 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
         for arm in campaign.case.arms:
             if arm.tag:
                 ratios.setdefault(arm.kind, {})
-        for row, ref in _lever_pairs(heldout_rows(campaign)):
+        for row, ref in lever_pairs(heldout_rows(campaign)):
             ratio = None if ref is None else paired_ratio(row, ref)
             if ratio is not None:
                 ratios[row.arm.kind][campaign.case.name] = ratio
@@ -533,7 +535,7 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
         "|---|" + "---|" * len(names) + "---|",
     ]
     for kind, by_case in ratios.items():
-        words = sorted({_lever_word(r) for r in by_case.values()})
+        words = sorted({lever_word(r) for r in by_case.values()})
         n = len(by_case)
         families = f"{n} {'family' if n == 1 else 'families'}"
         if not n:
