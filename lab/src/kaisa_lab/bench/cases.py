@@ -443,7 +443,7 @@ CASES: dict[str, TrainCase] = {
             "text-cnn",
             _CNN_LEVER_ARMS,
             warmups=(0.0, 0.25),
-            description="text-cnn (batch 32): the levers that did not lose steps on "
+            description="text-cnn (batch 32): the levers that did not lose on "
             "text-lm-levers, beside K-FAC at its defaults",
         ),
         # the suite's own smoke case: minutes, not hours, and every stage of the protocol
