@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -668,7 +669,8 @@ def plot(campaign: Campaign, path: Path) -> None:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    many = len(rows) > 10  # the legend then goes beside the curves, not over them
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(15 if many else 12, 4.5))
     names = [arm_label(r.arm) for r in rows]
     medians = [r.time_s[0] if r.time_s else 0.0 for r in rows]
     lows = [r.time_s[0] - r.time_s[1] if r.time_s else 0.0 for r in rows]
@@ -679,20 +681,28 @@ def plot(campaign: Campaign, path: Path) -> None:
     bars.invert_yaxis()
     bars.set_xlabel("time to target (s), median and range over held-out seeds")
     seed = campaign.protocol.heldout_seeds[0]
+    # more arms than the default cycle's 10 colours: one of 20, none repeated
+    colours = plt.get_cmap("tab20").colors if many else [f"C{i}" for i in range(10)]
     for i, row in enumerate(rows):
         for record in row.records:
             if record["seed"] == seed:
                 steps = [p["step"] for p in record["curve"]]
                 metric = [p["metric"] for p in record["curve"]]
-                curves.plot(steps, metric, label=arm_label(row.arm), color=f"C{i % 10}")
+                curves.plot(
+                    steps, metric, label=arm_label(row.arm), color=colours[i % len(colours)]
+                )
     target = rows[0].records[0]["result"]["target"] if rows else None
     if target is not None:
         curves.axhline(target, color="grey", linestyle=":", label="target")
     curves.set_xlabel("step")
     curves.set_ylabel(rows[0].records[0]["result"]["metric"] if rows else "metric")
     curves.set_title(f"held-out seed {seed}")
-    curves.legend(fontsize=7)
-    fig.suptitle(f"{campaign.case.name}: {campaign.case.description}")
+    if many:
+        curves.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        curves.legend(fontsize=7)
+    title = f"{campaign.case.name}: {campaign.case.description}"
+    fig.suptitle(textwrap.fill(title, 130), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
