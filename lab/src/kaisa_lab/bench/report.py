@@ -682,7 +682,8 @@ def plot(campaign: Campaign, path: Path) -> None:
     bars.set_xlabel("time to target (s), median and range over held-out seeds")
     seed = campaign.protocol.heldout_seeds[0]
     # more arms than the default cycle's 10 colours: one of 20, none repeated
-    colours = plt.get_cmap("tab20").colors if many else [f"C{i}" for i in range(10)]
+    tab20 = plt.get_cmap("tab20")
+    colours = [tab20(i) for i in range(20)] if many else [f"C{i}" for i in range(10)]
     for i, row in enumerate(rows):
         for record in row.records:
             if record["seed"] == seed:
