@@ -28,6 +28,7 @@ import torch
 
 from kaisa_lab.bench import costs as _costs  # registers the cost cases
 from kaisa_lab.bench.ab import ab, markdown_ab
+from kaisa_lab.bench.advice import markdown_advice
 from kaisa_lab.bench.campaign import Campaign, selections, work
 from kaisa_lab.bench.cases import CASES, get_case, lever_cases, summary_cases
 from kaisa_lab.bench.goals import checks as goal_checks
@@ -85,6 +86,12 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         "--levers",
         action="store_true",
         help="instead: each lever on every case that runs it, against K-FAC at the defaults",
+    )
+    instead.add_argument(
+        "--advice",
+        action="store_true",
+        help="instead: per case and base optimizer, the fastest K-FAC arm (defaults, tuned "
+        "or a lever) against the optimizer alone and the fastest first-order arm",
     )
     instead.add_argument(
         "--goals",
@@ -193,6 +200,9 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         if args.levers:
             cases = [Campaign(c, store) for c in lever_cases()]
             return _print_fair(lambda: markdown_levers_across(cases), "summary --levers")
+        if args.advice:
+            measured = [Campaign(c, store) for c in CASES.values() if not c.quick]
+            return _print_fair(lambda: markdown_advice(measured), "summary --advice")
         if args.goals:
             return _print_fair(lambda: markdown_goals(goal_checks(store)), "summary --goals")
         families = [Campaign(c, store) for c in summary_cases()]

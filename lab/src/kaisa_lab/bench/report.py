@@ -34,6 +34,7 @@ from kaisa_lab.bench.cases import Arm
 from kaisa_lab.bench.protocol import Outcome, fastest, work_base
 
 __all__ = [
+    "TIE",
     "ArmRow",
     "FairnessError",
     "arm_label",
