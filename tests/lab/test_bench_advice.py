@@ -83,3 +83,15 @@ def test_a_case_still_being_measured_is_named_not_read(b512: Campaign) -> None:
 )
 def test_the_reading_uses_the_summarys_tie_band(ratio: float | None, text: str) -> None:
     assert reading(ratio, "muon") == text
+
+
+def test_the_command_reads_the_records_it_is_given(
+    b512: Campaign, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kaisa_lab.cli.main import main
+
+    assert main(["bench", "summary", "--advice", "--records", str(b512.store.root)]) == 0
+    out = capsys.readouterr().out
+    assert "| text-lm-b512 | 512 | muon | muon + K-FAC (library defaults, adamw-part) |" in out
+    # every other case has no record here: named as still being measured
+    assert "`text-lm`" in out and "`digits-mlp`" in out
