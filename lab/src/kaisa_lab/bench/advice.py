@@ -17,7 +17,14 @@ import math
 from collections.abc import Sequence
 
 from kaisa_lab.bench.campaign import Campaign
-from kaisa_lab.bench.report import TIE, ArmRow, arm_label, complete_rows, paired_ratio
+from kaisa_lab.bench.report import (
+    TIE,
+    ArmRow,
+    arm_label,
+    complete_rows,
+    paired_ratio,
+    with_measuring,
+)
 
 __all__ = ["fastest_kfac", "markdown_advice", "reading"]
 
@@ -78,10 +85,4 @@ def markdown_advice(campaigns: Sequence[Campaign]) -> str:
                 f"| {peer.arm.optimizer} | {_cell(to_peer)} "
                 f"| {reading(to_peer, peer.arm.optimizer)} |"
             )
-    note = (
-        f"Still being measured (not every arm held out): {', '.join(measuring)}; "
-        "`kaisa bench status CASE` shows where each stands.\n"
-    )
-    if len(lines) == 2:
-        return note if measuring else "No case has been measured yet.\n"
-    return "\n".join(lines) + "\n" + (f"\n{note}" if measuring else "")
+    return with_measuring(lines, measuring, "No case has been measured yet.\n")

@@ -59,6 +59,7 @@ __all__ = [
     "time_to_target",
     "trained_apart",
     "verdict",
+    "with_measuring",
 ]
 
 
@@ -380,12 +381,19 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
                 f"| {peer.arm.optimizer} ({_seconds(peer.median_time_s)} s) "
                 f"| {_times(defaults, peer)} | {_verdict_cell(defaults, base, ratio)} |"
             )
+    return with_measuring(lines, measuring, "No family has been measured yet.\n")
+
+
+def with_measuring(lines: Sequence[str], measuring: Sequence[str], empty: str) -> str:
+    """A table (``lines``: its header, its separator, its rows) and under it
+    the cases still being measured, named; without rows, only those names
+    (``empty`` where there are none either)."""
     note = (
         f"Still being measured (not every arm held out): {', '.join(measuring)}; "
         "`kaisa bench status CASE` shows where each stands.\n"
     )
     if len(lines) == 2:
-        return note if measuring else "No family has been measured yet.\n"
+        return note if measuring else empty
     return "\n".join(lines) + "\n" + (f"\n{note}" if measuring else "")
 
 
