@@ -23,6 +23,7 @@ from kaisa_lab.bench.report import (
     arm_label,
     complete_rows,
     paired_ratio,
+    time_cell,
     with_measuring,
 )
 
@@ -49,12 +50,6 @@ def reading(ratio: float | None, peer: str) -> str:
     return f"{peer} is faster" if ratio > 1 + TIE else f"a tie with {peer}"
 
 
-def _cell(ratio: float | None) -> str:
-    if ratio is None or not math.isfinite(ratio) or ratio <= 0:
-        return "-"
-    return f"{ratio:.2f}×"
-
-
 def markdown_advice(campaigns: Sequence[Campaign]) -> str:
     """The table: one row per case held out and base optimizer K-FAC runs on."""
     measuring: list[str] = []
@@ -76,13 +71,12 @@ def markdown_advice(campaigns: Sequence[Campaign]) -> str:
         for optimizer in dict.fromkeys(r.arm.optimizer for r in rows if r.arm.kfac):
             best = fastest_kfac(rows, optimizer)
             assert best is not None  # the optimizer is one K-FAC runs on
-            base = alone.get(optimizer)
             to_peer = paired_ratio(best, peer)
             lines.append(
                 f"| {campaign.case.name} | {campaign.case.global_batch} | {optimizer} "
                 f"| {arm_label(best.arm)} "
-                f"| {'-' if base is None else _cell(paired_ratio(best, base))} "
-                f"| {peer.arm.optimizer} | {_cell(to_peer)} "
+                f"| {time_cell(best, alone.get(optimizer))} "
+                f"| {peer.arm.optimizer} | {time_cell(best, peer)} "
                 f"| {reading(to_peer, peer.arm.optimizer)} |"
             )
     return with_measuring(lines, measuring, "No case has been measured yet.\n")

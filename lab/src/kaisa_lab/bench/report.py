@@ -55,6 +55,7 @@ __all__ = [
     "quotient",
     "side_by_side",
     "steps_to_target",
+    "time_cell",
     "time_per_step",
     "time_to_target",
     "trained_apart",
@@ -376,10 +377,10 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
             ratio = paired_ratio(defaults, base)
             lines.append(
                 f"| {campaign.case.name} | {batch} | {optimizer} "
-                f"| {_seconds(base.median_time_s)} | {_times(defaults, base)} "
-                f"| {_times(tuned, base)} "
+                f"| {_seconds(base.median_time_s)} | {time_cell(defaults, base)} "
+                f"| {time_cell(tuned, base)} "
                 f"| {peer.arm.optimizer} ({_seconds(peer.median_time_s)} s) "
-                f"| {_times(defaults, peer)} | {_verdict_cell(defaults, base, ratio)} |"
+                f"| {time_cell(defaults, peer)} | {_verdict_cell(defaults, base, ratio)} |"
             )
     return with_measuring(lines, measuring, "No family has been measured yet.\n")
 
@@ -404,7 +405,7 @@ def _verdict_cell(row: ArmRow, base: ArmRow, ratio: float | None) -> str:
     return "not paired (trained apart)" if trained_apart(row, base) else "-"
 
 
-def _times(row: ArmRow | None, base: ArmRow) -> str:
+def time_cell(row: ArmRow | None, base: ArmRow | None) -> str:
     """``row``'s time to target over ``base``'s (paired), as ``0.83×`` (``-`` where undefined)."""
     text = _paired_cell(row, base)
     return text if text in ("-", "apart") else f"{text}×"
