@@ -31,6 +31,7 @@ from kaisa_lab.bench.ab import ab, markdown_ab
 from kaisa_lab.bench.advice import markdown_advice
 from kaisa_lab.bench.campaign import Campaign, selections, work
 from kaisa_lab.bench.cases import CASES, get_case, lever_cases, summary_cases
+from kaisa_lab.bench.defaults import markdown_defaults
 from kaisa_lab.bench.goals import checks as goal_checks
 from kaisa_lab.bench.goals import markdown_goals
 from kaisa_lab.bench.records import RecordStore
@@ -92,6 +93,12 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="instead: per case and base optimizer, the fastest K-FAC arm (defaults, tuned "
         "or a lever) against the optimizer alone and the fastest first-order arm",
+    )
+    instead.add_argument(
+        "--defaults",
+        action="store_true",
+        help="instead: each lever's decision: the library's default, an option, usage or "
+        "not built, from its verdicts on every family",
     )
     instead.add_argument(
         "--goals",
@@ -200,6 +207,9 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         if args.levers:
             cases = [Campaign(c, store) for c in lever_cases()]
             return _print_fair(lambda: markdown_levers_across(cases), "summary --levers")
+        if args.defaults:
+            cases = [Campaign(c, store) for c in lever_cases()]
+            return _print_fair(lambda: markdown_defaults(cases), "summary --defaults")
         if args.advice:
             measured = [Campaign(c, store) for c in CASES.values() if not c.quick]
             return _print_fair(lambda: markdown_advice(measured), "summary --advice")

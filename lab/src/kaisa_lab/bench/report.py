@@ -37,10 +37,12 @@ __all__ = [
     "TIE",
     "ArmRow",
     "FairnessError",
+    "across_cell",
     "arm_label",
     "complete_rows",
     "heldout_rows",
     "lever_pairs",
+    "lever_ratios",
     "lever_verdict",
     "lever_word",
     "markdown_heldout",
@@ -512,7 +514,7 @@ def lever_word(ratio: float) -> str:
     )
 
 
-def _across_cell(ratio: float | None) -> str:
+def across_cell(ratio: float | None) -> str:
     """One family's cell of :func:`markdown_levers_across`."""
     if ratio is None:
         return "-"
@@ -521,14 +523,14 @@ def _across_cell(ratio: float | None) -> str:
     return {0.0: "win (the defaults miss)", math.inf: "loss (misses)"}.get(ratio, "neither")
 
 
-def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
-    """Each lever on every case that runs it: its time to target over K-FAC's at
-    the library's defaults on the same base, paired by seed
-    (:func:`paired_ratio`; "-" where it is not held out yet), and what the
-    families measured say together.  The row a change of the library's
-    defaults is read from: a lever that wins on every family is a candidate
-    default, one that loses on any is not."""
-    names = [c.case.name for c in campaigns]
+def lever_ratios(
+    campaigns: Sequence[Campaign],
+) -> tuple[dict[str, dict[str, float]], set[tuple[str, str]]]:
+    """Each lever's time to target over K-FAC's at the defaults on the same
+    base, paired by seed: ``{lever kind: {case name: ratio}}`` (every lever arm
+    of the cases a key, an empty mapping while none is held out), and the
+    ``(kind, case)`` pairs whose two arms were held out apart (their wall
+    clocks do not pair)."""
     ratios: dict[str, dict[str, float]] = {}
     apart: set[tuple[str, str]] = set()
     for campaign in campaigns:
@@ -541,6 +543,18 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
                 ratios[row.arm.kind][campaign.case.name] = ratio
             elif ref is not None and trained_apart(row, ref):
                 apart.add((row.arm.kind, campaign.case.name))
+    return ratios, apart
+
+
+def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
+    """Each lever on every case that runs it: its time to target over K-FAC's at
+    the library's defaults on the same base, paired by seed
+    (:func:`paired_ratio`; "-" where it is not held out yet), and what the
+    families measured say together.  The row a change of the library's
+    defaults is read from: a lever that wins on every family is a candidate
+    default, one that loses on any is not."""
+    names = [c.case.name for c in campaigns]
+    ratios, apart = lever_ratios(campaigns)
     lines = [
         "| lever | " + " | ".join(f"`{n}`" for n in names) + " | the families measured |",
         "|---|" + "---|" * len(names) + "---|",
@@ -556,7 +570,7 @@ def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
         else:
             across = f"mixed ({families}): {', '.join(words)}"
         cells = " | ".join(
-            "apart" if (kind, name) in apart else _across_cell(by_case.get(name)) for name in names
+            "apart" if (kind, name) in apart else across_cell(by_case.get(name)) for name in names
         )
         lines.append(f"| {kind} | {cells} | {across} |")
     return "\n".join(lines) + "\n"
