@@ -6,6 +6,7 @@ decisions the committed records give."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ from kaisa_lab.bench.defaults import (
     library_default_of,
     same_lever,
 )
+from kaisa_lab.bench.plots import across_points
 from kaisa_lab.bench.records import RecordStore
+from kaisa_lab.bench.report import lever_ratios
 from kaisa_lab.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,3 +126,23 @@ def test_the_command_prints_every_lever(capsys: pytest.CaptureFixture[str]) -> N
     kinds = {same_lever(a.kind) for c in lever_cases() for a in c.arms if a.tag}
     rows = [line for line in out.splitlines() if line.startswith("| ") and "+kfac" in line]
     assert {row.split(" | ")[0].removeprefix("| ") for row in rows} == kinds
+
+
+def test_the_levers_plot_draws_every_finite_ratio_the_table_gives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    campaigns = [Campaign(c, RECORDS) for c in lever_cases()]
+    ratios, _ = lever_ratios(campaigns)
+    points = across_points(campaigns)
+    assert points and {(k, c) for k, c, _ in points} == {
+        (k, c) for k, by in ratios.items() for c, r in by.items() if math.isfinite(r) and r > 0
+    }
+    png = tmp_path / "levers.png"
+    argv = ["bench", "summary", "--levers", "--records", str(RECORDS.root), "--plot", str(png)]
+    assert main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["bench", "summary", "--advice", "--plot", str(tmp_path / "x.png")])
+    assert "argument --plot" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -34,6 +34,7 @@ from kaisa_lab.bench.cases import CASES, get_case, lever_cases, summary_cases
 from kaisa_lab.bench.defaults import markdown_defaults
 from kaisa_lab.bench.goals import checks as goal_checks
 from kaisa_lab.bench.goals import markdown_goals
+from kaisa_lab.bench.plots import plot_heldout, plot_levers_across
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
     FairnessError,
@@ -44,7 +45,6 @@ from kaisa_lab.bench.report import (
     markdown_selection,
     markdown_summary,
     markdown_tuning,
-    plot,
 )
 from kaisa_lab.bench.timing import TIMING_CASES, TimingCase, latest, run_timing
 from kaisa_lab.cli.progress import Progress
@@ -81,6 +81,9 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
     )
     summary.add_argument(
         "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
+    )
+    summary.add_argument(
+        "--plot", type=Path, metavar="PNG", help="with --levers: also draw it (a PNG)"
     )
     instead = summary.add_mutually_exclusive_group()
     instead.add_argument(
@@ -204,9 +207,14 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         return _list()
     if args.bench_command == "summary":
         store = RecordStore(args.records)
+        if args.plot is not None and not args.levers:
+            error("argument --plot: it draws the levers across families; give it with --levers")
         if args.levers:
             cases = [Campaign(c, store) for c in lever_cases()]
-            return _print_fair(lambda: markdown_levers_across(cases), "summary --levers")
+            code = _print_fair(lambda: markdown_levers_across(cases), "summary --levers")
+            if code == 0 and args.plot is not None:
+                plot_levers_across(cases, args.plot)
+            return code
         if args.defaults:
             cases = [Campaign(c, store) for c in lever_cases()]
             return _print_fair(lambda: markdown_defaults(cases), "summary --defaults")
@@ -238,7 +246,7 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         }.get(args.table, markdown_heldout)
         code = _print_fair(lambda: render(campaign), "report")
         if code == 0 and args.plot is not None:
-            plot(campaign, args.plot)
+            plot_heldout(campaign, args.plot)
         return code
     return _run_campaign(campaign, args, error)
 

@@ -1,4 +1,5 @@
-"""Tables and plots of a case, computed from its records only.
+"""Tables of a case, computed from its records only (its figures:
+:mod:`kaisa_lab.bench.plots`, from the same rows).
 
 The time-to-target tables:
 
@@ -23,10 +24,8 @@ from __future__ import annotations
 
 import math
 import statistics
-import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 from kaisa_lab.bench.campaign import Campaign
@@ -53,7 +52,6 @@ __all__ = [
     "markdown_summary",
     "markdown_tuning",
     "paired_ratio",
-    "plot",
     "quotient",
     "side_by_side",
     "steps_to_target",
@@ -673,61 +671,3 @@ def _medians(outcomes: Sequence[Outcome]) -> str:
     times = [o.time_s if o.time_s is not None else math.inf for o in outcomes]
     n, t = statistics.median(steps), statistics.median(times)
     return f"{'-' if math.isinf(n) else f'{n:.0f}'}, {_seconds(t)}"
-
-
-def plot(campaign: Campaign, path: Path) -> None:
-    """Held-out time to target per arm (median, min–max) and one seed's curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = heldout_rows(campaign)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not rows:  # a figure that says so, so that a page can always show it
-        fig, ax = plt.subplots(figsize=(8, 1.6))
-        ax.axis("off")
-        ax.text(0.5, 0.5, f"{campaign.case.name}: no held-out records yet "
-                "(kaisa bench status shows where the campaign stands)", ha="center",
-                va="center")  # fmt: skip
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return
-    many = len(rows) > 10  # the legend then goes beside the curves, not over them
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(15 if many else 12, 4.5))
-    names = [arm_label(r.arm) for r in rows]
-    medians = [r.time_s[0] if r.time_s else 0.0 for r in rows]
-    lows = [r.time_s[0] - r.time_s[1] if r.time_s else 0.0 for r in rows]
-    highs = [r.time_s[2] - r.time_s[0] if r.time_s else 0.0 for r in rows]
-    bars.barh(
-        names, medians, xerr=[lows, highs], color=["C1" if r.arm.kfac else "C0" for r in rows]
-    )
-    bars.invert_yaxis()
-    bars.set_xlabel("time to target (s), median and range over held-out seeds")
-    seed = campaign.protocol.heldout_seeds[0]
-    # more arms than the default cycle's 10 colours: one of 20, none repeated
-    tab20 = plt.get_cmap("tab20")
-    colours = [tab20(i) for i in range(20)] if many else [f"C{i}" for i in range(10)]
-    for i, row in enumerate(rows):
-        for record in row.records:
-            if record["seed"] == seed:
-                steps = [p["step"] for p in record["curve"]]
-                metric = [p["metric"] for p in record["curve"]]
-                curves.plot(
-                    steps, metric, label=arm_label(row.arm), color=colours[i % len(colours)]
-                )
-    target = rows[0].records[0]["result"]["target"] if rows else None
-    if target is not None:
-        curves.axhline(target, color="grey", linestyle=":", label="target")
-    curves.set_xlabel("step")
-    curves.set_ylabel(rows[0].records[0]["result"]["metric"] if rows else "metric")
-    curves.set_title(f"held-out seed {seed}")
-    if many:
-        curves.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    else:
-        curves.legend(fontsize=7)
-    title = f"{campaign.case.name}: {campaign.case.description}"
-    fig.suptitle(textwrap.fill(title, 130), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
