@@ -23,15 +23,8 @@ from kaisa_lab.bench.campaign import Campaign, work
 from kaisa_lab.bench.cases import CASES, KFAC_KNOBS, Arm, get_case
 from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup, grid, work_base
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
-from kaisa_lab.bench.report import (
-    FairnessError,
-    heldout_rows,
-    lever_verdict,
-    markdown_heldout,
-    markdown_tuning,
-    paired_ratio,
-    quotient,
-)
+from kaisa_lab.bench.report import lever_verdict, markdown_heldout, markdown_tuning
+from kaisa_lab.bench.rows import FairnessError, heldout_rows, paired_ratio, quotient
 from kaisa_lab.cli import trainer as trainer_module
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.main import main
@@ -608,7 +601,7 @@ def test_a_levers_verdict_reads_the_time_ratio_with_a_tie_band() -> None:
 
 def _row(name: str, times: list[float | None], cpu_ms: list[float]) -> Any:
     """An arm's held-out row from per-seed times to target (None: a miss)."""
-    from kaisa_lab.bench.report import ArmRow
+    from kaisa_lab.bench.rows import ArmRow
 
     records = tuple(
         {
@@ -645,10 +638,10 @@ def test_ratios_pair_the_arms_of_each_seed() -> None:
     assert paired_ratio(ours, ref) == pytest.approx(0.8)  # median of inf, 0, 0.8
     assert math.isnan(cast(float, paired_ratio(_row("a", [None], [1.0]), _row("b", [None], [1.0]))))
     # the other clocks pair the same way; a value not recorded leaves no figure
-    from kaisa_lab.bench.report import _cpu_ms, _cpu_time
+    from kaisa_lab.bench.rows import cpu_step_ms, cpu_time_to_target
 
-    assert paired_ratio(ours, ref, _cpu_ms) == pytest.approx(0.5)
-    assert paired_ratio(ours, ref, _cpu_time) is None  # these records carry no CPU time
+    assert paired_ratio(ours, ref, cpu_step_ms) == pytest.approx(0.5)
+    assert paired_ratio(ours, ref, cpu_time_to_target) is None  # these records carry no CPU time
 
 
 def _grouped(row: Any, groups: list[str]) -> Any:
@@ -780,7 +773,8 @@ def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:
     under another load: its wall-clock ratios to them are not paired (a cell
     reads ``apart``), its steps and CPU times still pair by seed. Records
     from before groups listed their runs pair by seed as they always did."""
-    from kaisa_lab.bench.report import _cpu_ms, _paired_cell, steps_to_target, trained_apart
+    from kaisa_lab.bench.report import _paired_cell
+    from kaisa_lab.bench.rows import cpu_step_ms, steps_to_target, trained_apart
 
     ours = _row("lever", [8.0, 16.0, 32.0], [1.0] * 3)
     ref = _row("defaults", [10.0, 20.0, 40.0], [2.0] * 3)
@@ -794,7 +788,7 @@ def test_wall_clock_ratios_pair_only_runs_that_stepped_side_by_side() -> None:
     assert paired_ratio(mine, theirs) is None
     assert _paired_cell(mine, theirs) == "apart"
     assert paired_ratio(mine, theirs, steps_to_target) == pytest.approx(0.8)
-    assert _paired_cell(mine, theirs, _cpu_ms) == "0.50"
+    assert _paired_cell(mine, theirs, cpu_step_ms) == "0.50"
     # apart on one seed of three: that seed's wall clock is left out
     skewed = _row("lever", [8.0, 30.0, 1.0], [1.0] * 3)  # 0.8, 1.5 and 0.025 the reference
     mixed = _grouped(skewed, [*together[:2], later[2]])

@@ -12,7 +12,7 @@ from tests.lab.fake_campaign import fill, lr_bowl
 
 from kaisa_lab.bench.advice import fastest_kfac, markdown_advice, reading
 from kaisa_lab.bench.campaign import Campaign, Run
-from kaisa_lab.bench.report import complete_rows
+from kaisa_lab.bench.rows import complete_rows
 
 #: Muon needs half AdamW's steps; K-FAC 0.9× its base's steps, and on Muon's
 #: AdamW part only 0.8×, every other lever as many as Muon alone; a K-FAC step

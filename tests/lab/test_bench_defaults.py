@@ -22,7 +22,7 @@ from kaisa_lab.bench.defaults import (
 )
 from kaisa_lab.bench.plots import across_points
 from kaisa_lab.bench.records import RecordStore
-from kaisa_lab.bench.report import lever_ratios
+from kaisa_lab.bench.rows import lever_ratios
 from kaisa_lab.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ from pathlib import Path
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import LOST_ON_TEXT_LM, get_case
 from kaisa_lab.bench.records import RecordStore
-from kaisa_lab.bench.report import heldout_rows, lever_pairs, lever_word, paired_ratio
+from kaisa_lab.bench.report import lever_word
+from kaisa_lab.bench.rows import heldout_rows, lever_pairs, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = RecordStore(ROOT / "benchmarks" / "records")

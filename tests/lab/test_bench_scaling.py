@@ -34,7 +34,7 @@ from kaisa_lab.bench.costs.scaling import (
 )
 from kaisa_lab.bench.costs.task_steps import TaskArm, task_batches
 from kaisa_lab.bench.records import RecordStore
-from kaisa_lab.bench.report import heldout_rows
+from kaisa_lab.bench.rows import heldout_rows
 from kaisa_lab.bench.timing import TIMING_CASES
 from kaisa_lab.tasks.registry import get_task
 

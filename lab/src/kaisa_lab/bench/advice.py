@@ -7,7 +7,7 @@ here beside them. For each case held out and each base optimizer K-FAC runs
 on there: the K-FAC arm with the shortest median time to target over the
 held-out seeds, against that optimizer alone (where the case runs it) and
 against the case's fastest first-order arm, each ratio paired by seed
-(:func:`~kaisa_lab.bench.report.paired_ratio`). A case still being measured
+(:func:`~kaisa_lab.bench.rows.paired_ratio`). A case still being measured
 is named under the table, as the summary names its own.
 """
 
@@ -17,15 +17,8 @@ import math
 from collections.abc import Sequence
 
 from kaisa_lab.bench.campaign import Campaign
-from kaisa_lab.bench.report import (
-    TIE,
-    ArmRow,
-    arm_label,
-    complete_rows,
-    paired_ratio,
-    time_cell,
-    with_measuring,
-)
+from kaisa_lab.bench.report import TIE, arm_label, time_cell, with_measuring
+from kaisa_lab.bench.rows import ArmRow, complete_rows, paired_ratio
 
 __all__ = ["fastest_kfac", "markdown_advice", "reading"]
 

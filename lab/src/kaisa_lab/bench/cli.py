@@ -37,7 +37,6 @@ from kaisa_lab.bench.goals import markdown_goals
 from kaisa_lab.bench.plots import plot_heldout, plot_levers_across
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.report import (
-    FairnessError,
     markdown_heldout,
     markdown_levers,
     markdown_levers_across,
@@ -46,6 +45,7 @@ from kaisa_lab.bench.report import (
     markdown_summary,
     markdown_tuning,
 )
+from kaisa_lab.bench.rows import FairnessError
 from kaisa_lab.bench.timing import TIMING_CASES, TimingCase, latest, run_timing
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.tasks import tuned

@@ -2,7 +2,7 @@
 
 A lever (:mod:`kaisa_lab.levers`) is a change to K-FAC at the library's
 defaults, measured beside it on the same base optimizer
-(:func:`~kaisa_lab.bench.report.lever_ratios`: the time to target, paired by
+(:func:`~kaisa_lab.bench.rows.lever_ratios`: the time to target, paired by
 seed).  A default is what every user gets without asking, on every model, so
 a lever becomes one only when
 
@@ -34,7 +34,8 @@ from typing import Any
 from kaisa.config import KFACConfig
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
-from kaisa_lab.bench.report import across_cell, lever_ratios, lever_word
+from kaisa_lab.bench.report import across_cell, lever_word
+from kaisa_lab.bench.rows import lever_ratios
 
 __all__ = [
     "FAMILIES",

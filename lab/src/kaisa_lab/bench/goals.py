@@ -23,7 +23,7 @@ protocol and compared on the held-out seeds. In numbers:
 Each :class:`Check` reads *met*, *missed* or why it cannot be read yet, next
 to the figures that say why: behind a time, the steps and the time a step,
 each a paired ratio like every ratio of the reports
-(:func:`~kaisa_lab.bench.report.paired_ratio`). Nothing is typed in: a case
+(:func:`~kaisa_lab.bench.rows.paired_ratio`). Nothing is typed in: a case
 still being measured reads as such.
 """
 
@@ -38,9 +38,9 @@ from typing import Any
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import get_case
 from kaisa_lab.bench.records import RecordStore
-from kaisa_lab.bench.report import (
+from kaisa_lab.bench.report import arm_label
+from kaisa_lab.bench.rows import (
     ArmRow,
-    arm_label,
     complete_rows,
     paired_ratio,
     quotient,
@@ -150,7 +150,7 @@ def _pair(row: ArmRow, peer: ArmRow, bar: str, where: str, limit: float, steps: 
 
 def _split(campaign: Campaign, levers: bool = True) -> tuple[list[ArmRow], list[ArmRow]] | None:
     """The K-FAC arms' and the peers' held-out rows, or None while any arm is
-    still being measured (:func:`~kaisa_lab.bench.report.complete_rows`)."""
+    still being measured (:func:`~kaisa_lab.bench.rows.complete_rows`)."""
     rows = complete_rows(campaign, levers)
     if rows is None:
         return None

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kaisa_lab.bench.campaign import Campaign
-from kaisa_lab.bench.report import TIE, arm_label, heldout_rows, lever_ratios
+from kaisa_lab.bench.report import TIE, arm_label
+from kaisa_lab.bench.rows import heldout_rows, lever_ratios
 
 __all__ = ["across_points", "plot_heldout", "plot_levers_across"]
 

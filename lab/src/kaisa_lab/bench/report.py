@@ -7,12 +7,12 @@ The time-to-target tables:
   over the held-out seeds, the median [min–max] steps and time to target on
   the runs' own clocks, how many seeds reached it, the median step cost, and
   its time against the best first-order arm's and (for a K-FAC arm) its base
-  optimizer's, as a paired ratio (:func:`paired_ratio`: the median over the
-  held-out seeds of the two arms' ratio on each seed, whose runs shared a
-  lockstep group and so the machine's load). Before anything is computed
-  the report checks that every arm started each held-out seed from the same
-  weights and data order (the records' fingerprints); a mismatch is an
-  error, not a row.
+  optimizer's, as a paired ratio
+  (:func:`~kaisa_lab.bench.rows.paired_ratio`: the median over the held-out
+  seeds of the two arms' ratio on each seed, whose runs shared a lockstep
+  group and so the machine's load). The rows are checked first: every arm
+  started each held-out seed from the same weights and data order (the
+  records' fingerprints); a mismatch is an error, not a row.
 - ``tuning``: every setting each arm tried, with its median steps and time
   over the selection seeds (and, for a setting that changes a step's work,
   its cost pair's step cost), the selected one marked;
@@ -25,23 +25,31 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm
 from kaisa_lab.bench.protocol import Outcome, fastest, work_base
+from kaisa_lab.bench.rows import (
+    WALL_CLOCK,
+    ArmRow,
+    complete_rows,
+    cpu_step_ms,
+    cpu_time_to_target,
+    heldout_rows,
+    lever_pairs,
+    lever_ratios,
+    paired_ratio,
+    step_ms,
+    steps_to_target,
+    time_to_target,
+    trained_apart,
+)
 
 __all__ = [
     "TIE",
-    "ArmRow",
-    "FairnessError",
     "across_cell",
     "arm_label",
-    "complete_rows",
-    "heldout_rows",
-    "lever_pairs",
-    "lever_ratios",
     "lever_verdict",
     "lever_word",
     "markdown_heldout",
@@ -51,211 +59,10 @@ __all__ = [
     "markdown_selection",
     "markdown_summary",
     "markdown_tuning",
-    "paired_ratio",
-    "quotient",
-    "side_by_side",
-    "steps_to_target",
     "time_cell",
-    "time_per_step",
-    "time_to_target",
-    "trained_apart",
     "verdict",
     "with_measuring",
 ]
-
-
-class FairnessError(ValueError):
-    """Arms of one held-out seed did not start from the same weights or data order."""
-
-
-@dataclass(frozen=True)
-class ArmRow:
-    """One arm's held-out figures (None where no seed reached the target)."""
-
-    arm: Arm
-    setting: str
-    seeds: int
-    reached: int
-    steps: tuple[float, float, float] | None  # median, min, max over the reaching seeds
-    time_s: tuple[float, float, float] | None
-    median_time_s: float  # over every seed, a miss counting as infinity
-    step_ms: float | None
-    records: tuple[Mapping[str, Any], ...]
-    #: the median step's CPU time (ms), where every record has one (CPU runs
-    #: recorded with the CPU clock): the step's cost without the machine's load
-    cpu_ms: float | None = None
-    #: the median time to target on the CPU clock (a miss: infinity), where
-    #: every reaching record has it
-    cpu_time_s: float | None = None
-
-
-def _spread(values: Sequence[float]) -> tuple[float, float, float] | None:
-    return (statistics.median(values), min(values), max(values)) if values else None
-
-
-def time_to_target(record: Mapping[str, Any]) -> float:
-    """A run's time to target on the wall clock; a miss is infinitely slow."""
-    result = record["result"]
-    return float(result["time_to_target_s"]) if result["reached"] else math.inf
-
-
-def _cpu_time(record: Mapping[str, Any]) -> float | None:
-    """A run's time to target on the CPU clock (a miss: infinity); None where not recorded."""
-    result = record["result"]
-    if not result["reached"]:
-        return math.inf
-    value = result.get("cpu_time_to_target_s")
-    return None if value is None else float(value)
-
-
-def steps_to_target(record: Mapping[str, Any]) -> float:
-    result = record["result"]
-    return float(result["steps_to_target"]) if result["reached"] else math.inf
-
-
-def _step_ms(record: Mapping[str, Any]) -> float | None:
-    value = (record["result"].get("step_times") or {}).get("median_ms")
-    return None if value is None else float(value)
-
-
-def _cpu_ms(record: Mapping[str, Any]) -> float | None:
-    value = (record["result"].get("step_times") or {}).get("cpu_median_ms")
-    return None if value is None else float(value)
-
-
-def time_per_step(record: Mapping[str, Any]) -> float | None:
-    """A run's wall time over its steps (s): every step it took, factor steps
-    and decompositions amortised as training pays them (a step's median,
-    :func:`_step_ms`, is a plain step's). Whether or not it reached the target."""
-    result = record["result"]
-    steps = result.get("steps")
-    return float(result["train_time_s"]) / steps if steps else None
-
-
-def side_by_side(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two runs stepped in one lockstep group, under one load: their
-    records name the same group (:func:`kaisa_lab.bench.campaign.run_unit`
-    keeps the name through a resume). Two records from before a record
-    listed its group's runs (no ``lockstep``) are taken at their seed's word,
-    as the reports always took them (their group names were each run's own
-    finish); one from before and one since never shared a group."""
-    if "lockstep" not in a and "lockstep" not in b:
-        return True
-    return bool(a.get("group") == b.get("group"))
-
-
-#: what a run's wall clock measures: its ratio to another run's means something
-#: only where the two shared the machine's load (:func:`side_by_side`)
-_WALL_CLOCK = (time_to_target, _step_ms, time_per_step)
-
-
-def _seed_pairs(row: ArmRow, ref: ArmRow) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
-    """The two arms' records of each seed both ran."""
-    theirs = {r["seed"]: r for r in ref.records}
-    return [(r, theirs[r["seed"]]) for r in row.records if r["seed"] in theirs]
-
-
-def trained_apart(row: ArmRow, ref: ArmRow) -> bool:
-    """Whether every seed the two arms share was trained in groups apart (an
-    arm held out after the others): their wall clocks do not pair."""
-    pairs = _seed_pairs(row, ref)
-    return bool(pairs) and not any(side_by_side(a, b) for a, b in pairs)
-
-
-def paired_ratio(
-    row: ArmRow, ref: ArmRow, value: Callable[[Mapping[str, Any]], float | None] = time_to_target
-) -> float | None:
-    """The median over the seeds both arms ran of ``row``'s value over ``ref``'s on that seed.
-
-    Why paired: every arm of a held-out seed steps in one lockstep group, so
-    the machine's load during that group falls on both alike, while seeds'
-    groups run hours apart under loads of their own. A ratio of the two
-    medians keeps that spread (one arm's median may come from a busy hour,
-    the other's from a quiet one); the ratio per seed cancels it. A seed
-    that only ``row`` misses reads as infinity, one that only ``ref``
-    misses as 0 (:func:`quotient`), one both miss carries no ratio and is
-    left out (NaN where no seed is left). None where a seed lacks the value
-    (records from before that clock was kept) or the arms share no seed. A
-    wall-clock value pairs only runs that stepped side by side
-    (:func:`side_by_side`); steps and CPU times pair by seed alone.
-    """
-    records = _seed_pairs(row, ref)
-    if value in _WALL_CLOCK:
-        records = [(a, b) for a, b in records if side_by_side(a, b)]
-    pairs = [(value(a), value(b)) for a, b in records]
-    if not pairs or any(a is None or b is None for a, b in pairs):
-        return None
-    ratios = [quotient(cast(float, a), cast(float, b)) for a, b in pairs]
-    ratios = [q for q in ratios if not math.isnan(q)]
-    return statistics.median(ratios) if ratios else math.nan
-
-
-def heldout_rows(campaign: Campaign) -> list[ArmRow]:
-    """The held-out figures of every selected arm (arms not yet held out are left out)."""
-    seeds = campaign.protocol.heldout_seeds
-    rows = []
-    for arm in campaign.case.arms:
-        state = campaign.state(arm)
-        if state.selected is None:
-            continue
-        records = campaign.records(arm, state.selected, seeds)
-        if not records:
-            continue
-        results = [r["result"] for r in records]
-        reached = [r for r in results if r["reached"]]
-        times = [time_to_target(r) for r in records]
-        costs = [c for c in map(_step_ms, records) if c is not None]
-        cpu = [_cpu_ms(r) for r in records]
-        cpu_times = [_cpu_time(r) for r in records]
-        rows.append(
-            ArmRow(
-                arm=arm,
-                setting=state.selected.describe(),
-                seeds=len(results),
-                reached=len(reached),
-                steps=_spread([float(r["steps_to_target"]) for r in reached]),
-                time_s=_spread([r["time_to_target_s"] for r in reached]),
-                median_time_s=statistics.median(times),
-                step_ms=statistics.median(costs) if costs else None,
-                records=tuple(records),
-                cpu_ms=None if None in cpu else statistics.median(cast(list[float], cpu)),
-                cpu_time_s=None
-                if None in cpu_times
-                else statistics.median(cast(list[float], cpu_times)),
-            )
-        )
-    check_fairness(rows)
-    return rows
-
-
-def complete_rows(campaign: Campaign, levers: bool = True) -> list[ArmRow] | None:
-    """Every arm's held-out row (without ``levers``: every arm but the lever
-    arms), or None while one of them is not selected or lacks a record of a
-    held-out seed: a figure over the seeds that happen to be done is not the
-    comparison the protocol defines."""
-    rows = [r for r in heldout_rows(campaign) if levers or not r.arm.lever]
-    read = [a for a in campaign.case.arms if levers or not a.lever]
-    held_out = len(campaign.protocol.heldout_seeds)
-    if len(rows) < len(read) or any(r.seeds < held_out for r in rows):
-        return None
-    return rows
-
-
-def check_fairness(rows: Sequence[ArmRow]) -> None:
-    """Raise :class:`FairnessError` unless every arm of a seed shares its fingerprints."""
-    by_seed: dict[int, set[tuple[str, str]]] = {}
-    for row in rows:
-        for record in row.records:
-            prints = record["result"]["fingerprints"]
-            by_seed.setdefault(record["seed"], set()).add(
-                (prints["initial_weights"], prints["data_order"])
-            )
-    for seed, prints in sorted(by_seed.items()):
-        if len(prints) > 1:
-            raise FairnessError(
-                f"held-out seed {seed}: the arms started from {len(prints)} different "
-                "weight/data-order fingerprints; a comparison needs one"
-            )
 
 
 def _fmt(spread: tuple[float, float, float] | None, spec: str) -> str:
@@ -336,7 +143,7 @@ def markdown_summary(campaigns: Sequence[Campaign]) -> str:
     held-out medians.
 
     Each row: the base optimizer's median time to target, K-FAC at the library's
-    defaults and tuned as paired ratios of it (:func:`paired_ratio`), the
+    defaults and tuned as paired ratios of it (:func:`~kaisa_lab.bench.rows.paired_ratio`), the
     best first-order arm of the family and the defaults arm against it, and
     the verdict at the library's defaults. A family still being measured —
     an arm the table reads (every arm but the levers) not yet selected, or
@@ -416,12 +223,12 @@ def _paired_cell(
     ref: ArmRow | None,
     value: Callable[[Mapping[str, Any]], float | None] = time_to_target,
 ) -> str:
-    """A table cell of :func:`paired_ratio`: ``-`` where it has no finite,
+    """A table cell of :func:`~kaisa_lab.bench.rows.paired_ratio`: ``-`` where it has no finite,
     positive value, ``apart`` where a wall-clock figure has no seed whose
-    runs stepped side by side (:func:`trained_apart`)."""
+    runs stepped side by side (:func:`~kaisa_lab.bench.rows.trained_apart`)."""
     if row is None or ref is None:
         return "-"
-    if value in _WALL_CLOCK and trained_apart(row, ref):
+    if value in WALL_CLOCK and trained_apart(row, ref):
         return "apart"
     return _cell(paired_ratio(row, ref, value))
 
@@ -429,16 +236,6 @@ def _paired_cell(
 def _cell(ratio: float | None) -> str:
     """A ratio as a table cell: ``-`` where it has no finite, positive value."""
     return f"{ratio:.2f}" if ratio is not None and math.isfinite(ratio) and ratio > 0 else "-"
-
-
-def quotient(a: float, b: float) -> float:
-    """``a / b`` for times or steps where a miss is infinite: both missing is
-    no ratio (NaN), only ``b`` missing is 0 (``a`` wins outright)."""
-    if math.isinf(a) and math.isinf(b):
-        return math.nan
-    if math.isinf(b):
-        return 0.0 if math.isfinite(a) else math.nan
-    return a / b if b > 0 else math.nan
 
 
 def _seconds(value: float) -> str:
@@ -462,7 +259,7 @@ def lever_verdict(ratio: float) -> str:
 def markdown_levers(campaign: Campaign) -> str:
     """What each lever bought: its held-out figures over those of K-FAC at the
     library's defaults on the same base optimizer, paired by seed
-    (:func:`paired_ratio`) — steps, the step's cost and the time to target,
+    (:func:`~kaisa_lab.bench.rows.paired_ratio`) — steps, the step's cost and the time to target,
     so a win or a loss reads as fewer steps or a cheaper step.
 
     The step's cost is its CPU time where both arms' records have it (the
@@ -489,17 +286,10 @@ def markdown_levers(campaign: Campaign) -> str:
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} "
             f"| {_paired_cell(row, ref, steps_to_target)} | {_step_cost_ratio(row, ref)} "
-            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, _cpu_time)} "
+            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, cpu_time_to_target)} "
             f"| {word} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def lever_pairs(rows: Sequence[ArmRow]) -> list[tuple[ArmRow, ArmRow | None]]:
-    """Each lever arm's row with that of K-FAC at the library's defaults on the
-    same base optimizer (None while that one is not held out)."""
-    plain = {r.arm.optimizer: r for r in rows if r.arm.kfac and not r.arm.tag and not r.arm.knobs}
-    return [(r, plain.get(r.arm.optimizer)) for r in rows if r.arm.tag]
 
 
 def lever_word(ratio: float) -> str:
@@ -521,33 +311,10 @@ def across_cell(ratio: float | None) -> str:
     return {0.0: "win (the defaults miss)", math.inf: "loss (misses)"}.get(ratio, "neither")
 
 
-def lever_ratios(
-    campaigns: Sequence[Campaign],
-) -> tuple[dict[str, dict[str, float]], set[tuple[str, str]]]:
-    """Each lever's time to target over K-FAC's at the defaults on the same
-    base, paired by seed: ``{lever kind: {case name: ratio}}`` (every lever arm
-    of the cases a key, an empty mapping while none is held out), and the
-    ``(kind, case)`` pairs whose two arms were held out apart (their wall
-    clocks do not pair)."""
-    ratios: dict[str, dict[str, float]] = {}
-    apart: set[tuple[str, str]] = set()
-    for campaign in campaigns:
-        for arm in campaign.case.arms:
-            if arm.tag:
-                ratios.setdefault(arm.kind, {})
-        for row, ref in lever_pairs(heldout_rows(campaign)):
-            ratio = None if ref is None else paired_ratio(row, ref)
-            if ratio is not None:
-                ratios[row.arm.kind][campaign.case.name] = ratio
-            elif ref is not None and trained_apart(row, ref):
-                apart.add((row.arm.kind, campaign.case.name))
-    return ratios, apart
-
-
 def markdown_levers_across(campaigns: Sequence[Campaign]) -> str:
     """Each lever on every case that runs it: its time to target over K-FAC's at
     the library's defaults on the same base, paired by seed
-    (:func:`paired_ratio`; "-" where it is not held out yet), and what the
+    (:func:`~kaisa_lab.bench.rows.paired_ratio`; "-" where it is not held out yet), and what the
     families measured say together.  The row a change of the library's
     defaults is read from: a lever that wins on every family is a candidate
     default, one that loses on any is not."""
@@ -578,8 +345,8 @@ def _step_cost_ratio(row: ArmRow, ref: ArmRow) -> str:
     """``row``'s step cost over ``ref``'s, paired by seed: CPU times where both
     have them (marked ``CPU``), wall times otherwise."""
     if row.cpu_ms is not None and ref.cpu_ms is not None:
-        return f"{_paired_cell(row, ref, _cpu_ms)} (CPU)"
-    return _paired_cell(row, ref, _step_ms)
+        return f"{_paired_cell(row, ref, cpu_step_ms)} (CPU)"
+    return _paired_cell(row, ref, step_ms)
 
 
 def markdown_machine(campaign: Campaign) -> str:
