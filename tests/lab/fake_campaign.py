@@ -59,13 +59,17 @@ def fill(
     case_name: str,
     steps: Callable[[Campaign, Run], int] = lr_bowl,
     step_s: Callable[[Run], float] = lambda run: 0.01,
+    rounds: int | None = None,
 ) -> Campaign:
     """Write every record ``case_name``'s protocol calls for under ``root``, each
     run's steps to target from ``steps`` and its seconds a step from
-    ``step_s``; the campaign, all its arms done."""
+    ``step_s``; the campaign, all its arms done (or, with ``rounds``, after
+    that many rounds of the units the records call for)."""
     store = RecordStore(root)
     campaign = Campaign(get_case(case_name), store)
-    while units := campaign.units():
+    done = 0
+    while (rounds is None or done < rounds) and (units := campaign.units()):
+        done += 1
         for unit in units:
             for run in unit.runs:
                 store.write(_record(case_name, run, steps(campaign, run), unit.name, step_s(run)))

@@ -259,7 +259,28 @@ class Campaign:
             f"pending now: {runs} run(s) in {len(units)} group(s); "
             f"{saved} run(s) in flight saved to resume"
         )
+        left = sum(self.runs_left(arm) for arm in self.case.arms)
+        times = [r["result"]["train_time_s"] for r in self._index.values()]
+        if left and times:
+            each = statistics.median(times)
+            lines.append(
+                f"left: about {left} run(s) (each arm's remaining budget on the selection "
+                f"seeds, then its held-out seeds); at the median run's {each / 60:.1f} min "
+                f"of training so far, about {left * each / 3600:.1f} h of one worker"
+            )
         return lines
+
+    def runs_left(self, arm: Arm) -> int:
+        """About how many runs ``arm`` still needs: the rest of its budget on the
+        selection seeds, then its held-out seeds (cost pairs, which the records
+        call for as the follow-ups arrive, are not counted)."""
+        st = self.state(arm)
+        if st.selected is not None:  # held out, or being held out
+            return len(self._missing(arm, st.selected, self.protocol.heldout_seeds))
+        held = len(self.protocol.heldout_seeds)
+        seeds = self.protocol.selection_seeds
+        missing = sum(len(self._missing(arm, s, seeds)) for s in st.tried)
+        return missing + (self.protocol.budget - len(st.tried)) * len(seeds) + held
 
 
 def pair_ratio(knob: dict[str, Any], base: dict[str, Any]) -> float:

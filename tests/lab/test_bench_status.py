@@ -1,0 +1,45 @@
+"""``kaisa bench status`` says how much of a campaign is left: about how many
+runs (each arm's remaining budget on the selection seeds, then its held-out
+seeds) and, at the pace of the runs recorded so far, one worker's hours."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from tests.lab.fake_campaign import fill
+
+from kaisa_lab.bench.campaign import Campaign
+from kaisa_lab.bench.cases import get_case
+from kaisa_lab.bench.records import RecordStore
+
+CASE = get_case("quick")
+P = CASE.protocol
+PER_ARM = P.budget * len(P.selection_seeds) + len(P.heldout_seeds)
+
+
+def test_a_fresh_campaign_has_every_arms_budget_and_held_out_seeds_left(tmp_path: Path) -> None:
+    campaign = Campaign(CASE, RecordStore(tmp_path))
+    assert [campaign.runs_left(a) for a in CASE.arms] == [PER_ARM] * len(CASE.arms)
+    # nothing recorded yet: no pace to tell the hours by
+    assert not any(line.startswith("left:") for line in campaign.status())
+
+
+def test_the_runs_left_fall_as_records_arrive_and_the_pace_gives_hours(tmp_path: Path) -> None:
+    campaign = fill(tmp_path, "quick", step_s=lambda run: 0.6, rounds=1)
+    grid = len(CASE.grid(CASE.arms[0]))
+    left = [campaign.runs_left(a) for a in CASE.arms]
+    # the first round is every arm's grid on the selection seed
+    assert left == [PER_ARM - grid * len(P.selection_seeds)] * len(CASE.arms)
+    line = next(line for line in campaign.status() if line.startswith("left:"))
+    assert f"about {sum(left)} run(s)" in line
+    # each record trained its steps at 0.6 s a step
+    median_s = statistics.median(0.6 * r["result"]["steps"] for r in campaign.every_record())
+    assert f"{median_s / 60:.1f} min" in line
+    assert f"about {sum(left) * median_s / 3600:.1f} h of one worker" in line
+
+
+def test_a_finished_campaign_has_nothing_left(tmp_path: Path) -> None:
+    campaign = fill(tmp_path, "quick")
+    assert [campaign.runs_left(a) for a in CASE.arms] == [0] * len(CASE.arms)
+    assert not any(line.startswith("left:") for line in campaign.status())
