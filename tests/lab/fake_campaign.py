@@ -46,6 +46,8 @@ def _record(case: str, run: Run, steps: int, group: str, step_s: float) -> dict[
             "steps": steps,
             "train_time_s": seconds,
             "final_metric": 0.5,
+            "metric": "loss",
+            "target": 0.5,
             "step_times": {"median_ms": 1e3 * step_s, "cpu_median_ms": 1e3 * step_s},
             "fingerprints": {"initial_weights": f"w{run.seed}", "data_order": f"d{run.seed}"},
         },
