@@ -17,6 +17,7 @@ from kaisa_lab.bench.defaults import (
     FAMILIES,
     decide,
     decisions,
+    defaults_line,
     library_default_of,
     same_lever,
 )
@@ -126,6 +127,20 @@ def test_the_command_prints_every_lever(capsys: pytest.CaptureFixture[str]) -> N
     kinds = {same_lever(a.kind) for c in lever_cases() for a in c.arms if a.tag}
     rows = [line for line in out.splitlines() if line.startswith("| ") and "+kfac" in line]
     assert {row.split(" | ")[0].removeprefix("| ") for row in rows} == kinds
+    # the last line says what the decisions change, in words
+    made = decisions([Campaign(c, RECORDS) for c in lever_cases()])
+    assert out.rstrip().splitlines()[-1] == defaults_line(made)
+
+
+def test_the_closing_line_names_the_settings_the_records_make_defaults() -> None:
+    won = decide("pos", _everywhere(POSITIONS), _measured(0.9, 0.9, 0.9))
+    tied = decide("pos", _everywhere(POSITIONS), _measured(0.9, 0.97, 0.9))
+    assert defaults_line([tied]) == (
+        "The records make no lever a default: the library's defaults stand."
+    )
+    assert defaults_line([won, tied]) == (
+        "The records make these the library's defaults: `factor_position_fraction=0.125`."
+    )
 
 
 def test_the_levers_plot_draws_every_finite_ratio_the_table_gives(

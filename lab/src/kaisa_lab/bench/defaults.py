@@ -42,6 +42,7 @@ __all__ = [
     "Decision",
     "decide",
     "decisions",
+    "defaults_line",
     "library_default_of",
     "library_settings",
     "markdown_defaults",
@@ -220,7 +221,16 @@ def markdown_defaults(campaigns: Sequence[Campaign]) -> str:
         "| lever | library keywords | measured on | decision |",
         "|---|---|---|---|",
     ]
-    for d in decisions(campaigns):
+    made = decisions(campaigns)
+    for d in made:
         seen = "; ".join(f"`{c}` {across_cell(r)}" for c, _, r in d.verdicts) or "not held out yet"
         lines.append(f"| {d.lever} | {_setting(d.settings, d.per_model)} | {seen} | {d.reason} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + defaults_line(made) + "\n"
+
+
+def defaults_line(made: Sequence[Decision]) -> str:
+    """What the decisions change, in words: the settings they make defaults."""
+    earned = [_setting(d.settings, ()) for d in made if d.default]
+    if not earned:
+        return "The records make no lever a default: the library's defaults stand."
+    return "The records make these the library's defaults: " + "; ".join(earned) + "."
