@@ -215,14 +215,21 @@ class Campaign:
             ]
             units.append(Unit("cost", seed, _pending(self, runs)))
         if all(st.stage in ("heldout", "done") for st in states):
-            for seed in self.protocol.heldout_seeds:
-                runs = [
-                    self.run(st.arm, st.selected, seed, "heldout")
-                    for st in states
-                    if st.selected is not None
-                ]
-                units.append(Unit("heldout", seed, _pending(self, runs)))
+            units += self.heldout_units(states)
         return [u for u in units if u.runs]
+
+    def heldout_units(self, states: Sequence[ArmState]) -> list[Unit]:
+        """One lockstep group a held-out seed, of the runs of every arm of
+        ``states`` with a selection that are not recorded yet."""
+        units = []
+        for seed in self.protocol.heldout_seeds:
+            runs = [
+                self.run(st.arm, st.selected, seed, "heldout")
+                for st in states
+                if st.selected is not None
+            ]
+            units.append(Unit("heldout", seed, _pending(self, runs)))
+        return units
 
     def every_record(self) -> list[dict[str, Any]]:
         """Every record of the case (as last read)."""

@@ -36,6 +36,7 @@ from kaisa_lab.bench.goals import checks as goal_checks
 from kaisa_lab.bench.goals import markdown_goals
 from kaisa_lab.bench.plots import plot_heldout, plot_levers_across
 from kaisa_lab.bench.records import RecordStore
+from kaisa_lab.bench.replay import Replay
 from kaisa_lab.bench.report import (
     markdown_heldout,
     markdown_levers,
@@ -149,6 +150,18 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
             default=DEFAULT_RECORDS,
             help=f"folder of the records (default: {DEFAULT_RECORDS})",
         )
+        parser.add_argument(
+            "--selected-from",
+            type=Path,
+            metavar="DIR",
+            help="a replay: each arm at the setting the case's campaign in DIR selected, its "
+            "held-out seeds only, recorded in --records (another machine or device)",
+        )
+    run.add_argument(
+        "--arms",
+        help="with --selected-from: the arms to replay, comma-separated (default: every "
+        "arm selected there)",
+    )
     run.add_argument(
         "--max-units", type=int, help="stop after this many lockstep groups (default: all)"
     )
@@ -229,7 +242,7 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         return _run_ab(args, error)
     if args.case in TIMING_CASES:
         return _run_cost(TIMING_CASES[args.case], args, error)
-    campaign = Campaign(get_case(args.case), RecordStore(args.records))
+    campaign = _campaign(args, error)
     if args.bench_command == "select":
         return _select(campaign, args.write, error)
     if args.bench_command == "status":
@@ -238,6 +251,11 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
     if args.bench_command == "report":
         if args.table not in (None, *TABLES):
             error(f"argument --table: choose from {', '.join(TABLES)}; got {args.table!r}")
+        if isinstance(campaign, Replay) and args.table in ("tuning", "selection"):
+            error(
+                f"argument --table: a replay runs no tuning; read {args.table} from "
+                f"--selected-from's records ({args.selected_from})"
+            )
         render = {
             "tuning": markdown_tuning,
             "selection": markdown_selection,
@@ -249,6 +267,27 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
             plot_heldout(campaign, args.plot)
         return code
     return _run_campaign(campaign, args, error)
+
+
+def _campaign(args: argparse.Namespace, error: Any) -> Campaign:
+    """The case's campaign over ``--records``; with ``--selected-from``, a
+    replay of its held-out seeds at that folder's selections."""
+    case = get_case(args.case)
+    store = RecordStore(args.records)
+    source = getattr(args, "selected_from", None)
+    arms = getattr(args, "arms", None)
+    if source is None:
+        if arms is not None:
+            error("argument --arms: it names the arms of a replay; give it with --selected-from")
+        return Campaign(case, store)
+    if source.resolve() == args.records.resolve():
+        error("argument --selected-from: a replay records into a folder of its own (--records)")
+    names = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
+    try:
+        return Replay(case, store, Campaign(case, RecordStore(source)), names)
+    except ValueError as exc:
+        error(f"argument --{exc}")
+        raise
 
 
 def _list() -> int:
