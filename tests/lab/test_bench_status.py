@@ -7,9 +7,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import pytest
 from tests.lab.fake_campaign import fill
 
-from kaisa_lab.bench.campaign import Campaign
+from kaisa_lab.bench.campaign import Campaign, duration
 from kaisa_lab.bench.cases import get_case
 from kaisa_lab.bench.records import RecordStore
 
@@ -35,8 +36,15 @@ def test_the_runs_left_fall_as_records_arrive_and_the_pace_gives_hours(tmp_path:
     assert f"about {sum(left)} run(s)" in line
     # each record trained its steps at 0.6 s a step
     median_s = statistics.median(0.6 * r["result"]["steps"] for r in campaign.every_record())
-    assert f"{median_s / 60:.1f} min" in line
-    assert f"about {sum(left) * median_s / 3600:.1f} h of one worker" in line
+    assert f"at the median run's {duration(median_s)} of training" in line
+    assert f"about {duration(sum(left) * median_s)} of one worker" in line
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(40.4, "40 s"), (750.0, "12.5 min"), (328_680.0, "91.3 h")]
+)
+def test_a_duration_reads_in_the_unit_a_person_reads_it_in(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
 
 
 def test_a_finished_campaign_has_nothing_left(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ from kaisa_lab.cli.train import RunResult, train_lockstep, warm_up
 from kaisa_lab.tasks.registry import get_task
 from kaisa_lab.tasks.tuned import Selection
 
-__all__ = ["ArmState", "Campaign", "Run", "Unit", "pair_ratio", "selections", "work"]
+__all__ = ["ArmState", "Campaign", "Run", "Unit", "duration", "pair_ratio", "selections", "work"]
 
 
 @dataclass(frozen=True)
@@ -272,8 +272,8 @@ class Campaign:
             each = statistics.median(times)
             lines.append(
                 f"left: about {left} run(s) (each arm's remaining budget on the selection "
-                f"seeds, then its held-out seeds); at the median run's {each / 60:.1f} min "
-                f"of training so far, about {left * each / 3600:.1f} h of one worker"
+                f"seeds, then its held-out seeds); at the median run's {duration(each)} "
+                f"of training so far, about {duration(left * each)} of one worker"
             )
         return lines
 
@@ -288,6 +288,15 @@ class Campaign:
         seeds = self.protocol.selection_seeds
         missing = sum(len(self._missing(arm, s, seeds)) for s in st.tried)
         return missing + (self.protocol.budget - len(st.tried)) * len(seeds) + held
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in the unit a person reads it in: ``40 s``, ``12.5 min``, ``91.3 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def pair_ratio(knob: dict[str, Any], base: dict[str, Any]) -> float:
