@@ -266,16 +266,27 @@ class Campaign:
             f"pending now: {runs} run(s) in {len(units)} group(s); "
             f"{saved} run(s) in flight saved to resume"
         )
-        left = sum(self.runs_left(arm) for arm in self.case.arms)
-        times = [r["result"]["train_time_s"] for r in self._index.values()]
-        if left and times:
-            each = statistics.median(times)
+        left = {arm.name: self.runs_left(arm) for arm in self.case.arms}
+        paces = self.paces()
+        if sum(left.values()) and paces:
+            overall = statistics.median(t for ts in paces.values() for t in ts)
+            need = sum(
+                n * statistics.median(paces.get(arm.kind, [overall]))
+                for arm, n in zip(self.case.arms, left.values(), strict=True)
+            )
             lines.append(
-                f"left: about {left} run(s) (each arm's remaining budget on the selection "
-                f"seeds, then its held-out seeds); at the median run's {duration(each)} "
-                f"of training so far, about {duration(left * each)} of one worker"
+                f"left: about {sum(left.values())} run(s) (each arm's remaining budget on the "
+                "selection seeds, then its held-out seeds); at each arm's median run so far "
+                f"(all arms' where it has none), about {duration(need)} of one worker"
             )
         return lines
+
+    def paces(self) -> dict[str, list[float]]:
+        """The training time (s) of each recorded run, by the runs' arm kind."""
+        out: dict[str, list[float]] = {}
+        for record in self._index.values():
+            out.setdefault(record["arm"], []).append(float(record["result"]["train_time_s"]))
+        return out
 
     def runs_left(self, arm: Arm) -> int:
         """About how many runs ``arm`` still needs: the rest of its budget on the
