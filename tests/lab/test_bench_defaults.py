@@ -161,3 +161,10 @@ def test_the_levers_plot_draws_every_finite_ratio_the_table_gives(
         main(["bench", "summary", "--advice", "--plot", str(tmp_path / "x.png")])
     assert "argument --plot" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_family_measured_twice_reads_its_worse_verdict() -> None:
+    measured = _measured(0.9, 0.9, 0.9)
+    measured["text-lm-other"] = ("text-lm", 32, 1.1)  # a second text-lm case: a loss
+    d = decide("pos", _everywhere(POSITIONS), measured)
+    assert not d.default and d.reason == "loses on `text-lm`: stays an option"

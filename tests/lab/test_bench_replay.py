@@ -49,7 +49,7 @@ def test_a_replay_runs_the_held_out_seeds_at_the_sources_selections(
     for seed in held:
         assert len({r["group"] for r in records if r["seed"] == seed}) == 1
     replay = Replay(CASE, RecordStore(tmp_path), source, ARMS)
-    assert replay.units() == [] and sum(map(replay.runs_left, CASE.arms)) == 0
+    assert replay.units() == [] and sum(replay.runs_left(replay.state(a)) for a in CASE.arms) == 0
     # reported like any case: the arms whose runs are recorded, at the source's
     # settings (the tuned K-FAC arm too where it selected what the defaults
     # arm did: the two share those runs, as in any campaign)
@@ -67,11 +67,15 @@ def test_a_replay_before_it_runs_names_what_is_left(source: Campaign, tmp_path: 
     replay = Replay(CASE, RecordStore(tmp_path), source)
     assert replay.replayed == CASE.arms  # every arm selected in the source
     held = len(CASE.protocol.heldout_seeds)
-    assert [replay.runs_left(a) for a in CASE.arms] == [held] * len(CASE.arms)
+    assert [replay.runs_left(replay.state(a)) for a in CASE.arms] == [held] * len(CASE.arms)
     # one run per arm, but a run two arms share (the same kind and setting) once
     runs = {(a.kind, replay.run(a, replay.state(a).selected, 0, "").key) for a in CASE.arms}
     assert [len(u.runs) for u in replay.units()] == [len(runs)] * held
     assert {u.stage for u in replay.units()} == {"heldout"}
+    # an arm left out of a replay has nothing left to run
+    two = Replay(CASE, RecordStore(tmp_path), source, ARMS)
+    assert [two.runs_left(two.state(a)) for a in CASE.arms] == [held, held, 0]
+    assert two.state(CASE.arms[2]).stage == "skipped"
 
 
 def test_an_arm_without_a_selection_is_refused(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ PER_ARM = P.budget * len(P.selection_seeds) + len(P.heldout_seeds)
 
 def test_a_fresh_campaign_has_every_arms_budget_and_held_out_seeds_left(tmp_path: Path) -> None:
     campaign = Campaign(CASE, RecordStore(tmp_path))
-    assert [campaign.runs_left(a) for a in CASE.arms] == [PER_ARM] * len(CASE.arms)
+    assert [campaign.runs_left(campaign.state(a)) for a in CASE.arms] == [PER_ARM] * len(CASE.arms)
     # nothing recorded yet: no pace to tell the hours by
     assert not any(line.startswith("left:") for line in campaign.status())
 
@@ -32,7 +32,7 @@ def test_the_runs_left_fall_as_records_arrive_and_each_arms_pace_gives_hours(
     # a K-FAC step costs twice a plain one: its arms' runs take twice as long
     campaign = fill(tmp_path, "quick", step_s=lambda run: 1.2 if run.arm.kfac else 0.6, rounds=1)
     grid = len(CASE.grid(CASE.arms[0]))
-    left = [campaign.runs_left(a) for a in CASE.arms]
+    left = [campaign.runs_left(campaign.state(a)) for a in CASE.arms]
     # the first round is every arm's grid on the selection seed
     assert left == [PER_ARM - grid * len(P.selection_seeds)] * len(CASE.arms)
     line = next(line for line in campaign.status() if line.startswith("left:"))
@@ -57,5 +57,5 @@ def test_a_duration_reads_in_the_unit_a_person_reads_it_in(seconds: float, text:
 
 def test_a_finished_campaign_has_nothing_left(tmp_path: Path) -> None:
     campaign = fill(tmp_path, "quick")
-    assert [campaign.runs_left(a) for a in CASE.arms] == [0] * len(CASE.arms)
+    assert [campaign.runs_left(campaign.state(a)) for a in CASE.arms] == [0] * len(CASE.arms)
     assert not any(line.startswith("left:") for line in campaign.status())

@@ -249,8 +249,9 @@ class Campaign:
         pending now (later stages add runs once these are read) and how many runs
         are in flight with a snapshot."""
         lines = []
-        for arm in self.case.arms:
-            st = self.state(arm)
+        states = [self.state(arm) for arm in self.case.arms]
+        for st in states:
+            arm = st.arm
             text = f"{arm.name:<22} {st.stage:<9} {len(st.tried)}/{self.protocol.budget} settings"
             if st.pending is not None:
                 doing = "pricing" if st.stage == "cost" else "running"
@@ -266,17 +267,14 @@ class Campaign:
             f"pending now: {runs} run(s) in {len(units)} group(s); "
             f"{saved} run(s) in flight saved to resume"
         )
-        left = {arm.name: self.runs_left(arm) for arm in self.case.arms}
+        left = [(st.arm, self.runs_left(st)) for st in states]
         paces = self.paces()
-        if sum(left.values()) and paces:
+        if any(n for _, n in left) and paces:
             overall = statistics.median(t for ts in paces.values() for t in ts)
-            need = sum(
-                n * statistics.median(paces.get(arm.kind, [overall]))
-                for arm, n in zip(self.case.arms, left.values(), strict=True)
-            )
+            need = sum(n * statistics.median(paces.get(arm.kind, [overall])) for arm, n in left)
             lines.append(
-                f"left: about {sum(left.values())} run(s) (each arm's remaining budget on the "
-                "selection seeds, then its held-out seeds); at each arm's median run so far "
+                f"left: about {sum(n for _, n in left)} run(s) (each arm's remaining budget on "
+                "the selection seeds, then its held-out seeds); at each arm's median run so far "
                 f"(all arms' where it has none), about {duration(need)} of one worker"
             )
         return lines
@@ -288,11 +286,12 @@ class Campaign:
             out.setdefault(record["arm"], []).append(float(record["result"]["train_time_s"]))
         return out
 
-    def runs_left(self, arm: Arm) -> int:
-        """About how many runs ``arm`` still needs: the rest of its budget on the
-        selection seeds, then its held-out seeds (cost pairs, which the records
-        call for as the follow-ups arrive, are not counted)."""
-        st = self.state(arm)
+    def runs_left(self, st: ArmState) -> int:
+        """About how many runs the arm standing at ``st`` still needs: the rest
+        of its budget on the selection seeds, then its held-out seeds (cost
+        pairs, which the records call for as the follow-ups arrive, are not
+        counted)."""
+        arm = st.arm
         if st.selected is not None:  # held out, or being held out
             return len(self._missing(arm, st.selected, self.protocol.heldout_seeds))
         held = len(self.protocol.heldout_seeds)

@@ -104,12 +104,13 @@ def _reason(
     verdict: str,
     wins: bool,
     waits: bool,
-    arm: Arm,
+    outside: tuple[list[str], list[str]],
     settings: Sequence[Any],
     per_model: Sequence[str],
 ) -> str:
-    """What the verdict makes of a lever of this kind."""
-    usage, lab = _outside(arm)
+    """What the verdict makes of a lever of this kind (``outside``: its usage
+    and lab-only fields)."""
+    usage, lab = outside
     if lab:
         what = "to be built" if wins else f"not built (a lab lever: {_names(lab)})"
     elif usage and settings:
@@ -145,14 +146,18 @@ def decide(
     per_model = tuple(sorted(k for k, v in values.items() if len(v) > 1))
     settings = tuple(sorted(library_settings(arms[0][2]).items()))
     verdicts = tuple((case, batch, r) for case, (_, batch, r) in measured.items())
-    families = {task: lever_word(r) for task, b, r in measured.values() if b == FAMILY_BATCH}
-    lost = [t for t, w in families.items() if w not in ("win", "tie")]
+    # a family's words over every case of it that measured the lever
+    families: dict[str, set[str]] = {}
+    for task, b, r in measured.values():
+        if b == FAMILY_BATCH:
+            families.setdefault(task, set()).add(lever_word(r))
+    lost = [t for t, w in families.items() if w - {"win", "tie"}]
     lost += [
         c
         for c, (_, b, r) in measured.items()
         if b != FAMILY_BATCH and lever_word(r) not in ("win", "tie")
     ]
-    tied = [t for t, w in families.items() if w == "tie"]
+    tied = [t for t, w in families.items() if t not in lost and "tie" in w]
     run_on = {task for task, batch, _ in arms if batch == FAMILY_BATCH}
     waits = [t for t in FAMILIES if t not in families and t in run_on]
     unrun = [t for t in FAMILIES if t not in families and t not in run_on]
@@ -166,9 +171,10 @@ def decide(
     else:
         verdict = "wins on every family"
     wins = not (lost or tied or waits or unrun)
-    arm = arms[0][2]
-    reason = _reason(verdict, wins, not (lost or tied) and bool(waits), arm, settings, per_model)
-    usage, lab = _outside(arm)
+    usage, lab = outside = _outside(arms[0][2])
+    reason = _reason(
+        verdict, wins, not (lost or tied) and bool(waits), outside, settings, per_model
+    )
     default = wins and not (lab or usage or per_model) and bool(settings)
     return Decision(lever, settings, per_model, verdicts, default, reason)
 

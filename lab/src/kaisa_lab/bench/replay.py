@@ -72,5 +72,5 @@ class Replay(Campaign):
         units = self.heldout_units([self.state(arm) for arm in self.replayed])
         return [u for u in units if u.runs]
 
-    def runs_left(self, arm: Arm) -> int:
-        return super().runs_left(arm) if arm in self.replayed else 0
+    def runs_left(self, st: ArmState) -> int:
+        return 0 if st.stage == "skipped" else super().runs_left(st)
