@@ -25,7 +25,24 @@ def lr_bowl(campaign: Campaign, run: Run) -> int:
     return int(100 + 20 * distance + (10 if run.setting.warmup_epochs else 0))
 
 
-def _record(case: str, run: Run, steps: int, group: str, step_s: float) -> dict[str, Any]:
+def _curve(crossing: float, every: int, step_s: float) -> tuple[int, list[dict[str, float]]]:
+    """Evaluations every ``every`` steps of a loss falling on a straight line
+    through the target (0.5) at step ``crossing``, up to the first at or under
+    it: its step and the curve (each point's clock ``step_s`` a step)."""
+    reached = every * math.ceil(crossing / every)
+    points = [
+        {"step": s, "metric": 0.5 + 0.01 * (crossing - s), "time_s": step_s * s}
+        for s in range(every, reached + 1, every)
+    ]
+    return reached, points
+
+
+def _record(
+    case: str, run: Run, steps: float, group: str, step_s: float, every: int | None = None
+) -> dict[str, Any]:
+    curve: list[dict[str, float]] = []
+    if every is not None:
+        steps, curve = _curve(steps, every, step_s)
     seconds = step_s * steps
     return {
         "schema": SCHEMA,
@@ -48,10 +65,11 @@ def _record(case: str, run: Run, steps: int, group: str, step_s: float) -> dict[
             "final_metric": 0.5,
             "metric": "loss",
             "target": 0.5,
+            "higher_is_better": False,
             "step_times": {"median_ms": 1e3 * step_s, "cpu_median_ms": 1e3 * step_s},
             "fingerprints": {"initial_weights": f"w{run.seed}", "data_order": f"d{run.seed}"},
         },
-        "curve": [],
+        "curve": curve,
         "environment": {},
     }
 
@@ -59,14 +77,18 @@ def _record(case: str, run: Run, steps: int, group: str, step_s: float) -> dict[
 def fill(
     root: Path,
     case_name: str,
-    steps: Callable[[Campaign, Run], int] = lr_bowl,
+    steps: Callable[[Campaign, Run], float] = lr_bowl,
     step_s: Callable[[Run], float] = lambda run: 0.01,
     rounds: int | None = None,
+    every: int | None = None,
 ) -> Campaign:
     """Write every record ``case_name``'s protocol calls for under ``root``, each
     run's steps to target from ``steps`` and its seconds a step from
     ``step_s``; the campaign, all its arms done (or, with ``rounds``, after
-    that many rounds of the units the records call for)."""
+    that many rounds of the units the records call for). With ``every``, a
+    run is evaluated every that many steps: ``steps`` gives where its loss
+    crosses the target, its steps to target are the first evaluation at or
+    past it, and its curve holds every evaluation up to there."""
     store = RecordStore(root)
     campaign = Campaign(get_case(case_name), store)
     done = 0
@@ -74,6 +96,9 @@ def fill(
         done += 1
         for unit in units:
             for run in unit.runs:
-                store.write(_record(case_name, run, steps(campaign, run), unit.name, step_s(run)))
+                record = _record(
+                    case_name, run, steps(campaign, run), unit.name, step_s(run), every
+                )
+                store.write(record)
         campaign.refresh()
     return campaign

@@ -24,7 +24,14 @@ from kaisa_lab.bench.cases import CASES, KFAC_KNOBS, Arm, get_case
 from kaisa_lab.bench.protocol import Outcome, Protocol, Setting, best, followup, grid, work_base
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key
 from kaisa_lab.bench.report import lever_verdict, markdown_heldout, markdown_tuning
-from kaisa_lab.bench.rows import FairnessError, heldout_rows, paired_ratio, quotient
+from kaisa_lab.bench.rows import (
+    FairnessError,
+    heldout_rows,
+    paired_ratio,
+    quotient,
+    steps_between,
+    time_between,
+)
 from kaisa_lab.cli import trainer as trainer_module
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.main import main
@@ -565,10 +572,17 @@ def test_the_levers_table_sets_each_lever_beside_kfac_at_the_defaults_on_its_bas
     costs = [
         (a["step_times"]["cpu_median_ms"], b["step_times"]["cpu_median_ms"]) for a, b in by_seed
     ]
-    assert cells[4] == f"{statistics.median(a / b for a, b in costs):.2f} (CPU)"
+    assert cells[5] == f"{statistics.median(a / b for a, b in costs):.2f} (CPU)"
     ratio = paired_ratio(ours, ref)
-    assert ratio is not None and cells[7] == lever_verdict(ratio)
-    assert cells[5] == cell("time_to_target_s") and cells[6] == cell("cpu_time_to_target_s")
+    assert ratio is not None and cells[9] == lever_verdict(ratio)
+    assert cells[6] == cell("time_to_target_s") and cells[8] == cell("cpu_time_to_target_s")
+    # read between evaluations: the same pairing of each run's crossing
+    pairs = [(m, t) for m in ours.records for t in ref.records if m["seed"] == t["seed"]]
+    for index, read in ((4, steps_between), (7, time_between)):
+        ratios = [quotient(read(a), read(b)) for a, b in pairs]
+        ratios = [q for q in ratios if not math.isnan(q)]
+        value = statistics.median(ratios) if ratios else math.nan
+        assert cells[index] == (f"{value:.2f}" if math.isfinite(value) and value > 0 else "-")
 
     # across families: the same paired ratio in the case's column, "-" in a case
     # that runs the lever but has no record of it, and the families measured

@@ -51,14 +51,17 @@ def test_the_time_check_pairs_the_fastest_kfac_arm_with_the_fastest_peer(
     assert check.compared == "muon + K-FAC (tuned) / muon"
     assert check.ratio == pytest.approx(0.7 * 1.1)
     assert check.verdict == "met"
-    assert check.why == "steps 0.70×, time a step 1.10×"
+    assert check.why == (
+        "steps 0.70× (0.70× between evaluations), time a step 1.10×, "
+        "time 0.77× between evaluations"
+    )
     assert time_check(text_lm, limit=0.75).verdict == "missed"
 
 
 def test_the_steps_check_reads_steps_not_time(text_lm: Campaign) -> None:
     check = steps_check(text_lm, limit=0.7)
     assert check.ratio == pytest.approx(0.7) and check.verdict == "met"
-    assert check.why == "steps 0.70×"
+    assert check.why == "steps 0.70× (0.70× between evaluations)"
     assert steps_check(text_lm, limit=0.65).verdict == "missed"
 
 
@@ -70,7 +73,10 @@ def test_the_defaults_check_is_adamw_with_kfac_at_the_defaults_against_adamw(
     # 0.8× the steps at 1.25× the step: the same time, and the figures say why
     assert check.ratio == pytest.approx(1.0)
     assert check.verdict == "missed"
-    assert check.why == "steps 0.80×, time a step 1.25×"
+    assert check.why == (
+        "steps 0.80× (0.80× between evaluations), time a step 1.25×, "
+        "time 1.00× between evaluations"
+    )
 
 
 def test_a_case_still_being_measured_is_not_read(text_lm: Campaign) -> None:

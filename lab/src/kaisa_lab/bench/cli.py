@@ -38,6 +38,7 @@ from kaisa_lab.bench.plots import plot_heldout, plot_levers_across
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.replay import Replay
 from kaisa_lab.bench.report import (
+    markdown_between,
     markdown_heldout,
     markdown_levers,
     markdown_levers_across,
@@ -57,7 +58,7 @@ del _costs
 
 #: where records are read and written unless ``--records`` says otherwise
 DEFAULT_RECORDS = Path("benchmarks/records")
-TABLES = ("heldout", "tuning", "selection", "machine", "levers")
+TABLES = ("heldout", "between", "tuning", "selection", "machine", "levers")
 STAGES = ("grid", "followup", "cost", "heldout")
 
 
@@ -261,6 +262,7 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
             "selection": markdown_selection,
             "machine": markdown_machine,
             "levers": markdown_levers,
+            "between": markdown_between,
         }.get(args.table, markdown_heldout)
         code = _print_fair(lambda: render(campaign), "report")
         if code == 0 and args.plot is not None:

@@ -23,8 +23,13 @@ protocol and compared on the held-out seeds. In numbers:
 Each :class:`Check` reads *met*, *missed* or why it cannot be read yet, next
 to the figures that say why: behind a time, the steps and the time a step,
 each a paired ratio like every ratio of the reports
-(:func:`~kaisa_lab.bench.rows.paired_ratio`). Nothing is typed in: a case
-still being measured reads as such.
+(:func:`~kaisa_lab.bench.rows.paired_ratio`), and the steps and the time read
+between evaluations (:func:`~kaisa_lab.bench.rows.steps_between`): where a
+run is evaluated every 20 steps and reaches its target near 60 or 140, the
+measured ratio moves in jumps larger than the effects it weighs, and the
+reading between evaluations says which way the jump hid. The verdict is the
+measured ratio's. Nothing is typed in: a case still being measured reads as
+such.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ from kaisa_lab.bench.rows import (
     complete_rows,
     paired_ratio,
     quotient,
+    steps_between,
     steps_to_target,
+    time_between,
     time_per_step,
     time_to_target,
     trained_apart,
@@ -133,9 +140,13 @@ def _pair(row: ArmRow, peer: ArmRow, bar: str, where: str, limit: float, steps: 
     """``row`` against ``peer``: their times (or steps) paired by seed, and the
     steps and time a step behind them."""
     ratio = paired_ratio(row, peer, steps_to_target if steps else time_to_target)
-    why = [f"steps {_ratio_text(paired_ratio(row, peer, steps_to_target))}"]
+    why = [
+        f"steps {_ratio_text(paired_ratio(row, peer, steps_to_target))} "
+        f"({_ratio_text(paired_ratio(row, peer, steps_between))} between evaluations)"
+    ]
     if not steps:
         why.append(f"time a step {_ratio_text(paired_ratio(row, peer, time_per_step))}")
+        why.append(f"time {_ratio_text(paired_ratio(row, peer, time_between))} between evaluations")
     pending = "trained apart" if trained_apart(row, peer) else "not measured yet"
     return Check(
         bar,

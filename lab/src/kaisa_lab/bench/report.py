@@ -13,6 +13,9 @@ The time-to-target tables:
   group and so the machine's load). The rows are checked first: every arm
   started each held-out seed from the same weights and data order (the
   records' fingerprints); a mismatch is an error, not a row.
+- ``between``: the held-out figures read at the evaluations beside the
+  same read between them (where each run's curve crossed the target within
+  its evaluation interval);
 - ``tuning``: every setting each arm tried, with its median steps and time
   over the selection seeds (and, for a setting that changes a step's work,
   its cost pair's step cost), the selected one marked;
@@ -36,12 +39,15 @@ from kaisa_lab.bench.rows import (
     complete_rows,
     cpu_step_ms,
     cpu_time_to_target,
+    evaluated_every,
     heldout_rows,
     lever_pairs,
     lever_ratios,
     paired_ratio,
     step_ms,
+    steps_between,
     steps_to_target,
+    time_between,
     time_to_target,
     trained_apart,
 )
@@ -52,6 +58,7 @@ __all__ = [
     "arm_label",
     "lever_verdict",
     "lever_word",
+    "markdown_between",
     "markdown_heldout",
     "markdown_levers",
     "markdown_levers_across",
@@ -80,14 +87,21 @@ def arm_label(arm: Arm) -> str:
     return f"{arm.optimizer} + K-FAC ({'tuned' if arm.knobs else 'library defaults'}{lever})"
 
 
+def _references(rows: Sequence[ArmRow]) -> tuple[ArmRow | None, dict[str, ArmRow]]:
+    """What a case's rows are read against: the best first-order arm (the
+    fastest by median time to target; None without one) and each first-order
+    arm by name, a K-FAC arm's base."""
+    first_order = [r for r in rows if not r.arm.kfac]
+    peer = min(first_order, key=lambda r: r.median_time_s) if first_order else None
+    return peer, {r.arm.kind: r for r in first_order}
+
+
 def markdown_heldout(campaign: Campaign) -> str:
     """The held-out table of a case, as markdown."""
     rows = heldout_rows(campaign)
     if not rows:
         return "_No held-out records yet._\n"
-    first_order = [r for r in rows if not r.arm.kfac]
-    peer = min(first_order, key=lambda r: r.median_time_s) if first_order else None
-    by_kind = {r.arm.kind: r for r in rows if not r.arm.kfac}
+    peer, by_kind = _references(rows)
     # the CPU clock's column where any arm has it (records written since it was kept)
     with_cpu = any(r.cpu_ms is not None for r in rows)
     lines = [
@@ -108,6 +122,42 @@ def markdown_heldout(campaign: Campaign) -> str:
             f"| {arm_label(row.arm)} | {row.setting} | {row.reached}/{row.seeds} "
             f"| {_fmt(row.steps, '.0f')} | {_fmt(row.time_s, '.3g')} | {cost} "
             f"| {vs_peer} | {vs_base} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def markdown_between(campaign: Campaign) -> str:
+    """The held-out figures read at the evaluations beside the same read
+    between them (:func:`~kaisa_lab.bench.rows.steps_between`): per arm, how
+    often its runs were evaluated, its steps to target both ways (median
+    [min–max] over the seeds that reached it) and its time against the best
+    first-order arm's and its base optimizer's, paired by seed, both ways.
+
+    Why: a step count read every few steps moves in jumps of one interval,
+    which near a short run's target can be larger than the difference two
+    arms make; the straight line between the two evaluations around the
+    crossing says where within the interval each run crossed. The protocol's
+    figures stay those read at the evaluations (the held-out table)."""
+    rows = heldout_rows(campaign)
+    if not rows:
+        return "_No held-out records yet._\n"
+    peer, by_kind = _references(rows)
+    name = arm_label(peer.arm) if peer else "best first-order"
+    lines = [
+        "| arm | evaluated every (steps) | steps to target | between evaluations "
+        f"| time vs {name} | between evaluations | time vs its base | between evaluations |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        base = by_kind.get(row.arm.optimizer) if row.arm.kfac else None
+        every = evaluated_every(row.records)
+        reached = [steps_between(r) for r in row.records if r["result"]["reached"]]
+        between = (statistics.median(reached), min(reached), max(reached)) if reached else None
+        lines.append(
+            f"| {arm_label(row.arm)} | {'-' if every is None else every} "
+            f"| {_fmt(row.steps, '.0f')} | {_fmt(between, '.0f')} "
+            f"| {_paired_cell(row, peer)} | {_paired_cell(row, peer, time_between)} "
+            f"| {_paired_cell(row, base)} | {_paired_cell(row, base, time_between)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -265,18 +315,21 @@ def markdown_levers(campaign: Campaign) -> str:
     The step's cost is its CPU time where both arms' records have it (the
     cost whatever else the machine ran), the wall clock's otherwise; the
     time to target is read on both clocks (the verdict on the wall clock's,
-    the protocol's measure)."""
+    the protocol's measure); the steps and the wall clock's time are read
+    between evaluations too (:func:`~kaisa_lab.bench.rows.steps_between`:
+    where within its evaluation interval each run crossed the target)."""
     levers = lever_pairs(heldout_rows(campaign))
     if not levers:
         return "_No lever arm held out yet._\n"
     lines = [
-        "| lever | K-FAC at the defaults on | reached | steps vs defaults | step cost vs defaults "
-        "| time vs defaults | CPU time vs defaults | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| lever | K-FAC at the defaults on | reached | steps vs defaults | between evaluations "
+        "| step cost vs defaults | time vs defaults | between evaluations | CPU time vs defaults "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row, ref in levers:
         if ref is None:
-            lines.append(f"| {row.arm.kind} | {row.arm.optimizer}: not held out | | | | | | |")
+            lines.append(f"| {row.arm.kind} | {row.arm.optimizer}: not held out |" + " |" * 8)
             continue
         ratio = paired_ratio(row, ref)
         if ratio is not None:
@@ -285,8 +338,10 @@ def markdown_levers(campaign: Campaign) -> str:
             word = "not paired (trained apart)" if trained_apart(row, ref) else "-"
         lines.append(
             f"| {row.arm.kind} | {row.arm.optimizer} | {row.reached}/{row.seeds} "
-            f"| {_paired_cell(row, ref, steps_to_target)} | {_step_cost_ratio(row, ref)} "
-            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, cpu_time_to_target)} "
+            f"| {_paired_cell(row, ref, steps_to_target)} "
+            f"| {_paired_cell(row, ref, steps_between)} | {_step_cost_ratio(row, ref)} "
+            f"| {_paired_cell(row, ref)} | {_paired_cell(row, ref, time_between)} "
+            f"| {_paired_cell(row, ref, cpu_time_to_target)} "
             f"| {word} |"
         )
     return "\n".join(lines) + "\n"
