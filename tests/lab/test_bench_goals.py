@@ -52,8 +52,7 @@ def test_the_time_check_pairs_the_fastest_kfac_arm_with_the_fastest_peer(
     assert check.ratio == pytest.approx(0.7 * 1.1)
     assert check.verdict == "met"
     assert check.why == (
-        "steps 0.70× (0.70× between evaluations), time a step 1.10×, "
-        "time 0.77× between evaluations"
+        "steps 0.70× (0.70× between evaluations), time a step 1.10×, time 0.77× between evaluations"
     )
     assert time_check(text_lm, limit=0.75).verdict == "missed"
 
@@ -74,8 +73,7 @@ def test_the_defaults_check_is_adamw_with_kfac_at_the_defaults_against_adamw(
     assert check.ratio == pytest.approx(1.0)
     assert check.verdict == "missed"
     assert check.why == (
-        "steps 0.80× (0.80× between evaluations), time a step 1.25×, "
-        "time 1.00× between evaluations"
+        "steps 0.80× (0.80× between evaluations), time a step 1.25×, time 1.00× between evaluations"
     )
 
 
