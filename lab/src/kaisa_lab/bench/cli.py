@@ -49,6 +49,7 @@ from kaisa_lab.bench.report import (
 )
 from kaisa_lab.bench.rows import FairnessError
 from kaisa_lab.bench.timing import TIMING_CASES, TimingCase, latest, run_timing
+from kaisa_lab.cli.compiled import BACKENDS
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.tasks import tuned
 
@@ -157,6 +158,14 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
             metavar="DIR",
             help="a replay: each arm at the setting the case's campaign in DIR selected, its "
             "held-out seeds only, recorded in --records (another machine or device)",
+        )
+        parser.add_argument(
+            "--compile-model",
+            nargs="?",
+            const="inductor",
+            choices=BACKENDS,
+            help="with --selected-from: every arm's model compiled with torch.compile under "
+            "this backend (default inductor), K-FAC attached first; its own records",
         )
     run.add_argument(
         "--arms",
@@ -278,15 +287,21 @@ def _campaign(args: argparse.Namespace, error: Any) -> Campaign:
     store = RecordStore(args.records)
     source = getattr(args, "selected_from", None)
     arms = getattr(args, "arms", None)
+    compiled = getattr(args, "compile_model", None)
     if source is None:
         if arms is not None:
             error("argument --arms: it names the arms of a replay; give it with --selected-from")
+        if compiled is not None:
+            error(
+                "argument --compile-model: a replay's option (a campaign tunes eager runs); "
+                "give it with --selected-from"
+            )
         return Campaign(case, store)
     if source.resolve() == args.records.resolve():
         error("argument --selected-from: a replay records into a folder of its own (--records)")
     names = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
     try:
-        return Replay(case, store, Campaign(case, RecordStore(source)), names)
+        return Replay(case, store, Campaign(case, RecordStore(source)), names, compiled)
     except ValueError as exc:
         error(f"argument --{exc}")
         raise

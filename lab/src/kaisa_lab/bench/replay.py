@@ -17,9 +17,11 @@ have selected other settings: that takes the whole protocol there.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kaisa_lab.bench.campaign import ArmState, Campaign, Unit
+from kaisa_lab.bench.campaign import ArmState, Campaign, Run, Unit
 from kaisa_lab.bench.cases import Arm, TrainCase
+from kaisa_lab.bench.protocol import Setting
 from kaisa_lab.bench.records import RecordStore
 
 __all__ = ["Replay"]
@@ -27,7 +29,9 @@ __all__ = ["Replay"]
 
 class Replay(Campaign):
     """``case``'s held-out seeds for ``arms`` (names; None: every arm ``source``
-    has selected) at ``source``'s selections, recorded in ``store``."""
+    has selected) at ``source``'s selections, recorded in ``store``; with
+    ``compile_model``, every run's model compiled under that backend
+    (:mod:`kaisa_lab.cli.compiled`)."""
 
     def __init__(
         self,
@@ -35,7 +39,10 @@ class Replay(Campaign):
         store: RecordStore,
         source: Campaign,
         arms: Sequence[str] | None = None,
+        compile_model: str | None = None,
     ) -> None:
+        #: every replayed run's model compiled under this backend (None: eager)
+        self.compile_model = compile_model
         self.source = {arm.name: source.state(arm) for arm in case.arms}
         names = [a.name for a in case.arms]
         unknown = [a for a in arms or () if a not in names]
@@ -57,6 +64,14 @@ class Replay(Campaign):
                     f"arms: no selection yet in {source.store.root} for {', '.join(waiting)}"
                 )
         super().__init__(case, store)
+
+    def run(self, arm: Arm, setting: Setting, seed: int, role: str) -> Run:
+        """The source's run, its model compiled where the replay says so (a
+        key of its own: compiled and eager records never mix)."""
+        run = super().run(arm, setting, seed, role)
+        if self.compile_model is None:
+            return run
+        return replace(run, spec=replace(run.spec, compile_model=self.compile_model))
 
     def state(self, arm: Arm) -> ArmState:
         """The source's selection, held out here or not yet; an arm not

@@ -33,6 +33,7 @@ from kaisa.config import DistributedStrategy
 from kaisa.distributed.plan import grad_workers_for
 from kaisa_lab.bench.cli import add_bench_parser, run_bench
 from kaisa_lab.cli import distributed
+from kaisa_lab.cli.compiled import BACKENDS
 from kaisa_lab.cli.options import add_kfac_arguments
 from kaisa_lab.cli.plan import add_plan_parser, run_plan
 from kaisa_lab.cli.plot import plot_runs
@@ -223,6 +224,15 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile heavyball's soap and shampoo with torch.compile, as heavyball does by "
         "default (the compilation falls in the untimed warm-up; default: on). "
         "--no-compile-baselines runs them eager: same math, no minutes of compiling",
+    )
+    run.add_argument(
+        "--compile-model",
+        nargs="?",
+        const="inductor",
+        choices=BACKENDS,
+        help="compile every arm's model with torch.compile under this backend (default "
+        "inductor), K-FAC attached first: its statistics formed inside the graphs; the "
+        "compilation falls in the untimed warm-up (default: eager)",
     )
     run.add_argument("--data-dir", type=Path, help="folder with the task's data (cifar10)")
     run.add_argument("--out", type=Path, help="output folder (default: runs/<task>-<timestamp>)")

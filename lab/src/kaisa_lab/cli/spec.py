@@ -72,6 +72,10 @@ class RunSpec:
     #: heavyball's baselines (soap, shampoo) compiled as their library does by
     #: default (the compilation falls in the untimed warm-up), or eager
     compile_baseline: bool = True
+    #: the model compiled with ``torch.compile`` under this backend after
+    #: K-FAC is attached, for every arm alike (None: eager;
+    #: :mod:`kaisa_lab.cli.compiled`): its statistics formed inside the graphs
+    compile_model: str | None = None
     #: ``muon`` only: Newton–Schulz iterations per step (torch's default 5); a
     #: lever to measure: fewer, once K-FAC has whitened the direction
     muon_ns_steps: int = 5
@@ -130,6 +134,7 @@ class RunSpec:
             **({"fisher": self.fisher} if self.fisher != "empirical" else {}),
             **({"kfac_layers": self.kfac_layers} if self.kfac_layers != "all" else {}),
             **({"cost_pair": self.cost_pair} if self.cost_pair is not None else {}),
+            **({"compile_model": self.compile_model} if self.compile_model is not None else {}),
             **(
                 {"position_fraction": self.position_fraction}
                 if self.position_fraction is not None
@@ -282,6 +287,7 @@ def build_specs(
         "stop_at_target": args.stop_at_target,
         "evals_per_epoch": _pick(args.evals_per_epoch, defaults.evals_per_epoch),
         "compile_baseline": getattr(args, "compile_baselines", True),
+        "compile_model": getattr(args, "compile_model", None),
     }
     return [
         _spec(args, task, optimizer, use_kfac, common)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa_lab.cli.compiled import signature
 from kaisa_lab.cli.distributed import DistContext, eval_indices, train_sampler
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.schedule import LRSchedule
@@ -203,16 +204,20 @@ def warm_up(
     """Run a few untimed steps of each kind of run on throwaway models.
 
     The first steps of a process pay one-off costs (thread pools, allocator,
-    lazy imports, LAPACK initialisation, a compiled optimizer's compilation);
-    without a warm-up they would be charged to whichever run comes first.
+    lazy imports, LAPACK initialisation, a compiled optimizer's compilation,
+    a compiled model's: a factor step's graphs and a non-factor step's, for
+    each signature of :func:`kaisa_lab.cli.compiled.signature`); without a
+    warm-up they would be charged to whichever run comes first.
     The global random state is restored afterwards, so a warm-up changes no
     run's result.
     """
-    seen: set[tuple[str, bool, int]] = set()
+    seen: set[tuple[str, bool, int, str]] = set()
     state = torch.random.get_rng_state()
     try:
         for spec in specs:
-            key = (spec.optimizer, spec.kfac, spec.batch_size)
+            # a compiled run's graphs are its signature's (kaisa_lab.cli.compiled)
+            compiled = "" if spec.compile_model is None else signature(spec)
+            key = (spec.optimizer, spec.kfac, spec.batch_size, compiled)
             if key in seen:
                 continue
             seen.add(key)

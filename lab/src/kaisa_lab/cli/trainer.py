@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa_lab.cli.compiled import compile_run
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.levers import (
@@ -112,6 +113,11 @@ class Trainer:
         self._mc = (
             torch.Generator().manual_seed(10_000 + spec.seed) if spec.fisher == "mc" else None
         )
+        #: whether the model runs compiled (:mod:`kaisa_lab.cli.compiled`)
+        self.compiled = spec.compile_model is not None
+        if self.compiled:
+            # after K-FAC is attached: its statistics are then formed in the graphs
+            self.net = compile_run(spec, self.model, self.net, self.preconditioner, ctx.device)
 
     def __enter__(self) -> Trainer:
         return self
@@ -156,6 +162,9 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on a batch; returns the (detached) batch loss."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.compiled:
+            # one graph for every batch size (an epoch's last batch may be short)
+            torch._dynamo.mark_dynamic(x, 0)
         self.optimizer.zero_grad(set_to_none=True)
         precond = self.preconditioner
         if self._mc is not None and precond.factor_step:
