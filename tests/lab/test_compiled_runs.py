@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,12 +17,13 @@ from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import get_case
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.replay import Replay
-from kaisa_lab.cli.compiled import signature
+from kaisa_lab.cli import train as train_module
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.main import main
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.cli.train import train_lockstep, warm_up
+from kaisa_lab.cli.trainer import Trainer
 from kaisa_lab.tasks.registry import get_task
 
 CPU = DistContext(device=torch.device("cpu"))
@@ -57,40 +59,35 @@ def _curve(result: object) -> list[float]:
     return [float(v) for r in curve for v in (r.step, r.train_loss, r.metric)]
 
 
-def test_a_compiled_group_trains_as_the_eager_one_and_compiles_off_the_clock() -> None:
+def test_a_compiled_group_trains_as_the_eager_one_and_compiles_off_the_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     task = get_task("digits-mlp")
     data = task.load()
     eager = train_lockstep(_specs(None), task, data, CPU, QUIET)
     specs = _specs("aot_eager")
     torch._dynamo.reset()
     warm_up(specs, task, data, CPU)
-    compiled_in_warm_up = counters["stats"]["unique_graphs"]
-    # each K-FAC run's factor and other step, the plain forward
-    assert compiled_in_warm_up >= 5
+    assert counters["stats"]["unique_graphs"] == 0  # the throwaway warm-up runs eager
+    # the graphs each run compiled before the rounds (its clock) started, and during them
+    compiled: list[int] = []
+    rounds = train_module._run_rounds
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        compiled.append(counters["stats"]["unique_graphs"])
+        rounds(*args, **kwargs)
+        compiled.append(counters["stats"]["unique_graphs"])
+
+    monkeypatch.setattr(train_module, "_run_rounds", counted)
     results = train_lockstep(specs, task, data, CPU, QUIET)
-    # nothing compiled once the runs' clocks ran
-    assert counters["stats"]["unique_graphs"] == compiled_in_warm_up
+    # each K-FAC run's factor and other step, the plain forward: all before the clock
+    assert compiled[0] >= 5 and compiled[1] == compiled[0]
     for ours, theirs in zip(results, eager, strict=True):
         assert len(ours.curve) == 3 and ours.curve[-1].step == theirs.curve[-1].step
         assert _curve(ours) == pytest.approx(_curve(theirs), rel=1e-5, abs=1e-6)
     # K-FAC did its work under compile: its runs are not the plain one's
     assert _curve(results[0]) != pytest.approx(_curve(results[1]), rel=1e-3)
     assert _curve(results[2]) != pytest.approx(_curve(results[1]), rel=1e-3)
-
-
-def test_a_signature_names_what_shapes_the_graphs() -> None:
-    kfac, plain, _ = _specs("inductor")
-    assert signature(kfac) != signature(plain)
-    # the seed, the lr and the schedule change no graph
-    assert signature(dataclasses.replace(kfac, seed=7, lr=0.5, warmup_epochs=0.0)) == signature(
-        kfac
-    )
-    for change in (
-        {"kfac_kwargs": {**kfac.kfac_kwargs, "skip_layers": ["0"]}},
-        {"position_fraction": 0.125},
-        {"compile_model": "aot_eager"},
-    ):
-        assert signature(dataclasses.replace(kfac, **change)) != signature(kfac)  # type: ignore[arg-type]
 
 
 def test_a_compiled_run_has_a_key_of_its_own_and_an_eager_one_keeps_its_own() -> None:
@@ -147,3 +144,26 @@ def test_a_compiled_replay_records_and_reports_its_runs_apart(
     # the eager replay of the same folder has none of them
     assert main(["bench", "report", "quick", *out]) == 0
     assert capsys.readouterr().out == "_No held-out records yet._\n"
+
+
+def test_runs_reading_a_fraction_of_the_positions_are_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    """kaisa refuses a compiled forward that samples positions; the lab says
+    so before a run starts, naming the arms."""
+    from tests.lab.fake_campaign import fill
+
+    kfac = _specs(None)[0]
+    with pytest.raises(ValueError, match="reads a fraction of the positions"):
+        Trainer(
+            dataclasses.replace(kfac, position_fraction=0.5, compile_model="aot_eager"),
+            get_task("digits-mlp"),
+            CPU,
+        )
+    case = get_case("text-lm-levers")
+    source = fill(tmp_path / "source", case.name)
+    with pytest.raises(ValueError, match=r"compile-model: muon\+kfac-pos0.125"):
+        Replay(case, RecordStore(tmp_path / "replay"), source, None, "inductor")
+    # without those arms, or eager, the replay is built
+    Replay(case, RecordStore(tmp_path / "replay"), source, ["muon", "muon+kfac"], "inductor")
+    Replay(case, RecordStore(tmp_path / "replay"), source)

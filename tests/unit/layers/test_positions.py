@@ -265,14 +265,31 @@ def test_bad_position_options_are_refused_by_name(options: dict, message: str) -
         KFACPreconditioner(net, **options)
 
 
-def test_a_compiled_forward_is_refused_with_the_reason() -> None:
-    """The draws change every factor step on the host; a graph would freeze them."""
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_forward_is_refused_with_the_reason(fullgraph: bool) -> None:
+    """The draws change every factor step on the host; a graph would freeze
+    them. The refusal reaches the caller whether or not the compile is
+    fullgraph (without it, a raise dynamo traced would become a graph break
+    and an eager fallback, silently)."""
     torch._dynamo.reset()
     net, x = _sequence_net()
     KFACPreconditioner(net, lr=0.1, factor_position_fraction=0.5)
-    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=fullgraph)
     with pytest.raises(Exception, match="compiled forward cannot follow"):
         compiled(x)
+    torch._dynamo.reset()
+
+
+def test_a_compiled_self_attention_is_refused_too() -> None:
+    """The self-attention kaisa runs under compile reads its projections'
+    positions the same way: refused, not left without statistics."""
+    torch._dynamo.reset()
+    net = nn.MultiheadAttention(4, 2, batch_first=True)
+    x = torch.randn(3, 10, 4)
+    KFACPreconditioner(net, lr=0.1, factor_position_fraction=0.5)
+    compiled = torch.compile(net, backend="aot_eager")
+    with pytest.raises(Exception, match="compiled forward cannot follow"):
+        compiled(x, x, x, need_weights=False)
     torch._dynamo.reset()
 
 

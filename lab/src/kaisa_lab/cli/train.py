@@ -16,6 +16,7 @@ the step that launched them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -29,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa_lab.cli.compiled import signature
 from kaisa_lab.cli.distributed import DistContext, eval_indices, train_sampler
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.schedule import LRSchedule
@@ -47,6 +47,7 @@ __all__ = [
     "make_optimizer",
     "train_lockstep",
     "train_run",
+    "warm_compiled",
     "warm_up",
 ]
 
@@ -204,29 +205,48 @@ def warm_up(
     """Run a few untimed steps of each kind of run on throwaway models.
 
     The first steps of a process pay one-off costs (thread pools, allocator,
-    lazy imports, LAPACK initialisation, a compiled optimizer's compilation,
-    a compiled model's: a factor step's graphs and a non-factor step's, for
-    each signature of :func:`kaisa_lab.cli.compiled.signature`); without a
-    warm-up they would be charged to whichever run comes first.
+    lazy imports, LAPACK initialisation, a compiled optimizer's compilation);
+    without a warm-up they would be charged to whichever run comes first. A
+    compiled model's compilation is its own run's (:func:`warm_compiled`).
     The global random state is restored afterwards, so a warm-up changes no
     run's result.
     """
-    seen: set[tuple[str, bool, int, str]] = set()
+    seen: set[tuple[str, bool, int]] = set()
     state = torch.random.get_rng_state()
     try:
         for spec in specs:
-            # a compiled run's graphs are its signature's (kaisa_lab.cli.compiled)
-            compiled = "" if spec.compile_model is None else signature(spec)
-            key = (spec.optimizer, spec.kfac, spec.batch_size, compiled)
+            key = (spec.optimizer, spec.kfac, spec.batch_size)
             if key in seen:
                 continue
             seen.add(key)
             order = torch.arange(min(len(data.train), steps * spec.batch_size))
-            with Trainer(spec, task, ctx) as trainer:
+            # eager: a compiled run compiles on its own model (warm_compiled)
+            with Trainer(dataclasses.replace(spec, compile_model=None), task, ctx) as trainer:
                 for chunk in order.split(spec.batch_size):
                     trainer.step(*data.train.get_batch(chunk))
     finally:
         torch.random.set_rng_state(state)
+
+
+def warm_compiled(trainer: Trainer, data: TaskData, batch_size: int, steps: int = 3) -> None:
+    """Compile a compiled run's graphs on its own model before its clock starts.
+
+    A few steps on the first training batches — a factor step and a
+    non-factor step among them, the two variants kaisa's capture compiles —
+    then every state back as it was: the weights, the optimizer's and the
+    preconditioner's state, the run's and the global generators (the same
+    restore a snapshot's resume is tested to be exact with). Its hooks are
+    part of its compiled code's guards (:mod:`kaisa_lab.cli.compiled`), so
+    only its own model's steps compile what it will run."""
+    saved = copy.deepcopy(trainer.state_dict())
+    generators = _RandomState.take()
+    order = torch.arange(min(len(data.train), steps * batch_size))
+    try:
+        for chunk in order.split(batch_size):
+            trainer.step(*data.train.get_batch(chunk))
+    finally:
+        trainer.load_state_dict(saved)
+        generators.put()
 
 
 def eval_steps(steps_per_epoch: int, evals_per_epoch: int) -> frozenset[int]:
@@ -486,6 +506,8 @@ def train_lockstep(
             if snapshots is not None:
                 lane = _resume(lane, snapshots, progress)
             stack.callback(lane.trainer.close)
+            if spec.compile_model is not None:
+                warm_compiled(lane.trainer, data, spec.batch_size)
             lanes.append(lane)
             progress.log(_header(lane))
         if snapshots is not None:

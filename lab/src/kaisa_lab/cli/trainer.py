@@ -117,7 +117,7 @@ class Trainer:
         self.compiled = spec.compile_model is not None
         if self.compiled:
             # after K-FAC is attached: its statistics are then formed in the graphs
-            self.net = compile_run(spec, self.model, self.net, self.preconditioner, ctx.device)
+            self.net = compile_run(spec, self.net, self.preconditioner, ctx.device)
 
     def __enter__(self) -> Trainer:
         return self
