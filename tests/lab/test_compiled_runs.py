@@ -120,7 +120,7 @@ def test_compile_model_is_a_replays_option(
         main(["bench", "status", "quick", "--records", str(tmp_path), "--compile-model"])
     assert "argument --compile-model: a replay's option" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["train", "digits-mlp", "--compile-model", "tvm"])
+        main(["train", "--task", "digits-mlp", "--compile-model", "tvm"])
     assert "--compile-model: invalid choice: 'tvm'" in capsys.readouterr().err
 
 
