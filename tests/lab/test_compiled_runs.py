@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,17 @@ from kaisa_lab.tasks.registry import get_task
 
 CPU = DistContext(device=torch.device("cpu"))
 QUIET = Progress(enabled=False, bars=False)
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_as_it_was() -> Iterator[None]:
+    """A compiled run sets dynamo's process-wide guards and limits (what a
+    lab process wants); the tests after these get them back as they were."""
+    config = torch._dynamo.config
+    saved = (config.skip_nnmodule_hook_guards, config.recompile_limit)
+    yield
+    config.skip_nnmodule_hook_guards, config.recompile_limit = saved
+    torch._dynamo.reset()
 
 
 def _specs(compile_model: str | None) -> list[RunSpec]:
