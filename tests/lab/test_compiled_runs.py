@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import get_case
 from kaisa_lab.bench.records import RecordStore
 from kaisa_lab.bench.replay import Replay
@@ -24,7 +23,6 @@ from kaisa_lab.cli.main import main
 from kaisa_lab.cli.progress import Progress
 from kaisa_lab.cli.spec import RunSpec
 from kaisa_lab.cli.train import train_lockstep, warm_up
-from kaisa_lab.cli.trainer import Trainer
 from kaisa_lab.tasks.registry import get_task
 
 CPU = DistContext(device=torch.device("cpu"))
@@ -123,7 +121,6 @@ def test_a_replay_compiles_only_when_asked_and_its_records_are_apart(tmp_path: P
     assert all(r.spec.compile_model is None for r in unit.runs)
     assert all(r.spec.compile_model == "inductor" for r in twin.runs)
     assert {r.key for r in unit.runs}.isdisjoint(r.key for r in twin.runs)
-    assert isinstance(source, Campaign)
 
 
 def test_compile_model_is_a_replays_option(
@@ -162,17 +159,23 @@ def test_a_compiled_replay_records_and_reports_its_runs_apart(
 def test_runs_reading_a_fraction_of_the_positions_are_refused_before_training(
     tmp_path: Path,
 ) -> None:
-    """kaisa refuses a compiled forward that samples positions; the lab says
-    so before a run starts, naming the arms."""
+    """kaisa refuses a compiled forward that samples positions: its error
+    stops such a run before its clock (its compiling steps), and a replay
+    names such arms before it starts."""
     from tests.lab.fake_campaign import fill
 
-    kfac = _specs(None)[0]
-    with pytest.raises(ValueError, match="reads a fraction of the positions"):
-        Trainer(
-            dataclasses.replace(kfac, position_fraction=0.5, compile_model="aot_eager"),
-            get_task("digits-mlp"),
-            CPU,
-        )
+    task = get_task("text-lm")  # sequences: positions to sample
+    case = get_case("text-lm")
+    arm = case.arm("muon+kfac")
+    spec = dataclasses.replace(
+        case.spec(arm, case.grid(arm)[0], 0),
+        position_fraction=0.5,
+        compile_model="aot_eager",
+        epochs=1,
+        steps_per_epoch=4,
+    )
+    with pytest.raises(RuntimeError, match="compiled forward cannot follow"):
+        train_lockstep([spec], task, task.load(), CPU, QUIET)
     case = get_case("text-lm-levers")
     source = fill(tmp_path / "source", case.name)
     with pytest.raises(ValueError, match=r"compile-model: muon\+kfac-pos0.125"):

@@ -29,9 +29,10 @@ Three things keep compiled runs right and off the clock:
   dynamo's limit on recompilations of one function (8), which a lockstep
   group of many compiled runs passes, is raised to :data:`RECOMPILE_LIMIT`.
 
-A run whose K-FAC reads a fraction of the positions is refused before it
-starts: kaisa refuses that capture under ``torch.compile`` (its draws change
-on the host every factor step).
+A run whose K-FAC reads a fraction of the positions stops at its first
+compiled step, before its clock, with kaisa's own error: kaisa refuses that
+capture under ``torch.compile`` (its draws change on the host every factor
+step). A replay refuses such arms by name before it starts.
 """
 
 from __future__ import annotations
@@ -58,12 +59,6 @@ def compile_run(spec: RunSpec, net: nn.Module, preconditioner: Any, device: torc
     the preconditioner's non-factor steps recorded as CUDA graphs)."""
     if spec.compile_model not in BACKENDS:
         raise ValueError(f"compile_model={spec.compile_model!r}: one of {', '.join(BACKENDS)}")
-    if spec.position_fraction is not None:
-        raise ValueError(
-            f"compile_model: run {spec.name!r} reads a fraction of the positions "
-            f"(position_fraction={spec.position_fraction}), which kaisa refuses under "
-            "torch.compile; run it eager"
-        )
     config = torch._dynamo.config
     config.skip_nnmodule_hook_guards = False
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)

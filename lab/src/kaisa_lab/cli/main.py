@@ -231,8 +231,9 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
         const="inductor",
         choices=BACKENDS,
         help="compile every arm's model with torch.compile under this backend (default "
-        "inductor), K-FAC attached first: its statistics formed inside the graphs; the "
-        "compilation falls in the untimed warm-up (default: eager)",
+        "inductor), K-FAC attached first: its statistics formed inside the graphs; each run "
+        "compiles on its own model in steps taken before its clock, then restored "
+        "(default: eager)",
     )
     run.add_argument("--data-dir", type=Path, help="folder with the task's data (cifar10)")
     run.add_argument("--out", type=Path, help="output folder (default: runs/<task>-<timestamp>)")
