@@ -23,6 +23,16 @@ independent, so each layer's factors are unbiased whatever the others read,
 and layers that read one input (q, k and v) form one term whichever of them
 forms it.
 
+The draw is integer arithmetic on the layer's device, not a host generator:
+each position gets the score ``h(key ⊕ t)`` under a bijective 32-bit mixing
+``h``, and the ``k`` lowest scores are kept (scores are distinct, so there
+are no ties to break).  The step enters through one integer tensor per
+device (:meth:`PositionSampler.place`), written in place when the step
+changes, so a compiled forward reads the step's draw as a graph input: one
+graph for every factor step, instead of a graph frozen at its first draw or
+rebuilt at every one.  The same arithmetic in eager code and in a graph, on
+a CPU and on a GPU, gives the same positions.
+
 This is the curvature-from-a-subsample-of-the-tokens idea (1/8–1/16 of the
 positions, as on the modded-nanogpt optimisation track); kaisa's lever
 measurements are on ``docs/reports/levers.md`` and
@@ -33,15 +43,49 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 __all__ = ["PositionSampler"]
 
-#: mixes the key's parts into one 63-bit seed (the SplitMix64 increment)
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK = (1 << 63) - 1
+_MASK32 = 0xFFFFFFFF
+_Int = TypeVar("_Int", int, Tensor)
+
+
+def _times(x: _Int, c: int) -> _Int:
+    """``x·c mod 2³²`` for ``x`` in [0, 2³²) without leaving int64: the
+    product is split at 16 bits (each part under 2⁴⁹)."""
+    low, high = x & 0xFFFF, x >> 16
+    return (low * c + (((high * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix(x: _Int) -> _Int:
+    """A bijection of [0, 2³²) whose every output bit depends on every input
+    bit (the xor-shift-multiply finaliser of Wellons' "lowbias32"); on Python
+    ints and on int64 tensors alike."""
+    x = x ^ (x >> 16)
+    x = _times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@torch.compiler.assume_constant_result
+def _salt(factor: str, positions: int) -> int:
+    """What a draw's key is mixed with: the factor's name (by its CRC-32, the
+    same in every process, unlike Python's ``hash``) and the call's positions;
+    a constant of a compiled graph."""
+    return _mix(zlib.crc32(factor.encode()) ^ _mix(positions))
+
+
+def _draw(key: Tensor, salt: int, positions: int, k: int) -> Tensor:
+    """The ``k`` positions of ``positions`` with the lowest scores
+    ``h(h(key ⊕ salt) ⊕ t)``, sorted (int64, on ``key``'s device)."""
+    base = _mix(key ^ salt)
+    scores = _mix(torch.arange(positions, device=key.device) ^ base)
+    return torch.topk(scores, k, largest=False, sorted=False).indices.sort().values
 
 
 class PositionSampler:
@@ -60,38 +104,76 @@ class PositionSampler:
             raise ValueError(f"factor_position_fraction must be in (0, 1]; got {fraction!r}")
         self.fraction = float(fraction)
         self.seed = int(seed)
-        #: the step whose factor statistics are being captured
-        self.step = 0
-        #: the draws of this step, by (factor, positions): the same for every
-        #: call in one step, and formed once
-        self._drawn: dict[tuple[str, int], Tensor | None] = {}
-        self._drawn_at = -1
+        self._step = 0
+        #: the step's key on each device a layer lives on (:meth:`place`)
+        self._keys: dict[torch.device, Tensor] = {}
+        #: the draws of this step, by (factor, positions, device): the same
+        #: for every call in one step, and formed once (eager calls only)
+        self._drawn: dict[tuple[str, int, torch.device], Tensor] = {}
+
+    @property
+    def step(self) -> int:
+        """The step whose factor statistics are being captured."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if value == self._step:
+            return
+        self._step = int(value)
+        self._drawn.clear()
+        key = self._key()
+        for held in self._keys.values():
+            held.fill_(key)
+
+    def place(self, device: torch.device) -> Tensor:
+        """The step's key on ``device``, made there on first use.  Called
+        outside compiled code (when the layers' capture follows their
+        devices), so that a graph finds it and reads it as an input."""
+        device = torch.device(device)
+        held = self._keys.get(device)
+        if held is None:
+            held = torch.tensor(self._key(), dtype=torch.int64, device=device)
+            self._keys[device] = held
+        return held
 
     def kept_count(self, positions: int) -> int:
         """How many of ``positions`` a call is read at."""
         return min(positions, math.ceil(self.fraction * positions))
 
-    def kept(self, factor: str, positions: int) -> Tensor | None:
-        """The sorted positions (int64, on the CPU) of a call of ``positions``
-        positions that ``factor`` (its name: A, G) reads at :attr:`step`;
-        None: every one of them."""
+    def kept(
+        self, factor: str, positions: int, device: torch.device | str = "cpu"
+    ) -> Tensor | None:
+        """The sorted positions (int64, on ``device``) of a call of
+        ``positions`` positions that ``factor`` (its name: A, G) reads at
+        :attr:`step`; None: every one of them."""
         k = self.kept_count(positions)
         if k >= positions:
             return None
-        if self._drawn_at != self.step:
-            self._drawn.clear()
-            self._drawn_at = self.step
-        key = (factor, positions)
-        if key not in self._drawn:
-            generator = torch.Generator().manual_seed(self._seed_of(factor, positions))
-            drawn = torch.randperm(positions, generator=generator)[:k]
-            self._drawn[key] = drawn.sort().values
-        return self._drawn[key]
+        device = torch.device(device)
+        salt = _salt(factor, positions)
+        if torch.compiler.is_compiling():  # a graph input; nothing cached
+            held = self._keys.get(device)
+            if held is None:
+                raise RuntimeError(
+                    f"kaisa: no position key on {device}: PositionSampler.place({device!r}) "
+                    "runs before a compiled forward on that device"
+                )
+            return _draw(held, salt, positions, k)
+        found = self._drawn.get((factor, positions, device))
+        if found is None:
+            found = _draw(self.place(device), salt, positions, k)
+            self._drawn[(factor, positions, device)] = found
+        return found
 
-    def _seed_of(self, factor: str, positions: int) -> int:
-        """One 63-bit seed from ``(seed, step, factor, positions)``: the name by
-        its CRC-32 (the same in every process, unlike Python's ``hash``)."""
-        value = 0
-        for part in (self.seed, self.step, zlib.crc32(factor.encode()), positions):
-            value = ((value ^ part) * _GOLDEN + _GOLDEN) & _MASK
-        return value
+    def _key(self) -> int:
+        """The 32-bit key of ``(seed, step)`` (seeds and steps past 32 bits
+        folded in by their high words)."""
+        key = 0
+        for part in (self.seed, self._step):
+            while True:
+                key = _mix(key ^ (part & _MASK32))
+                part >>= 32
+                if not part:
+                    break
+        return key

@@ -196,13 +196,15 @@ class LayerAdapter(ABC):
         )
         return term, float(rows.shape[0] * rows.shape[1])
 
-    def kept_positions(self, spec: FactorSpec, positions: int) -> Tensor | None:
-        """The positions of a call that ``spec`` reads (:attr:`positions`);
-        None: every one."""
+    def kept_positions(
+        self, spec: FactorSpec, positions: int, device: torch.device
+    ) -> Tensor | None:
+        """The positions of a call that ``spec`` reads (:attr:`positions`), on
+        ``device``; None: every one."""
         sampler = self.positions
         if sampler is None or positions <= 1:
             return None
-        return sampler.kept(spec.name, positions)
+        return sampler.kept(spec.name, positions, device)
 
     def kept_rows(
         self, spec: FactorSpec, rows: Tensor, scale: float | Tensor
@@ -211,10 +213,10 @@ class LayerAdapter(ABC):
         and the scale of their term: G's weighted ``T/k``, so that its sum
         over positions stays unbiased (A counts the rows it read)."""
         positions = int(rows.shape[1])
-        index = self.kept_positions(spec, positions)
+        index = self.kept_positions(spec, positions, rows.device)
         if index is None:
             return rows, scale
-        rows = rows.index_select(1, index.to(rows.device))
+        rows = rows.index_select(1, index)
         if spec.source is FactorSource.OUTPUT_GRAD:
             scale = scale * (positions / index.numel())
         return rows, scale

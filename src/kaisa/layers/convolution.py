@@ -81,7 +81,7 @@ class ConvAdapter(LayerAdapter):
             n = int(view.shape[0])
             if not reduce:
                 out = tuple(int(d) for d in view.shape[1 : 1 + self.spatial_dims])
-                index = self.kept_positions(spec, math.prod(out))
+                index = self.kept_positions(spec, math.prod(out), view.device)
                 if index is not None:
                     rows = self._windows_at(view, out, index)
                     term = contribution(rows, spec.kind, dtype, scale, compute)
@@ -97,9 +97,9 @@ class ConvAdapter(LayerAdapter):
         if reduce:
             term = contribution(cols.sum(2).unsqueeze(1), spec.kind, dtype, scale, compute)
             return term, float(n)
-        index = self.kept_positions(spec, positions)
+        index = self.kept_positions(spec, positions, cols.device)
         if index is not None:  # G's kept positions weighted T/k (LayerAdapter.kept_rows)
-            cols = cols.index_select(2, index.to(cols.device))
+            cols = cols.index_select(2, index)
             scale = scale * (positions / index.numel())
             positions = int(index.numel())
         if positions > 1 and cols.is_contiguous():
@@ -112,7 +112,7 @@ class ConvAdapter(LayerAdapter):
         """Input rows ``[N, k, C·K(+1)]`` at ``index`` of the output positions,
         gathered from the patch view ``[N, *O, *K, C]`` (the whole patch
         matrix is never built), in the weight's ``(c, k…)`` order."""
-        coords = torch.unravel_index(index.to(view.device), out)
+        coords = torch.unravel_index(index, out)
         where: tuple[slice | Tensor, ...] = (slice(None), *coords)
         picked = view[where]  # [N, k, *K, C]
         rows = picked.movedim(-1, 2).reshape(view.shape[0], index.numel(), self.in_features)

@@ -229,6 +229,41 @@ def test_every_factor_step_draws_afresh_and_a_seed_sets_the_draws() -> None:
     assert all(not torch.equal(x, y) for x, y in zip(one, base))
 
 
+def test_the_draws_spread_over_every_position_alike() -> None:
+    """Over many factor steps each position is read about ``f`` of the time,
+    and pairs of positions about ``f²`` of the time (a draw that favoured some
+    positions, or moved them in blocks, would bias the factors it cuts)."""
+    sampler = PositionSampler(0.25, seed=11)
+    steps, positions = 2000, 64
+    picked = torch.zeros(steps, positions)
+    for step in range(steps):
+        sampler.step = step
+        kept = sampler.kept("G", positions)
+        assert kept is not None and len(kept) == 16 and bool((kept.diff() > 0).all())
+        picked[step, kept] = 1.0
+    share = picked.mean(0)  # binomial: sd sqrt(0.25·0.75/2000) ≈ 0.0097
+    assert float((share - 0.25).abs().max()) < 0.05, share
+    pairs = (picked.T @ picked / steps).fill_diagonal_(0.0625)  # 16·15/(64·63) ≈ 0.0595 each
+    assert float((pairs - 0.0625).abs().max()) < 0.03
+
+
+def test_a_draw_on_another_device_or_in_a_graph_is_the_host_draw() -> None:
+    """The draw is integer arithmetic on the layer's device, the same in a
+    compiled graph as in eager code (its key a graph input: one graph for
+    every step)."""
+    torch._dynamo.reset()
+    sampler = PositionSampler(0.3, seed=4)
+    sampler.place(torch.device("cpu"))
+    draw = torch.compile(lambda: sampler.kept("A", 50), backend="eager", fullgraph=True)
+    for step in (0, 7, 2**40):
+        sampler.step = step
+        host = sampler.kept("A", 50)
+        assert host is not None and torch.equal(draw(), host)
+        if torch.cuda.is_available():
+            assert torch.equal(sampler.kept("A", 50, "cuda").cpu(), host)
+    torch._dynamo.reset()
+
+
 def test_micro_batches_read_the_positions_of_the_whole_batch() -> None:
     """Every call of a step reads the same positions, so splitting a batch
     into micro-batches changes nothing but the rounding."""
@@ -263,34 +298,6 @@ def test_bad_position_options_are_refused_by_name(options: dict, message: str) -
     net, _ = _sequence_net()
     with pytest.raises((ValueError, TypeError), match=message):
         KFACPreconditioner(net, **options)
-
-
-@pytest.mark.parametrize("fullgraph", [True, False])
-def test_a_compiled_forward_is_refused_with_the_reason(fullgraph: bool) -> None:
-    """The draws change every factor step on the host; a graph would freeze
-    them. The refusal reaches the caller whether or not the compile is
-    fullgraph (without it, a raise dynamo traced would become a graph break
-    and an eager fallback, silently)."""
-    torch._dynamo.reset()
-    net, x = _sequence_net()
-    KFACPreconditioner(net, lr=0.1, factor_position_fraction=0.5)
-    compiled = torch.compile(net, backend="aot_eager", fullgraph=fullgraph)
-    with pytest.raises(Exception, match="compiled forward cannot follow"):
-        compiled(x)
-    torch._dynamo.reset()
-
-
-def test_a_compiled_self_attention_is_refused_too() -> None:
-    """The self-attention kaisa runs under compile reads its projections'
-    positions the same way: refused, not left without statistics."""
-    torch._dynamo.reset()
-    net = nn.MultiheadAttention(4, 2, batch_first=True)
-    x = torch.randn(3, 10, 4)
-    KFACPreconditioner(net, lr=0.1, factor_position_fraction=0.5)
-    compiled = torch.compile(net, backend="aot_eager")
-    with pytest.raises(Exception, match="compiled forward cannot follow"):
-        compiled(x, x, x, need_weights=False)
-    torch._dynamo.reset()
 
 
 def test_a_self_attentions_q_k_v_read_one_draw_of_their_shared_input() -> None:

@@ -6,7 +6,8 @@
    masks of both kinds and the causal hint, bias_k/bias_v, add_zero_attn,
    per-head or averaged weights).
 2. **The same statistics**: a compiled model's q, k, v and out blocks equal
-   eager capture's (factors and parameters after factor and inverse updates).
+   eager capture's (factors and parameters after factor and inverse updates),
+   from every position or from a fraction of them.
 3. **No graph breaks**: a compiled Transformer of ``nn.TransformerEncoderLayer``
    runs one graph per forward with kaisa attached, its attention captured.
 """
@@ -143,8 +144,8 @@ MODELS = {
 KW: dict[str, Any] = dict(factor_update_steps=2, inv_update_steps=4, damping=0.1, lr=0.1)
 
 
-def _train(model: nn.Module, forward: Any, steps: int) -> KFACPreconditioner:
-    precond = KFACPreconditioner(model, **KW)
+def _train(model: nn.Module, forward: Any, steps: int, **options: Any) -> KFACPreconditioner:
+    precond = KFACPreconditioner(model, **KW, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -167,13 +168,30 @@ def test_compiled_attention_statistics_equal_eager(name: str) -> None:
     assert_close(got, want)
 
 
-def test_compiled_transformer_encoder_is_one_graph_with_attention_captured() -> None:
+@pytest.mark.parametrize("name", ["self", "encoder"])
+def test_compiled_attention_from_a_fraction_of_the_positions_equals_eager(name: str) -> None:
+    """Each factor step's draw reaches the compiled projections (q, k and v
+    share one A term, as in eager capture)."""
+    torch.manual_seed(0)
+    eager = MODELS[name]()
+    model = copy.deepcopy(eager)
+    want = _train(eager, eager, steps=7, factor_position_fraction=0.4)
+    got = _train(model, torch.compile(model, backend="aot_eager"), 7, factor_position_fraction=0.4)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.4])
+def test_compiled_transformer_encoder_is_one_graph_with_attention_captured(
+    fraction: float | None,
+) -> None:
     torch.manual_seed(0)
     model = encoder()
     counters.clear()
     backend = Counting()
     compiled = torch.compile(model, backend=backend)
-    precond = _train(model, compiled, steps=4)  # factor, other, factor, other
-    assert backend.runs == 4 and backend.compiled == 2
+    # factor, other, factor, other, ...: a fresh draw at each factor step
+    steps = 4 if fraction is None else 6
+    precond = _train(model, compiled, steps, factor_position_fraction=fraction)
+    assert backend.runs == steps and backend.compiled == 2
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert all(layer.captured for layer in precond.layers.values())

@@ -8,7 +8,11 @@
    and parameters after several factor and inverse updates), with
    micro-batches, a layer called twice per pass, a summed or item-averaged
    loss, a grad scaler's loss scale and EKFAC's joint statistic.
-3. **Only training gradients count**: an input gradient taken with
+3. **A fraction of the positions**: with ``factor_position_fraction`` the
+   compiled forward reads each factor step's draw as a graph input: the
+   same two variants serve every factor step, and the statistics equal
+   eager's step after step (a draw frozen into the graph would not).
+4. **Only training gradients count**: an input gradient taken with
    ``torch.autograd.grad`` through a compiled forward adds nothing.
 
 The backend is ``aot_eager``: AOTAutograd traces the forward and the
@@ -150,6 +154,31 @@ def test_compiled_statistics_equal_eager(name: str) -> None:
     model = copy.deepcopy(eager)
     want = train(eager, eager, make_input, steps=5)
     got = train(model, torch.compile(model, backend="aot_eager"), make_input, steps=5)
+    assert_close(got, want)
+
+
+#: the models whose layers see several positions per data point
+SEQUENCES = ("cnn", "conv1d", "embedding", "shared_sequence", "wide")
+MODELS["shared_sequence"] = (Shared, lambda g: torch.randn(5, 9, 6, generator=g))
+
+
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_a_fraction_of_the_positions_compiles_once_and_equals_eager(name: str) -> None:
+    """Four factor steps, four draws (factors every second step of eight),
+    micro-batches on one: every step's statistics equal eager's, from the
+    two compiled variants and no graph break."""
+    build, make_input = MODELS[name]
+    torch.manual_seed(0)
+    eager = build()
+    model = copy.deepcopy(eager)
+    options: dict[str, Any] = dict(factor_position_fraction=0.3, factor_position_seed=3)
+    micro = 2 if name == "shared_sequence" else 1
+    want = train(eager, eager, make_input, steps=8, micro=micro, **options)
+    counters.clear()
+    backend = Counting()
+    got = train(model, torch.compile(model, backend=backend), make_input, 8, micro, **options)
+    assert backend.compiled == 2, f"{backend.compiled} graphs compiled over 4 draws"
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert_close(got, want)
 
 

@@ -63,12 +63,6 @@ class Replay(Campaign):
                 raise ValueError(
                     f"arms: no selection yet in {source.store.root} for {', '.join(waiting)}"
                 )
-        sampled = [a.name for a in self.replayed if "position_fraction" in a.run_lever()]
-        if compile_model is not None and sampled:
-            raise ValueError(
-                f"compile-model: {', '.join(sampled)} read a fraction of the positions, which "
-                "kaisa refuses under torch.compile; leave them out (--arms) or replay eager"
-            )
         super().__init__(case, store)
 
     def run(self, arm: Arm, setting: Setting, seed: int, role: str) -> Run:

@@ -29,10 +29,8 @@ Three things keep compiled runs right and off the clock:
   dynamo's limit on recompilations of one function (8), which a lockstep
   group of many compiled runs passes, is raised to :data:`RECOMPILE_LIMIT`.
 
-A run whose K-FAC reads a fraction of the positions stops at its first
-compiled step, before its clock, with kaisa's own error: kaisa refuses that
-capture under ``torch.compile`` (its draws change on the host every factor
-step). A replay refuses such arms by name before it starts.
+A run whose K-FAC reads a fraction of the positions compiles like any
+other: each factor step's draw is a graph input (:mod:`kaisa.core.positions`).
 """
 
 from __future__ import annotations

@@ -147,9 +147,10 @@ class Capture:
 
     def begin_step(self, step: int, factor_step: bool) -> None:
         """Capture the calls of ``step`` if it is a factor step; its positions
-        are drawn for that step (:mod:`kaisa.core.positions`)."""
+        are drawn for that step (:mod:`kaisa.core.positions`; set on factor
+        steps only: on a GPU each new step is a write to the device)."""
         self.enabled = factor_step
-        if self.positions is not None:
+        if self.positions is not None and factor_step:
             self.positions.step = step
 
     # -- hooks -------------------------------------------------------------

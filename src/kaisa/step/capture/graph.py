@@ -34,7 +34,7 @@ would have formed.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -149,6 +149,8 @@ class GraphCapture:
         for layer in layers:
             found = self._sinks.get(layer.name)
             device = layer.adapter.device
+            if layer.adapter.positions is not None:  # the draws' key, a graph input
+                layer.adapter.positions.place(device)
             if found is not None and found.device == device:
                 continue
             sinks = _Sinks(layer, device)
@@ -281,34 +283,9 @@ def joint_term(
     )
 
 
-_POSITIONS_UNCOMPILABLE = (
-    "factor_position_fraction < 1 draws each factor step's positions on the host, which a "
-    "compiled forward cannot follow; use factor_position_fraction=1.0 under torch.compile, "
-    "or run the model uncompiled"
-)
-
-
-def _raise_positions(name: str) -> NoReturn:
-    raise RuntimeError(f"kaisa: layer {name!r}: {_POSITIONS_UNCOMPILABLE}")
-
-
-#: the refusal, called from traced code.  A ``raise`` that dynamo traces does
-#: not reach the caller: without ``fullgraph`` dynamo breaks the graph there
-#: and runs the frame eagerly, where the eager capture takes the layer over
-#: (measured: no error, graph breaks, and a self-attention's projections left
-#: without statistics).  A disabled function is a graph break too, but one
-#: whose eager call raises; under ``fullgraph`` the break itself is the error
-#: and carries the reason.
-_refuse_positions = torch.compiler.disable(_raise_positions, reason=_POSITIONS_UNCOMPILABLE)
-
-
 def accepts_compiled(layer: KFACLayer, module: nn.Module, out: Tensor, enabled: bool) -> bool:
     """Whether a compiled call of ``layer`` is captured (read at trace time,
-    so each answer is a guard of the compiled variant).  A layer that reads
-    a fraction of its positions is refused: the draws change every factor
-    step on the host (:mod:`kaisa.core.positions`), which a graph would freeze."""
-    if enabled and layer.adapter.positions is not None:
-        _refuse_positions(layer.name)
+    so each answer is a guard of the compiled variant)."""
     return (
         enabled
         and module.training
