@@ -10,7 +10,7 @@ import math
 import pytest
 from tests.lab.fake_campaign import fill, lr_bowl
 
-from kaisa_lab.bench.advice import fastest_kfac, markdown_advice, reading
+from kaisa_lab.bench.advice import compared_arms, fastest_kfac, markdown_advice, reading
 from kaisa_lab.bench.campaign import Campaign, Run
 from kaisa_lab.bench.rows import complete_rows
 
@@ -48,6 +48,14 @@ def test_the_fastest_kfac_arm_of_a_base_may_be_a_lever(b512: Campaign) -> None:
     assert row.endswith("| faster than every first-order arm |")
 
 
+def test_a_gpu_comparison_takes_adamw_muon_the_fastest_peer_and_the_fastest_kfac_arm(
+    b512: Campaign,
+) -> None:
+    """Muon is the fastest first-order arm here, so three arms: AdamW, Muon
+    and K-FAC on Muon's AdamW part (0.8x Muon's steps at Muon's step)."""
+    assert compared_arms(b512) == ["adamw", "muon", "muon+kfac-adamw-part"]
+
+
 def test_a_base_slower_than_the_best_peer_reads_against_both(b512: Campaign) -> None:
     row = next(line for line in markdown_advice([b512]).splitlines() if "| 512 | adamw |" in line)
     # 0.9x AdamW's steps at 1.25x its step; AdamW needs twice Muon's steps
@@ -63,6 +71,7 @@ def test_a_case_still_being_measured_is_named_not_read(b512: Campaign) -> None:
         text = markdown_advice([b512])
         assert "| text-lm-b512 |" not in text
         assert "Still being measured (not every arm held out): `text-lm-b512`" in text
+        assert compared_arms(b512) is None
     finally:
         record.write_bytes(saved)
         b512.refresh()

@@ -20,13 +20,30 @@ from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.report import TIE, arm_label, time_cell, with_measuring
 from kaisa_lab.bench.rows import ArmRow, complete_rows, paired_ratio
 
-__all__ = ["fastest_kfac", "markdown_advice", "reading"]
+__all__ = ["compared_arms", "fastest_kfac", "markdown_advice", "reading"]
 
 
 def fastest_kfac(rows: Sequence[ArmRow], optimizer: str) -> ArmRow | None:
     """The K-FAC arm on ``optimizer`` with the shortest median time to target."""
     mine = [r for r in rows if r.arm.kfac and r.arm.optimizer == optimizer]
     return min(mine, key=lambda r: r.median_time_s, default=None)
+
+
+def compared_arms(campaign: Campaign) -> list[str] | None:
+    """The arms a time to target elsewhere (a GPU) compares, by name: AdamW
+    and Muon (where the case runs them), its fastest first-order arm and its
+    fastest K-FAC arm over every base (a lever as much as the defaults); None
+    while the case is not held out (no arm is fastest yet)."""
+    rows = complete_rows(campaign)
+    if rows is None:
+        return None
+    first = [r for r in rows if not r.arm.kfac]
+    kfac = [r for r in rows if r.arm.kfac]
+    names = [r.arm.name for r in first if r.arm.optimizer in ("adamw", "muon") and not r.arm.lever]
+    for group in (first, kfac):
+        if group:
+            names.append(min(group, key=lambda r: r.median_time_s).arm.name)
+    return list(dict.fromkeys(names))
 
 
 def reading(ratio: float | None, peer: str) -> str:
