@@ -73,14 +73,23 @@ def _mix(x: _Int) -> _Int:
 
 
 @torch.compiler.assume_constant_result
-def _salt(factor: str, positions: int) -> int:
-    """What a draw's key is mixed with: the factor's name (by its CRC-32, the
-    same in every process, unlike Python's ``hash``) and the call's positions;
-    a constant of a compiled graph."""
-    return _mix(zlib.crc32(factor.encode()) ^ _mix(positions))
+def _name_code(factor: str) -> int:
+    """A factor's name as a number: its CRC-32, the same in every process
+    (unlike Python's ``hash``); a constant of a compiled graph."""
+    return zlib.crc32(factor.encode())
 
 
-def _draw(key: Tensor, salt: int, positions: int, k: int) -> Tensor:
+def _salt(factor: str, positions: int, device: torch.device) -> int | Tensor:
+    """What a draw's key is mixed with: the factor's name and the call's
+    positions.  An int; a 0-d tensor on ``device`` where the positions are
+    symbolic (a graph compiled for every sequence length: ``dynamic=True``)."""
+    length: int | Tensor = positions
+    if not isinstance(positions, int):
+        length = torch.full((), positions, dtype=torch.int64, device=device)
+    return _mix(_name_code(factor) ^ _mix(length))
+
+
+def _draw(key: Tensor, salt: int | Tensor, positions: int, k: int) -> Tensor:
     """The ``k`` positions of ``positions`` with the lowest scores
     ``h(h(key ⊕ salt) ⊕ t)``, sorted (int64, on ``key``'s device)."""
     base = _mix(key ^ salt)
@@ -151,7 +160,7 @@ class PositionSampler:
         if k >= positions:
             return None
         device = torch.device(device)
-        salt = _salt(factor, positions)
+        salt = _salt(factor, positions, device)
         if torch.compiler.is_compiling():  # a graph input; nothing cached
             held = self._keys.get(device)
             if held is None:

@@ -182,6 +182,28 @@ def test_a_fraction_of_the_positions_compiles_once_and_equals_eager(name: str) -
     assert_close(got, want)
 
 
+def test_sequences_of_every_length_share_one_graph_with_their_own_draws() -> None:
+    """Lengths that change from step to step: dynamo compiles the length as
+    a symbol after the first change, and each length's draw (its count
+    ⌈f·T⌉ and its positions) is formed in that one graph as eager forms it."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = copy.deepcopy(eager)
+    lengths = iter([8, 12, 16, 9, 8, 13] * 2)
+
+    def make_input(g: torch.Generator) -> Tensor:
+        return torch.randn(4, next(lengths), 5, generator=g)
+
+    options: dict[str, Any] = dict(factor_update_steps=1, factor_position_fraction=0.3)
+    want = train(eager, eager, make_input, steps=6, **options)
+    counters.clear()
+    backend = Counting()
+    got = train(model, torch.compile(model, backend=backend), make_input, 6, **options)
+    assert backend.compiled == 2, f"{backend.compiled} graphs for 5 lengths"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_close(got, want)
+
+
 def test_micro_batches_summed_loss_and_items_equal_eager() -> None:
     make_input = MODELS["shared"][1]
     for micro, average in ((3, "batch"), (2, "sum"), (2, "items")):
