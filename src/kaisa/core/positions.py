@@ -82,10 +82,10 @@ def _name_code(factor: str) -> int:
 def _salt(factor: str, positions: int, device: torch.device) -> int | Tensor:
     """What a draw's key is mixed with: the factor's name and the call's
     positions.  An int; a 0-d tensor on ``device`` where the positions are
-    symbolic (a graph compiled for every sequence length: ``dynamic=True``)."""
-    length: int | Tensor = positions
-    if not isinstance(positions, int):
-        length = torch.full((), positions, dtype=torch.int64, device=device)
+    symbolic (one graph compiled for every sequence length)."""
+    if isinstance(positions, int):
+        return _mix(_name_code(factor) ^ _mix(positions))
+    length = torch.full((), positions, dtype=torch.int64, device=device)
     return _mix(_name_code(factor) ^ _mix(length))
 
 
