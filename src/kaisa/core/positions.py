@@ -41,8 +41,8 @@ measurements are on ``docs/reports/levers.md`` and
 
 from __future__ import annotations
 
-import math
 import zlib
+from fractions import Fraction
 from typing import TypeVar
 
 import torch
@@ -112,6 +112,10 @@ class PositionSampler:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"factor_position_fraction must be in (0, 1]; got {fraction!r}")
         self.fraction = float(fraction)
+        #: ``f`` as a ratio of ints: ``⌈f·T⌉`` in integer arithmetic, which a
+        #: graph compiled for every length forms from its symbol (a float
+        #: would be one more symbol, which dynamo cannot carry into a backward)
+        self._ratio = Fraction(self.fraction).limit_denominator(10**6).as_integer_ratio()
         self.seed = int(seed)
         self._step = 0
         #: the step's key on each device a layer lives on (:meth:`place`)
@@ -148,7 +152,8 @@ class PositionSampler:
 
     def kept_count(self, positions: int) -> int:
         """How many of ``positions`` a call is read at."""
-        return min(positions, math.ceil(self.fraction * positions))
+        num, den = self._ratio
+        return min(positions, -(-num * positions // den))
 
     def kept(
         self, factor: str, positions: int, device: torch.device | str = "cpu"

@@ -168,15 +168,21 @@ def test_compiled_attention_statistics_equal_eager(name: str) -> None:
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", ["self", "encoder"])
-def test_compiled_attention_from_a_fraction_of_the_positions_equals_eager(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "dynamic"), [("self", None), ("encoder", None), ("encoder", True)]
+)
+def test_compiled_attention_from_a_fraction_of_the_positions_equals_eager(
+    name: str, dynamic: bool | None
+) -> None:
     """Each factor step's draw reaches the compiled projections (q, k and v
-    share one A term, as in eager capture)."""
+    share one A term, as in eager capture); compiled with every size
+    symbolic from the start too (``dynamic=True``)."""
     torch.manual_seed(0)
     eager = MODELS[name]()
     model = copy.deepcopy(eager)
     want = _train(eager, eager, steps=7, factor_position_fraction=0.4)
-    got = _train(model, torch.compile(model, backend="aot_eager"), 7, factor_position_fraction=0.4)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    got = _train(model, compiled, 7, factor_position_fraction=0.4)
     assert_close(got, want)
 
 

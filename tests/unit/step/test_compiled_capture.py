@@ -204,6 +204,40 @@ def test_sequences_of_every_length_share_one_graph_with_their_own_draws() -> Non
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("fraction", [None, 0.3])
+def test_a_model_compiled_dynamic_from_the_start_equals_eager(
+    name: str, fraction: float | None
+) -> None:
+    """``torch.compile(dynamic=True)``: every size and every float dynamo
+    reads from an object is a symbol from the first trace; none may reach the
+    capture's backward as one (dynamo cannot lift it there), so the loss's
+    multiplier, the scales and the positions' count are formed from the
+    sizes' symbols or as literals.  Each variant compiles as the plain model
+    does (an Embedding's float ``norm_type`` makes dynamo compile it twice),
+    and the statistics are eager's."""
+    build, make_input = MODELS[name]
+    torch.manual_seed(0)
+    eager = build()
+    model = copy.deepcopy(eager)
+    plain = Counting()
+    compiled_plain = torch.compile(copy.deepcopy(model), backend=plain, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        loss_of(compiled_plain(make_input(g))).backward()
+    options: dict[str, Any] = dict(factor_position_fraction=fraction)
+    want = train(eager, eager, make_input, steps=5, **options)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = Counting()
+    got = train(
+        model, torch.compile(model, backend=backend, dynamic=True), make_input, 5, **options
+    )
+    assert backend.compiled == 2 * plain.compiled
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_close(got, want)
+
+
 def test_micro_batches_summed_loss_and_items_equal_eager() -> None:
     make_input = MODELS["shared"][1]
     for micro, average in ((3, "batch"), (2, "sum"), (2, "items")):
