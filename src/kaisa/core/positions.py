@@ -151,7 +151,10 @@ class PositionSampler:
         return held
 
     def kept_count(self, positions: int) -> int:
-        """How many of ``positions`` a call is read at."""
+        """How many of ``positions`` a call is read at: ``⌈f·T⌉``, with ``f``
+        the nearest ratio of denominator at most 10⁶ (exact for a fraction
+        written with up to six decimals: 0.3 reads 3/10, not the float's
+        binary value)."""
         num, den = self._ratio
         return min(positions, -(-num * positions // den))
 
