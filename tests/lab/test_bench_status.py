@@ -48,6 +48,23 @@ def test_the_runs_left_fall_as_records_arrive_and_each_arms_pace_gives_hours(
     assert paces["sgd+kfac"] > paces["sgd"]  # the two paces differ, so the test tells them apart
 
 
+def test_a_run_two_arms_share_is_left_once(tmp_path: Path) -> None:
+    """The tuned K-FAC arm's grid is the defaults' arm's (the same runs): two
+    of its runs lost, each arm lacks them, and the line counts them once."""
+    campaign = fill(tmp_path, "quick", rounds=1)
+    defaults = CASE.arms[1]
+    lost = [campaign.run(defaults, setting, 0, "").key for setting in CASE.grid(defaults)[:2]]
+    for key in lost:
+        (path,) = (tmp_path / "quick").glob(f"*/{key}-s0.json")
+        path.unlink()
+    campaign.refresh()
+    states = [campaign.state(a) for a in CASE.arms]
+    assert campaign.known_left(states[1]) == campaign.known_left(states[2]) == set(lost)
+    left = [campaign.runs_left(st) for st in states]
+    line = next(line for line in campaign.status() if line.startswith("left:"))
+    assert f"about {sum(left) - len(lost)} run(s)" in line
+
+
 @pytest.mark.parametrize(
     ("seconds", "text"), [(40.4, "40 s"), (750.0, "12.5 min"), (328_680.0, "91.3 h")]
 )

@@ -267,7 +267,11 @@ class Campaign:
             f"pending now: {runs} run(s) in {len(units)} group(s); "
             f"{saved} run(s) in flight saved to resume"
         )
-        left = [(st.arm, self.runs_left(st)) for st in states]
+        left, seen = [], set[str]()
+        for st in states:  # a run two arms share (a tuned arm's grid) counted once
+            known = self.known_left(st)
+            left.append((st.arm, self.runs_left(st) - len(known & seen)))
+            seen |= known
         paces = self.paces()
         if any(n for _, n in left) and paces:
             overall = statistics.median(t for ts in paces.values() for t in ts)
@@ -285,6 +289,21 @@ class Campaign:
         for record in self._index.values():
             out.setdefault(record["arm"], []).append(float(record["result"]["train_time_s"]))
         return out
+
+    def known_left(self, st: ArmState) -> set[str]:
+        """The keys of the runs :meth:`runs_left` counts that are known now
+        (its settings tried so far, or selected, on the seeds they lack): a
+        tuned K-FAC arm's grid is the defaults' arm's, run by the same runs."""
+        arm = st.arm
+        if st.selected is not None:
+            tried, seeds = [st.selected], self.protocol.heldout_seeds
+        else:
+            tried, seeds = list(st.tried), self.protocol.selection_seeds
+        return {
+            self.run(arm, setting, seed, "").key
+            for setting in tried
+            for seed in self._missing(arm, setting, seeds)
+        }
 
     def runs_left(self, st: ArmState) -> int:
         """About how many runs the arm standing at ``st`` still needs: the rest

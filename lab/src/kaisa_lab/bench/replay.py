@@ -89,3 +89,6 @@ class Replay(Campaign):
 
     def runs_left(self, st: ArmState) -> int:
         return 0 if st.stage == "skipped" else super().runs_left(st)
+
+    def known_left(self, st: ArmState) -> set[str]:
+        return set() if st.stage == "skipped" else super().known_left(st)
