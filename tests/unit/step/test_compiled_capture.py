@@ -204,8 +204,10 @@ def test_sequences_of_every_length_share_one_graph_with_their_own_draws() -> Non
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("fraction", [None, 0.3])
+@pytest.mark.parametrize(
+    ("name", "fraction"),
+    [(name, None) for name in sorted(MODELS)] + [(name, 0.3) for name in SEQUENCES],
+)
 def test_a_model_compiled_dynamic_from_the_start_equals_eager(
     name: str, fraction: float | None
 ) -> None:
