@@ -168,7 +168,6 @@ class PositionSampler:
         if k >= positions:
             return None
         device = torch.device(device)
-        salt = _salt(factor, positions, device)
         if torch.compiler.is_compiling():  # a graph input; nothing cached
             held = self._keys.get(device)
             if held is None:
@@ -176,9 +175,10 @@ class PositionSampler:
                     f"kaisa: no position key on {device}: PositionSampler.place({device!r}) "
                     "runs before a compiled forward on that device"
                 )
-            return _draw(held, salt, positions, k)
+            return _draw(held, _salt(factor, positions, device), positions, k)
         found = self._drawn.get((factor, positions, device))
         if found is None:
+            salt = _salt(factor, positions, device)
             found = _draw(self.place(device), salt, positions, k)
             self._drawn[(factor, positions, device)] = found
         return found

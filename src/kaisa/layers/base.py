@@ -172,14 +172,18 @@ class LayerAdapter(ABC):
         return rows
 
     def factor_term(
-        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor = 1.0
+        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor
     ) -> tuple[Tensor, float]:
         """One call's contribution ``scale·Σ r rᵀ`` (or its diagonal) to factor
         ``spec`` and the number of rows it holds.  An adapter whose rows would
         be wasteful to build (an Embedding's one-hot inputs) overrides this.
 
         Under K-FAC-reduce a data point's positions become one row first: the
-        inputs' mean, the output gradients' sum."""
+        inputs' mean, the output gradients' sum.
+
+        ``scale`` has no default: this runs inside the compiled capture's
+        backward, where a default read from the function is a symbol under
+        ``torch.compile(dynamic=True)`` that dynamo cannot lift there."""
         if spec.source is FactorSource.INPUT:
             # cut before the bias column is appended: only the rows read are copied
             rows, scale = self.kept_rows(spec, self.input_rows(tensor), scale)

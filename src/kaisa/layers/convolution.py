@@ -65,7 +65,7 @@ class ConvAdapter(LayerAdapter):
         return self._batched(g).flatten(2).transpose(1, 2)  # [N, L_out, C_out]
 
     def factor_term(
-        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor = 1.0
+        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor
     ) -> tuple[Tensor, float]:
         """As :meth:`LayerAdapter.factor_term`, without building the rows
         where it is avoidable: the A Gram from the patch view

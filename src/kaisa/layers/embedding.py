@@ -74,7 +74,7 @@ class EmbeddingAdapter(LayerAdapter):
         return self._canonical(g, features=True)
 
     def factor_term(
-        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor = 1.0
+        self, spec: FactorSpec, tensor: Tensor, dtype: torch.dtype, scale: float | Tensor
     ) -> tuple[Tensor, float]:
         if spec.source is not FactorSource.INPUT:
             return super().factor_term(spec, tensor, dtype, scale)

@@ -133,12 +133,12 @@ def check_terms(conv: nn.Module, adapter: ConvAdapter, x: Tensor, reduce: bool) 
         spec_of(adapter, FactorSource.INPUT),
         spec_of(adapter, FactorSource.OUTPUT_GRAD),
     )
-    A, a_count = adapter.factor_term(a_spec, x, torch.float64)
+    A, a_count = adapter.factor_term(a_spec, x, torch.float64, 1.0)
     A_ref, a_count_ref = old_a_term(conv, x, reduce, torch.float64)
     assert A.shape == A_ref.shape == (adapter.a_dim, adapter.a_dim)
     assert rel_err(A, A_ref) <= EXACT
     assert a_count == a_count_ref
-    G, g_count = adapter.factor_term(g_spec, g, torch.float64)
+    G, g_count = adapter.factor_term(g_spec, g, torch.float64, 1.0)
     G_ref, g_count_ref = old_g_term(g, reduce, torch.float64)
     assert rel_err(G, G_ref) <= EXACT
     assert g_count == g_count_ref
@@ -196,23 +196,23 @@ def test_unbatched_channels_last_and_float32_inputs() -> None:
     A_ref, _ = old_a_term(conv, x, False, torch.float64)
     # channels-last memory format: the padded copy is then a plain copy
     A, _ = adapter.factor_term(
-        a_spec, x.contiguous(memory_format=torch.channels_last), torch.float64
+        a_spec, x.contiguous(memory_format=torch.channels_last), torch.float64, 1.0
     )
     assert rel_err(A, A_ref) <= EXACT
     # unbatched [C, H, W]: one data point
-    A1, count = adapter.factor_term(a_spec, x[1], torch.float64)
+    A1, count = adapter.factor_term(a_spec, x[1], torch.float64, 1.0)
     assert rel_err(A1, old_a_term(conv, x[1:2], False, torch.float64)[0]) <= EXACT
     assert count == 7 * 6 and adapter.batch_size(x[1]) == 1
     # float32 rows, float64 factor: converted as they are, summed in float64
     x32 = x.float()
-    A32, _ = adapter.factor_term(a_spec, x32, torch.float64)
+    A32, _ = adapter.factor_term(a_spec, x32, torch.float64, 1.0)
     assert A32.dtype == torch.float64
     assert rel_err(A32, old_a_term(conv, x32, False, torch.float64)[0]) <= EXACT
     # a channels-last output gradient takes the rows path (its rows are a view)
     g = torch.randn(4, 4, 7, 6).contiguous(memory_format=torch.channels_last)
-    G, _ = adapter.factor_term(g_spec, g, torch.float64)
+    G, _ = adapter.factor_term(g_spec, g, torch.float64, 1.0)
     assert rel_err(G, old_g_term(g, False, torch.float64)[0]) <= EXACT
-    G1, _ = adapter.factor_term(g_spec, g[0], torch.float64)
+    G1, _ = adapter.factor_term(g_spec, g[0], torch.float64, 1.0)
     assert rel_err(G1, old_g_term(g[:1], False, torch.float64)[0]) <= EXACT
 
 

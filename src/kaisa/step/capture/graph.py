@@ -205,8 +205,6 @@ class GraphCapture:
                 if memo is not None and key in memo:  # a copy: each sink owns its gradient
                     term, rows = memo[key][0].clone(), memo[key][1]
                 else:
-                    # the scale a literal: a default read from the function is a
-                    # symbol under dynamic=True, which dynamo cannot lift here
                     term, rows = adapter.factor_term(spec, x, layer.factor_dtype, 1.0)
                     if memo is not None:
                         memo[key] = (term, rows)

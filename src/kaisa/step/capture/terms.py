@@ -46,7 +46,7 @@ def input_terms(
             out.append((i, found[0].clone(), found[1]))
             continue
         if profile is None:
-            term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype)
+            term, rows_count = adapter.factor_term(spec, x, layer.factor_dtype, 1.0)
         else:
             term, rows_count = timed_term(profile, "A", layer, spec, x)
         if memo is not None:

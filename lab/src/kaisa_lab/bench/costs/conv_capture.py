@@ -87,7 +87,7 @@ def measure(options: Mapping[str, Any]) -> list[Row]:
             spec = next(s for s in layer.factors if s.source is source)
             t = inp if source is FactorSource.INPUT else grad
             terms[f"{factor} {name}"] = partial(
-                layer.adapter.factor_term, spec, t, layer.factor_dtype
+                layer.adapter.factor_term, spec, t, layer.factor_dtype, 1.0
             )
             conv = modules[name]
             assert isinstance(conv, nn.Conv2d)
