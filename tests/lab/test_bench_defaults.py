@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import kaisa_lab.bench.defaults as defaults_module
 from kaisa_lab.bench.campaign import Campaign
 from kaisa_lab.bench.cases import Arm, lever_cases
 from kaisa_lab.bench.defaults import (
@@ -168,3 +169,28 @@ def test_a_family_measured_twice_reads_its_worse_verdict() -> None:
     measured["text-lm-other"] = ("text-lm", 32, 1.1)  # a second text-lm case: a loss
     d = decide("pos", _everywhere(POSITIONS), measured)
     assert not d.default and d.reason == "loses on `text-lm`: stays an option"
+
+
+def test_a_family_held_out_apart_reads_not_paired_not_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A family whose lever and reference arms were held out in groups apart
+    has records but no paired ratio: its verdict says so (a rerun side by side
+    mends it), it does not read as waiting for runs, and it is no default."""
+    d = decide("pos", _everywhere(POSITIONS), _measured(0.9, 0.9), {("text-lm-large", 32)})
+    assert not d.default
+    assert d.reason == "wins where measured; not paired on `text-lm-large`: a candidate default"
+    # apart at another batch leaves a family unmeasured at 32 waiting
+    d = decide("pos", _everywhere(POSITIONS), _measured(0.9, 0.9), {("text-lm-large", 512)})
+    assert d.reason == "wins where measured; waits for `text-lm-large`: a candidate default"
+    # decisions() hands lever_ratios' apart pairs on, by case and lever
+    campaigns = [Campaign(c, RECORDS) for c in lever_cases()]
+    ratios, _ = lever_ratios(campaigns)
+    case = next(c for c in lever_cases() if c.global_batch == 32)
+    arm = next(a for a in case.arms if a.tag)
+    ratios.get(arm.kind, {}).pop(case.name, None)
+    monkeypatch.setattr(
+        defaults_module, "lever_ratios", lambda _: (ratios, {(arm.kind, case.name)})
+    )
+    made = {d.lever: d for d in decisions(campaigns)}
+    assert f"not paired on `{case.task}`" in made[same_lever(arm.kind)].reason

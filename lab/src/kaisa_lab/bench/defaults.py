@@ -27,7 +27,7 @@ library's defaults to it reads the same decisions.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,11 +134,14 @@ def decide(
     lever: str,
     arms: Sequence[tuple[str, int, Arm]],
     measured: Mapping[str, tuple[str, int, float]],
+    apart: Collection[tuple[str, int]] = (),
 ) -> Decision:
     """The decision on ``lever`` (:func:`same_lever`), run as ``arms`` (``(task,
     global batch, arm)`` for each case that runs it), from ``measured``:
     ``{case: (task, global batch, paired time ratio)}`` for each of those cases
-    that held it out."""
+    that held it out.  ``apart``: the ``(task, global batch)`` of cases that held
+    it out with no paired seed (its wall clocks do not compare): such a family
+    is not paired yet, which a rerun side by side mends, not waiting for runs."""
     values: dict[str, set[str]] = {}
     for _, _, arm in arms:
         for key, value in library_settings(arm).items():
@@ -159,22 +162,23 @@ def decide(
     ]
     tied = [t for t, w in families.items() if t not in lost and "tie" in w]
     run_on = {task for task, batch, _ in arms if batch == FAMILY_BATCH}
-    waits = [t for t in FAMILIES if t not in families and t in run_on]
+    unpaired = [t for t in FAMILIES if t not in families and (t, FAMILY_BATCH) in apart]
+    waits = [t for t in FAMILIES if t not in families and t in run_on and t not in unpaired]
     unrun = [t for t in FAMILIES if t not in families and t not in run_on]
     if lost:
         verdict = f"loses on {_names(lost)}"
     elif tied:
         verdict = f"ties on {_names(tied)}"
-    elif waits or unrun:
+    elif waits or unpaired or unrun:
         verdict = "wins where measured" + (f"; waits for {_names(waits)}" if waits else "")
+        verdict += f"; not paired on {_names(unpaired)}" if unpaired else ""
         verdict += f"; not run on {_names(unrun)}" if unrun else ""
     else:
         verdict = "wins on every family"
-    wins = not (lost or tied or waits or unrun)
+    wins = not (lost or tied or waits or unpaired or unrun)
     usage, lab = outside = _outside(arms[0][2])
-    reason = _reason(
-        verdict, wins, not (lost or tied) and bool(waits), outside, settings, per_model
-    )
+    pending = not (lost or tied) and bool(waits or unpaired)
+    reason = _reason(verdict, wins, pending, outside, settings, per_model)
     default = wins and not (lab or usage or per_model) and bool(settings)
     return Decision(lever, settings, per_model, verdicts, default, reason)
 
@@ -182,9 +186,10 @@ def decide(
 def decisions(campaigns: Sequence[Campaign]) -> list[Decision]:
     """A decision for each lever the cases run (:func:`same_lever` joins one
     lever's arms across families)."""
-    ratios, _ = lever_ratios(campaigns)
+    ratios, apart = lever_ratios(campaigns)
     arms: dict[str, list[tuple[str, int, Arm]]] = {}
     measured: dict[str, dict[str, tuple[str, int, float]]] = {}
+    unpaired: dict[str, set[tuple[str, int]]] = {}
     for campaign in campaigns:
         case = campaign.case
         for arm in case.arms:
@@ -195,7 +200,12 @@ def decisions(campaigns: Sequence[Campaign]) -> list[Decision]:
             ratio = ratios.get(arm.kind, {}).get(case.name)
             if ratio is not None:
                 measured.setdefault(lever, {})[case.name] = (case.task, case.global_batch, ratio)
-    return [decide(lever, a, measured.get(lever, {})) for lever, a in arms.items()]
+            elif (arm.kind, case.name) in apart:
+                unpaired.setdefault(lever, set()).add((case.task, case.global_batch))
+    return [
+        decide(lever, a, measured.get(lever, {}), unpaired.get(lever, set()))
+        for lever, a in arms.items()
+    ]
 
 
 def library_default_of(settings: Sequence[tuple[str, Any]]) -> dict[str, bool]:
