@@ -78,6 +78,17 @@ def test_importing_kaisa_imports_no_harness_sklearn_or_matplotlib() -> None:
     assert not loaded & {"kaisa_lab", "sklearn", "matplotlib"}, loaded
 
 
+def test_importing_kaisa_leaves_the_compiler_unloaded() -> None:
+    """``import torch`` does not load dynamo, and neither may ``import kaisa``:
+    dynamo takes about 1.5 s to import, paid by every rank a job spawns and
+    every command-line call.  Nothing in kaisa may mark a function for the
+    compiler at import (``torch.compiler.disable`` and the like load it)."""
+    probe = "import sys, kaisa; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+
+
 def test_the_library_imports_the_harness_only_in_its_main_module() -> None:
     """``python -m kaisa`` hands over to kaisa-lab's command; no other module
     of src/kaisa may import kaisa_lab (nor the harness's old homes)."""

@@ -41,7 +41,6 @@ measurements are on ``docs/reports/levers.md`` and
 
 from __future__ import annotations
 
-import zlib
 from fractions import Fraction
 from typing import TypeVar
 
@@ -72,11 +71,19 @@ def _mix(x: _Int) -> _Int:
     return x ^ (x >> 16)
 
 
-@torch.compiler.assume_constant_result
 def _name_code(factor: str) -> int:
     """A factor's name as a number: its CRC-32, the same in every process
-    (unlike Python's ``hash``); a constant of a compiled graph."""
-    return zlib.crc32(factor.encode())
+    (unlike Python's ``hash``).  Written out bit by bit rather than called
+    from zlib, which dynamo cannot trace: on a constant name dynamo folds
+    this to a constant of the graph, and nothing needs marking for the
+    compiler at import (a mark imports dynamo, 1.5 s of every ``import
+    kaisa``)."""
+    crc = _MASK32
+    for byte in factor.encode():
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+    return crc ^ _MASK32
 
 
 def _salt(factor: str, positions: int, device: torch.device) -> int | Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import zlib
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
-from kaisa.core.positions import PositionSampler
+from kaisa.core.positions import PositionSampler, _name_code
 
 F64: dict[str, Any] = dict(
     damping=0.05,
@@ -245,6 +246,13 @@ def test_the_draws_spread_over_every_position_alike() -> None:
     assert float((share - 0.25).abs().max()) < 0.05, share
     pairs = (picked.T @ picked / steps).fill_diagonal_(0.0625)  # 16·15/(64·63) ≈ 0.0595 each
     assert float((pairs - 0.0625).abs().max()) < 0.03
+
+
+@pytest.mark.parametrize("name", ["A", "G", "", "blocks.0.attn.q/A", "Gé"])
+def test_a_factors_name_enters_the_draw_as_its_crc32(name: str) -> None:
+    """The name's number is CRC-32 (zlib's, written out so that dynamo folds
+    it): the same in every process and every release, unlike ``hash``."""
+    assert _name_code(name) == zlib.crc32(name.encode())
 
 
 def test_a_draw_on_another_device_or_in_a_graph_is_the_host_draw() -> None:
