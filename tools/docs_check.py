@@ -29,6 +29,7 @@ commands read).
     python tools/docs_check.py            # check; exit 1 with a diff on drift
     python tools/docs_check.py --write    # rewrite every region from its command
     python tools/docs_check.py --skip-slow
+    python tools/docs_check.py --jobs 4   # commands at once (default: the cores)
 
 Outputs are cached under ``.cache/docs-check`` by command and a digest of the
 sources that could change them (``src/``, ``lab/src/``, ``benchmarks/``, this
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +151,17 @@ class Runner:
                     cached.parent.mkdir(parents=True, exist_ok=True)
                     cached.write_text(self.outputs[command])
         return self.outputs[command]
+
+    def prefetch(self, commands: Iterable[str], jobs: int) -> None:
+        """Run ``commands`` (each distinct one once) ``jobs`` at a time.  Each
+        is a process of its own that spends most of its time importing torch,
+        so on a machine of several cores they overlap well; their outputs are
+        the same whichever order they run in."""
+        pending = [c for c in dict.fromkeys(commands) if c not in self.outputs]
+        self._sources()  # the digest every key shares, formed once before the threads
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for future in [pool.submit(self.output, c) for c in pending]:
+                future.result()
 
     def _argv(self, command: str) -> list[str]:
         words = shlex.split(command)
@@ -273,14 +286,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--root", type=Path, default=ROOT, help="the repository (default: this one)"
     )
     parser.add_argument("--no-cache", action="store_true", help="run every command afresh")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="commands run at once (default: the machine's cores)",
+    )
     parser.add_argument("files", nargs="*", help="only these markdown files (default: all)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     runner = Runner(root, None if args.no_cache else root / ".cache" / "docs-check")
     slow = False if args.skip_slow else True if args.only_slow else None
+    paths = doc_paths(root, args.files)
+    commands = [] if args.files or slow is True else list(FILES.values())
+    for path in paths:
+        commands += [r.command for r in find_regions(path) if slow is None or r.slow == slow]
+    runner.prefetch(commands, args.jobs)
     diffs = [] if args.files else check_files(runner, args.write, slow)
     regions = 0
-    for path in doc_paths(root, args.files):
+    for path in paths:
         regions += len(find_regions(path))
         diffs += check_file(path, runner, args.write, slow)
     for diff in diffs:

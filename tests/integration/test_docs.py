@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -144,6 +145,38 @@ def test_code_regions_are_fenced_and_bad_regions_refused(tmp_path: Path) -> None
     (root / "README.md").write_text("<!-- generated fast: python -c 'print(1)' -->\n")
     with pytest.raises(ValueError, match="unknown flags"):
         check(*files)
+
+
+def _meets(me: Path, other: Path) -> str:
+    """A command that marks ``me``, then waits (20 s at most) for ``other``'s
+    mark: both print ``met`` only where they run at the same time."""
+    wait = (
+        f"import pathlib, time; pathlib.Path({str(me)!r}).touch(); o = pathlib.Path({str(other)!r}); "
+        "t = time.time() + 20; "
+        "[time.sleep(0.05) for _ in iter(lambda: o.exists() or time.time() > t, True)]; "
+        "print('met' if o.exists() else 'alone')"
+    )
+    return f"python -c {shlex.quote(wait)}"
+
+
+def test_the_commands_run_side_by_side_and_each_once(tmp_path: Path) -> None:
+    """``--jobs``: the distinct commands run that many at a time (two commands
+    that each wait for the other meet), and a region's command another region
+    shares runs once."""
+    one, two = _meets(tmp_path / "a", tmp_path / "b"), _meets(tmp_path / "b", tmp_path / "a")
+    regions = "".join(
+        f"<!-- generated: {c} -->\nmet\n<!-- end generated -->\n" for c in (one, two, one)
+    )
+    (tmp_path / "tree").mkdir()
+    root = small_tree(tmp_path / "tree", regions)
+    runner = docs_check.Runner(root, None)
+    ran: list[str] = []
+    run = runner._run
+    runner._run = lambda command: ran.append(command) or run(command)  # type: ignore[method-assign]
+    runner.prefetch([r.command for r in docs_check.find_regions(root / "README.md")], jobs=2)
+    assert sorted(ran) == sorted([one, two])
+    assert docs_check.check_file(root / "README.md", runner, write=False, slow=None) == []
+    assert len(ran) == 2
 
 
 def test_regions_in_a_folder_under_docs_are_checked(tmp_path: Path) -> None:
