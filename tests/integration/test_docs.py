@@ -54,8 +54,8 @@ def check(*args: str) -> tuple[int, str]:
 
 
 # every quick region's command runs afresh on a clean clone (the cache is
-# empty), each in a process of its own: 4 min on a 2-core machine beside two
-# campaign workers, past 5 with more load on it
+# empty), each in a process of its own, as many at once as there are cores:
+# 4.5 min on a 2-core machine whose cores two campaign workers keep busy
 @pytest.mark.timeout(600)
 def test_the_quick_regions_match_their_commands() -> None:
     code, diff = check("--skip-slow")
