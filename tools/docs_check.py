@@ -29,7 +29,7 @@ commands read).
     python tools/docs_check.py            # check; exit 1 with a diff on drift
     python tools/docs_check.py --write    # rewrite every region from its command
     python tools/docs_check.py --skip-slow
-    python tools/docs_check.py --jobs 4   # commands at once (default: the cores)
+    python tools/docs_check.py --jobs 4   # commands at once (default: the cores, at most 8)
 
 Outputs are cached under ``.cache/docs-check`` by command and a digest of the
 sources that could change them (``src/``, ``lab/src/``, ``benchmarks/``, this
@@ -72,6 +72,9 @@ RUNNERS = {"kaisa": [sys.executable, "-m", "kaisa_lab"], "python": [sys.executab
 PATHS = ("src", "lab/src")
 #: what the digest of the sources covers (besides the files a command names)
 SOURCES = (*PATHS, "benchmarks")
+#: the most commands run at once by default: each is a process that imports
+#: torch (a few hundred MiB), so a many-core machine is not filled with them
+MAX_JOBS = 8
 #: the benchmark suite's records (one folder per case): a command that names a
 #: case (``kaisa bench report CASE``) renders its JSON records, so they are digested too
 RECORDS = "benchmarks/records"
@@ -276,6 +279,13 @@ def _diff(have: list[str], want: list[str], where: str, command: str) -> str:
     return "\n".join(body)
 
 
+def _jobs(text: str) -> int:
+    jobs = int(text)
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"--jobs must be a whole number >= 1; got {text!r}")
+    return jobs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite the regions that drifted")
@@ -288,9 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="run every command afresh")
     parser.add_argument(
         "--jobs",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="commands run at once (default: the machine's cores)",
+        type=_jobs,
+        default=min(os.cpu_count() or 1, MAX_JOBS),
+        help=f"commands run at once (default: the machine's cores, at most {MAX_JOBS})",
     )
     parser.add_argument("files", nargs="*", help="only these markdown files (default: all)")
     args = parser.parse_args(argv)

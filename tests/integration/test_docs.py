@@ -179,6 +179,12 @@ def test_the_commands_run_side_by_side_and_each_once(tmp_path: Path) -> None:
     assert len(ran) == 2
 
 
+def test_jobs_below_one_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        check("--jobs", "0")
+    assert "--jobs must be a whole number >= 1; got '0'" in capsys.readouterr().err
+
+
 def test_regions_in_a_folder_under_docs_are_checked(tmp_path: Path) -> None:
     """The guides may live in folders (docs/api/…): their regions are checked too."""
     root = small_tree(tmp_path, "# doc\n")
