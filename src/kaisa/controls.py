@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kaisa import torch_support
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.graphed import CUDA_GRAPH_MODES, GraphedApplication, Recorder
 from kaisa.step.profile import StepProfile
+from kaisa.torch_support import compile_refusal
 from kaisa.view import PreconditionerView
 
 __all__ = ["StepControls"]
@@ -47,7 +49,12 @@ class StepControls(PreconditionerView):
         :class:`kaisa.step.graphed.Recorder`): one whose replay does nothing
         leaves the host's own part of a replayed step, which can then be
         timed on a CPU.  Given alone (no ``options``), it leaves the groups'
-        kernel as it is."""
+        kernel as it is.
+
+        Compiling needs torch at or past :data:`kaisa.torch_support.COMPILE_FLOOR`;
+        on an older release this raises a ``RuntimeError`` that names it."""
+        if (recorder is None or options) and not torch_support.COMPILE_SUPPORTED:
+            raise RuntimeError(compile_refusal("precond.compile()"))
         pipeline = self._parts.pipeline
         graphs = options.get("mode") in CUDA_GRAPH_MODES
         on_cuda = any(la.adapter.device.type == "cuda" for la in self._parts.layers.values())

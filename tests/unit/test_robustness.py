@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from kaisa import KFACPreconditioner
+from kaisa.torch_support import COMPILE_FLOOR
 
 LAYERS = ("stem", "hidden", "classifier")
 
@@ -558,6 +559,7 @@ def test_data_parallel_on_cpu_has_the_plain_layer_names() -> None:
     assert_same(factors(plain), got)
 
 
+@pytest.mark.needs_torch(COMPILE_FLOOR, "torch.compile")
 @pytest.mark.parametrize(
     "wrap", ["compile", pytest.param("compile(DataParallel)", marks=CPU_DATA_PARALLEL)]
 )
@@ -751,6 +753,8 @@ def _checkpoint_run(mode: str, in_hook: bool) -> tuple[list[dict], list[list[Ten
     out_factors, out_grads = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # torch 2.4's own checkpointing calls its deprecated torch.cpu.amp.autocast
+        warnings.filterwarnings("ignore", r"`torch\.cpu\.amp\.autocast", FutureWarning)
         for i in range(2):
             x, y = batch(seed=i)
             opt.zero_grad()

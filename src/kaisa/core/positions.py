@@ -41,6 +41,7 @@ measurements are on ``docs/reports/levers.md`` and
 
 from __future__ import annotations
 
+import zlib
 from fractions import Fraction
 from typing import TypeVar
 
@@ -71,19 +72,27 @@ def _mix(x: _Int) -> _Int:
     return x ^ (x >> 16)
 
 
+#: the factors' names as numbers, formed in eager code (:func:`_name_code`)
+_NAME_CODES: dict[str, int] = {}
+
+
 def _name_code(factor: str) -> int:
     """A factor's name as a number: its CRC-32, the same in every process
-    (unlike Python's ``hash``).  Written out bit by bit rather than called
-    from zlib, which dynamo cannot trace: on a constant name dynamo folds
-    this to a constant of the graph, and nothing needs marking for the
-    compiler at import (a mark imports dynamo, 1.5 s of every ``import
-    kaisa``)."""
-    crc = _MASK32
-    for byte in factor.encode():
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
-    return crc ^ _MASK32
+    (unlike Python's ``hash``).  Where dynamo traces a draw it reads this as
+    a lookup in a dict, which every dynamo folds to a constant, not as zlib
+    (which it cannot trace) or a loop over the name's bytes (which dynamo
+    before torch 2.13 cannot trace); kaisa's factor names (A, G) are looked
+    up from import on, any other name from its first eager draw.  Nothing is
+    marked for the compiler at import (a mark imports dynamo, 1.5 s of every
+    ``import kaisa``)."""
+    code = _NAME_CODES.get(factor)
+    if code is None:
+        code = _NAME_CODES[factor] = zlib.crc32(factor.encode())
+    return code
+
+
+for _factor in ("A", "G"):
+    _name_code(_factor)
 
 
 def _salt(factor: str, positions: int, device: torch.device) -> int | Tensor:

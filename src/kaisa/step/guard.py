@@ -1,7 +1,9 @@
 """What a ``step()`` call must find before anything changes: a backward pass
 since the last step (never the same gradients preconditioned twice), a
-forward pass captured before the first step, the engine's own step boundary
-(DeepSpeed, pipelining) and a ``GradScaler``'s gradients unscaled.
+forward pass captured before the first step, no compiled forward on a torch
+whose ``torch.compile`` kaisa does not support (:mod:`kaisa.torch_support`),
+the engine's own step boundary (DeepSpeed, pipelining) and a
+``GradScaler``'s gradients unscaled.
 
 The gradients a step leaves are marked (:class:`~kaisa.engines.base.GradientMarks`:
 one mark per layer, or a replay's own stamp, which costs nothing per layer),
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 from kaisa.engines.base import Engine, GradientMarks, MarksStamp, OwnsTheLoop
 from kaisa.layers.state import KFACLayer
+from kaisa.step.capture.graph import GraphCapture
 from kaisa.step.loss_scaling import LossScaling
+from kaisa.torch_support import compile_refusal
 
 __all__ = ["StepGuard"]
 
@@ -20,8 +24,11 @@ __all__ = ["StepGuard"]
 class StepGuard:
     """Refuses a ``step()`` call that would precondition nothing or the same gradients again."""
 
-    def __init__(self, layers: list[KFACLayer], engine: Engine, scaling: LossScaling) -> None:
+    def __init__(
+        self, layers: list[KFACLayer], engine: Engine, scaling: LossScaling, graph: GraphCapture
+    ) -> None:
         self.layers = layers
+        self.graph = graph
         self.adapters = [la.adapter for la in layers]
         self.engine = engine
         self.scaling = scaling
@@ -31,6 +38,8 @@ class StepGuard:
 
     def check(self, first: bool) -> None:
         """Before a step (``first``: no step taken yet)."""
+        if self.graph.refused:
+            raise RuntimeError(compile_refusal("a model compiled with torch.compile"))
         if self.loop is not None:
             self.loop.check_step()
         marks = self.engine.gradient_marks(self.adapters)

@@ -81,7 +81,7 @@ class StepPipeline:
         self.calls = 0
         #: runs on every rank at each inverse update (the checkpoint mirror)
         self.on_inverse_step: Callable[[int], None] | None = None
-        self.guard = StepGuard(layers, engine, scaling)
+        self.guard = StepGuard(layers, engine, scaling, capture.graph)
         self.reports = StepReports()
         may_defer = not (
             updates_state(application.method)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
 import zlib
 from typing import Any
 
@@ -248,11 +251,34 @@ def test_the_draws_spread_over_every_position_alike() -> None:
     assert float((pairs - 0.0625).abs().max()) < 0.03
 
 
-@pytest.mark.parametrize("name", ["A", "G", "", "blocks.0.attn.q/A", "Gé"])
-def test_a_factors_name_enters_the_draw_as_its_crc32(name: str) -> None:
-    """The name's number is CRC-32 (zlib's, written out so that dynamo folds
-    it): the same in every process and every release, unlike ``hash``."""
-    assert _name_code(name) == zlib.crc32(name.encode())
+def test_a_factors_name_enters_the_draw_as_the_same_number_in_every_process() -> None:
+    """The name's number is its CRC-32: the same in every process (ranks,
+    a resumed run), unlike ``hash``, which Python salts per process."""
+    names = ["A", "G", "", "blocks.0.attn.q/A", "Gé"]
+    probe = (
+        f"from kaisa.core.positions import _name_code; print([_name_code(n) for n in {names!r}])"
+    )
+    for salt in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": salt}
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env
+        )
+        assert out.stdout.strip() == str([_name_code(n) for n in names])
+    assert [_name_code(n) for n in names] == [zlib.crc32(n.encode()) for n in names]
+
+
+def test_a_draw_for_a_name_first_seen_in_a_graph_is_the_host_draw() -> None:
+    """A factor name kaisa does not use is looked up in eager code only after
+    its first draw; drawn first inside a compiled region, it still gives the
+    host's positions."""
+    torch._dynamo.reset()
+    sampler = PositionSampler(0.3, seed=4)
+    sampler.place(torch.device("cpu"))
+    name = f"new-{os.getpid()}"
+    drawn = torch.compile(lambda: sampler.kept(name, 50), backend="eager")()
+    host = sampler.kept(name, 50)
+    assert host is not None and drawn is not None and torch.equal(drawn, host)
+    torch._dynamo.reset()
 
 
 def test_a_draw_on_another_device_or_in_a_graph_is_the_host_draw() -> None:

@@ -26,6 +26,9 @@ from torch._dynamo.utils import counters
 from compiled_case import Counting, assert_close, loss_of
 from kaisa import KFACPreconditioner
 from kaisa.step.capture.attention_graph import attention_forward, forward_arguments
+from kaisa.torch_support import COMPILE_FLOOR
+
+NEEDS_COMPILE = pytest.mark.needs_torch(COMPILE_FLOOR, "torch.compile")
 
 
 @pytest.fixture(autouse=True)
@@ -156,6 +159,7 @@ def _train(model: nn.Module, forward: Any, steps: int, **options: Any) -> KFACPr
     return precond
 
 
+@NEEDS_COMPILE
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_compiled_attention_statistics_equal_eager(name: str) -> None:
     torch.manual_seed(0)
@@ -177,6 +181,7 @@ def test_compiled_attention_statistics_equal_eager(name: str) -> None:
         pytest.param("encoder", True, marks=pytest.mark.slow),
     ],
 )
+@NEEDS_COMPILE
 def test_compiled_attention_from_a_fraction_of_the_positions_equals_eager(
     name: str, dynamic: bool | None
 ) -> None:
@@ -192,6 +197,7 @@ def test_compiled_attention_from_a_fraction_of_the_positions_equals_eager(
     assert_close(got, want)
 
 
+@NEEDS_COMPILE
 @pytest.mark.parametrize("fraction", [None, 0.4])
 def test_compiled_transformer_encoder_is_one_graph_with_attention_captured(
     fraction: float | None,

@@ -33,6 +33,9 @@ from torch._dynamo.utils import counters
 
 from compiled_case import Counting, assert_close, loss_of
 from kaisa import KFACPreconditioner
+from kaisa.torch_support import COMPILE_FLOOR
+
+pytestmark = pytest.mark.needs_torch(COMPILE_FLOOR, "torch.compile")
 
 KW: dict[str, Any] = dict(factor_update_steps=2, inv_update_steps=4, damping=0.1, lr=0.1)
 

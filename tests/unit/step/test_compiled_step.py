@@ -23,6 +23,9 @@ from torch._dynamo.utils import counters
 
 from compiled_case import Counting
 from kaisa import KFACPreconditioner
+from kaisa.torch_support import COMPILE_FLOOR
+
+pytestmark = pytest.mark.needs_torch(COMPILE_FLOOR, "torch.compile")
 
 
 @pytest.fixture(autouse=True)

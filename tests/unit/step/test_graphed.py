@@ -26,6 +26,7 @@ from kaisa import KFACPreconditioner
 from kaisa.layers.state import KFACLayer
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.graphed import GraphedApplication, RecordingError
+from kaisa.torch_support import COMPILE_FLOOR
 
 
 class Emulated:
@@ -284,6 +285,7 @@ def _train_with_optimizer_lr(lr: float | Tensor, graphed: bool) -> tuple[list[Te
     return [p.detach().clone() for p in model.parameters()], log
 
 
+@pytest.mark.needs_torch((2, 6), "an optimizer that leaves a tensor lr on the device")
 def test_an_optimizer_tensor_lr_is_used_unread(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor learning rate (a compiled or capturable optimizer's) is used
     by the KL clip as a tensor, never read as a number (a host
@@ -399,6 +401,7 @@ def test_diagnostics_run_the_eager_step() -> None:
     assert precond.diagnostics is not None and len(precond.diagnostics.kl_scales) == 20
 
 
+@pytest.mark.needs_torch(COMPILE_FLOOR, "torch.compile")
 def test_compile_asks_for_graphs_only_on_cuda() -> None:
     """``precond.compile(mode='reduce-overhead')`` on a CPU model compiles the
     groups as before and records no graph."""
@@ -408,6 +411,7 @@ def test_compile_asks_for_graphs_only_on_cuda() -> None:
     assert precond._parts.pipeline.graphed is None
 
 
+@pytest.mark.needs_torch(COMPILE_FLOOR, "torch.compile")
 def test_compiling_again_without_graphs_stops_the_replays() -> None:
     """A second ``compile()`` without a graph mode drops the replayed path."""
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from kaisa.layers.attention import ProjectionAdapter
 from kaisa.layers.state import KFACLayer
 from kaisa.step.capture.attention_graph import attention_forward, forward_arguments
-from kaisa.step.capture.graph import GraphCapture, Parts, accepts_compiled
+from kaisa.step.capture.graph import GraphCapture, Parts
 from kaisa.step.capture.hooks import ModuleHook, TermMemo
 
 __all__ = ["Capture", "capture_functional"]
@@ -139,7 +139,7 @@ class _AttentionCapture:
         layers = {
             role: layer
             for role, layer in self.layers.items()
-            if accepts_compiled(layer, self.attention, output[0], self.capture.enabled)
+            if self.capture.graph.accepts(layer, self.attention, output[0], self.capture.enabled)
         }
         if not layers:
             return None

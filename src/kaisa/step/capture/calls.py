@@ -50,7 +50,7 @@ from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture import terms
 from kaisa.step.capture.attention import capture_functional
 from kaisa.step.capture.broadcast import wrap_broadcast
-from kaisa.step.capture.graph import GraphCapture, accepts_compiled
+from kaisa.step.capture.graph import GraphCapture
 from kaisa.step.capture.hooks import (
     ModuleHook,
     TermMemo,
@@ -171,7 +171,7 @@ class Capture:
             if x is None or out is None:
                 return None
             if torch.compiler.is_compiling():
-                if out is output and accepts_compiled(layer, module, out, self.enabled):
+                if out is output and self.graph.accepts(layer, module, out, self.enabled):
                     return self.graph.wrap(layer, x, out)
                 return None
             if out is output and self._broadcast(layer, module, x, out):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kaisa import torch_support
 from kaisa.config import LossAverage
 from kaisa.core.specs import FactorSource, StatisticSpec
 from kaisa.core.statistics import grad_multiplier
@@ -47,7 +48,7 @@ from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture.hooks import TermMemo, input_term_key
 
-__all__ = ["GraphCapture", "accepts_compiled", "joint_term"]
+__all__ = ["GraphCapture", "joint_term"]
 
 #: the counts' dtype: exact integers well past float32's 2**24 rows
 _FORMED = (FactorSource.INPUT, FactorSource.OUTPUT_GRAD, FactorSource.JOINT)
@@ -139,6 +140,9 @@ class GraphCapture:
         self.loss_divisor = loss_divisor
         self.method = method
         self._sinks: dict[str, _Sinks] = {}
+        #: a compiled call came on a torch below the compile floor: nothing
+        #: was captured, and the next ``step()`` raises (:mod:`kaisa.torch_support`)
+        self.refused = False
         self.follow(layers)
 
     def follow(self, layers: list[KFACLayer]) -> None:
@@ -163,6 +167,23 @@ class GraphCapture:
             sinks.passes += 1
 
         return counted
+
+    def accepts(self, layer: KFACLayer, module: nn.Module, out: Tensor, enabled: bool) -> bool:
+        """Whether a compiled call of ``layer`` is captured (read at trace time,
+        so each answer is a guard of the compiled variant).  Below the compile
+        floor none is, and the refusal is noted for ``step()`` to raise: an
+        error raised here, inside the trace, would only make dynamo run the
+        forward eagerly."""
+        if not torch_support.COMPILE_SUPPORTED:
+            self.refused = True
+            return False
+        return (
+            enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and out.requires_grad
+            and layer.adapter.trainable
+        )
 
     def wrap(self, layer: KFACLayer, x: Tensor, out: Tensor) -> Tensor:
         """The output to hand on: ``out`` through :class:`_Statistics` (as it
@@ -280,16 +301,4 @@ def joint_term(
         adapter.grad_output_rows(g),
         scale,
         layer.dtype_of(stat),
-    )
-
-
-def accepts_compiled(layer: KFACLayer, module: nn.Module, out: Tensor, enabled: bool) -> bool:
-    """Whether a compiled call of ``layer`` is captured (read at trace time,
-    so each answer is a guard of the compiled variant)."""
-    return (
-        enabled
-        and module.training
-        and torch.is_grad_enabled()
-        and out.requires_grad
-        and layer.adapter.trainable
     )
