@@ -1,16 +1,17 @@
 """Which torch releases kaisa's features run on, and the error below them.
 
-Eager K-FAC — the hooks' capture, every curvature method, every engine the
-installed torch itself offers — runs on torch 2.4 and newer (the unit suite
-passes there: ``make test-torch TORCH=torch==2.4.1``).  Inside
-``torch.compile`` kaisa leans on dynamo far harder: the capture is traced
-into the model's graph (:mod:`kaisa.step.capture.graph`), a factor
-position draw is folded into it (:mod:`kaisa.core.positions`) and the
-stacked application is compiled whole (:meth:`~kaisa.controls.StepControls.compile`).
-Older dynamo releases do not fail cleanly there: one forms factor
-statistics that differ from the eager ones under dynamic shapes, with no
-error, others stop at the attention capture or recompile at every step.
-So below :data:`COMPILE_FLOOR` kaisa refuses a compiled model or
+Eager K-FAC — the hooks' capture, every curvature method, the step, its
+checkpoints — runs on torch 2.4 and newer (the unit suite passes there:
+``make test-torch``; the distributed frameworks are tested on the pinned
+torch only). Inside ``torch.compile`` kaisa leans on dynamo far harder: the
+capture is traced into the model's graph (:mod:`kaisa.step.capture.graph`),
+a factor position draw is folded into it (:mod:`kaisa.core.positions`) and
+the stacked application is compiled whole
+(:meth:`~kaisa.controls.StepControls.compile`). Older dynamo releases do not
+fail cleanly there: under dynamic shapes 2.6 and 2.10 form factor statistics
+that differ from the eager ones (2.10 where only a fraction of the positions
+is read), with no error; 2.9 stops at the attention capture. So below
+:data:`COMPILE_FLOOR` kaisa refuses a compiled model or
 ``precond.compile()`` with an error that names the floor, rather than train
 on statistics it cannot vouch for; the same model run eagerly is unaffected.
 

@@ -5,9 +5,9 @@
    forward and backward, and the next ``step()`` refuses with an error that
    names the floor and the installed torch, before any statistics are
    folded; ``precond.compile()`` refuses the same way.  The same model run
-   eagerly steps as before.  (The floor is lowered here by patching the
-   flag, so this runs on every torch; on a torch really below it, the same
-   path is taken without the patch.)
+   eagerly steps as before.  (The installed torch is put below the floor
+   here by patching the flag, so this runs on every torch; on a torch
+   really below it, the same path is taken without the patch.)
 3. The README states the floor the library enforces.
 """
 
