@@ -47,6 +47,10 @@ def tune_cpu_allocator(
     threshold alone also freezes the mmap threshold at its 128 KiB start,
     and then every large tensor is an ``mmap`` (measured: 68,000 faults per
     step instead of 23,000).
+
+    Measured from torch 2.10 on; under torch 2.4 the same probe
+    (``tests/unit/test_allocator.py``) still faults in most steps, by an
+    amount that varies from run to run (its cause is not known).
     """
     if not sys.platform.startswith("linux"):
         return False

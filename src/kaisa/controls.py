@@ -17,7 +17,6 @@ from kaisa import torch_support
 from kaisa.step.diagnostics import StepDiagnostics
 from kaisa.step.graphed import CUDA_GRAPH_MODES, GraphedApplication, Recorder
 from kaisa.step.profile import StepProfile
-from kaisa.torch_support import compile_refusal
 from kaisa.view import PreconditionerView
 
 __all__ = ["StepControls"]
@@ -54,7 +53,7 @@ class StepControls(PreconditionerView):
         Compiling needs torch at or past :data:`kaisa.torch_support.COMPILE_FLOOR`;
         on an older release this raises a ``RuntimeError`` that names it."""
         if (recorder is None or options) and not torch_support.COMPILE_SUPPORTED:
-            raise RuntimeError(compile_refusal("precond.compile()"))
+            raise RuntimeError(torch_support.compile_refusal("precond.compile()"))
         pipeline = self._parts.pipeline
         graphs = options.get("mode") in CUDA_GRAPH_MODES
         on_cuda = any(la.adapter.device.type == "cuda" for la in self._parts.layers.values())

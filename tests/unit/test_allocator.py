@@ -55,6 +55,9 @@ def faults_per_step(mode: str) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.needs_torch(
+    (2, 10), "under torch 2.4 the tuned probe's faults vary from run to run, often in the 1000s"
+)
 def test_raised_thresholds_stop_the_page_faults_of_freed_tensors() -> None:
     default, tuned = faults_per_step("default"), faults_per_step("tuned")
     assert default > 3 * 4096 / 2  # at least half of the step's 3 x 4096 pages, every step

@@ -8,7 +8,10 @@
    eagerly steps as before.  (The installed torch is put below the floor
    here by patching the flag, so this runs on every torch; on a torch
    really below it, the same path is taken without the patch.)
-3. The README states the floor the library enforces.
+   The refusal comes from both of the compiled capture's paths: a module's
+   forward hook and ``nn.MultiheadAttention``'s own capture.
+3. The README, pyproject and ``make test-torch`` state the floors the
+   library enforces.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from kaisa import KFACPreconditioner, torch_support
 
@@ -40,13 +43,27 @@ def test_a_version_that_is_not_one_is_refused_by_name() -> None:
         torch_support.release("nightly")
 
 
-def _model() -> nn.Module:
+class _Attention(nn.Module):
+    """Only an ``nn.MultiheadAttention``: its projections are captured by
+    kaisa's attention capture alone (no module hook sees them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+def _model(kind: str = "mlp") -> nn.Module:
     torch.manual_seed(0)
+    if kind == "attention":
+        return _Attention()
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def _backward(model: nn.Module) -> None:
-    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(16, 5, 6, generator=torch.Generator().manual_seed(1))
     model(x).logsumexp(-1).mean().backward()
 
 
@@ -59,8 +76,15 @@ def below_the_floor(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("below_the_floor")
-def test_below_the_floor_a_compiled_model_is_refused_at_its_first_step() -> None:
-    model = _model()
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+def test_below_the_floor_a_compiled_model_is_refused_at_its_first_step(kind: str) -> None:
+    model = _model(kind)
+    assert kind != "attention" or set(KFACPreconditioner(_model(kind), **KW).layers) == {
+        "mha.q",
+        "mha.k",
+        "mha.v",
+        "mha.out_proj",
+    }
     precond = KFACPreconditioner(model, **KW)
     compiled = torch.compile(model, backend="eager")
     _backward(compiled)
@@ -94,7 +118,14 @@ def test_below_the_floor_an_eager_model_steps_as_before() -> None:
     assert all(layer.captured for layer in precond.layers.values())
 
 
-def test_the_readme_states_the_floor_the_library_enforces() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    stated = re.findall(r"`torch\.compile` needs torch ≥ (\d+\.\d+)", readme)
-    assert stated == [FLOOR]
+def test_the_readme_pyproject_and_makefile_state_the_floors_the_library_enforces() -> None:
+    root = Path(__file__).resolve().parents[2]
+    eager = ".".join(map(str, torch_support.EAGER_FLOOR))
+    readme = (root / "README.md").read_text()
+    assert re.findall(r"`torch\.compile` needs torch ≥ (\d+\.\d+)", readme) == [FLOOR]
+    assert re.findall(r"kaisa runs on torch (\d+\.\d+) and newer", readme) == [eager]
+    assert re.findall(r'"torch>=([\d.]+)"', (root / "pyproject.toml").read_text()) == [eager]
+    default = re.search(
+        r'^TEST_TORCH \?= "torch==(\d+\.\d+)\.', (root / "Makefile").read_text(), re.M
+    )
+    assert default is not None and default.group(1) == eager

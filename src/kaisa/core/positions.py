@@ -72,8 +72,9 @@ def _mix(x: _Int) -> _Int:
     return x ^ (x >> 16)
 
 
-#: the factors' names as numbers, formed in eager code (:func:`_name_code`)
-_NAME_CODES: dict[str, int] = {}
+#: the factors' names as numbers, formed in eager code (:func:`_name_code`);
+#: kaisa's own (A, G) from import on
+_NAME_CODES: dict[str, int] = {name: zlib.crc32(name.encode()) for name in ("A", "G")}
 
 
 def _name_code(factor: str) -> int:
@@ -81,18 +82,14 @@ def _name_code(factor: str) -> int:
     (unlike Python's ``hash``).  Where dynamo traces a draw it reads this as
     a lookup in a dict, which every dynamo folds to a constant, not as zlib
     (which it cannot trace) or a loop over the name's bytes (which dynamo
-    before torch 2.13 cannot trace); kaisa's factor names (A, G) are looked
-    up from import on, any other name from its first eager draw.  Nothing is
+    2.10 cannot trace); kaisa's factor names (A, G) are in the dict from
+    import on, any other name from its first eager draw.  Nothing is
     marked for the compiler at import (a mark imports dynamo, 1.5 s of every
     ``import kaisa``)."""
     code = _NAME_CODES.get(factor)
     if code is None:
         code = _NAME_CODES[factor] = zlib.crc32(factor.encode())
     return code
-
-
-for _factor in ("A", "G"):
-    _name_code(_factor)
 
 
 def _salt(factor: str, positions: int, device: torch.device) -> int | Tensor:
