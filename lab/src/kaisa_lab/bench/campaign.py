@@ -9,6 +9,11 @@ turn, each on its own clock):
 
 - ``grid``: the grid of one kind of run on one selection seed;
 - ``followup``: every arm's next follow-up on one selection seed;
+
+(the later selection seeds of a grid or a follow-up wait for its deciding
+seeds, :attr:`~kaisa_lab.bench.protocol.Protocol.deciding_seeds`, and run only
+the settings those left a chance of being selected,
+:func:`~kaisa_lab.bench.protocol.settled`)
 - ``cost``: on one selection seed, every arm's cost pair: a tried setting
   that changes a step's work (a K-FAC interval) and the same setting without
   that knob, side by side, so their clocks over the same steps compare
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 
 from kaisa_lab.bench.cases import Arm, TrainCase
-from kaisa_lab.bench.protocol import Outcome, Setting, best, followup, work_base
+from kaisa_lab.bench.protocol import Outcome, Setting, best, followup, settled, work_base
 from kaisa_lab.bench.records import RecordStore, config_key, environment, load_average, train_record
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.progress import Progress
@@ -92,6 +97,9 @@ class ArmState:
     tried: tuple[Setting, ...]
     pending: Setting | None  # the follow-up being run, or the setting a cost pair prices
     selected: Setting | None
+    #: in the grid and follow-up stages, the selection seeds each setting
+    #: needs now (the settings that need none left out)
+    needed: tuple[tuple[Setting, tuple[int, ...]], ...] = ()
 
 
 class Campaign:
@@ -157,12 +165,28 @@ class Campaign:
             ratios.append(pair_ratio(knob, base))
         return statistics.median(ratios)
 
+    def needed(self, arm: Arm, tried: Sequence[Setting]) -> dict[Setting, tuple[int, ...]]:
+        """The selection seeds each of ``tried`` needs now: its deciding seeds
+        it lacks; once every one has those, the later seeds it lacks, unless
+        the outcomes so far have :func:`settled` it (its other runs could not
+        change the choice). Settings that need nothing are left out."""
+        deciding = self.protocol.deciding_seeds
+        missing = {s: tuple(self._missing(arm, s, deciding)) for s in tried}
+        if any(missing.values()):
+            return {s: m for s, m in missing.items() if m}
+        seeds = self.protocol.selection_seeds
+        later = [seed for seed in seeds if seed not in deciding]
+        out = self.settled(arm, tried)
+        found = {s: tuple(self._missing(arm, s, later)) for s in tried if s not in out}
+        return {s: m for s, m in found.items() if m}
+
     def state(self, arm: Arm) -> ArmState:
         """Replay the protocol for ``arm`` over the records: where it stands now."""
         seeds = self.protocol.selection_seeds
         tried = list(self.case.grid(arm))
-        if any(self._missing(arm, s, seeds) for s in tried):
-            return ArmState(arm, "grid", tuple(tried), None, None)
+        needed = self.needed(arm, tried)
+        if needed:
+            return ArmState(arm, "grid", tuple(tried), None, None, tuple(needed.items()))
         higher = get_task(self.case.task).metric.higher_is_better
         while True:
             costs: dict[Setting, float] = {}
@@ -174,12 +198,13 @@ class Campaign:
                     return ArmState(arm, "cost", tuple(tried), s, None)
                 costs[s] = cost
             chosen = best({s: self.outcomes(arm, s, seeds) for s in tried}, higher, costs)
-            assert chosen is not None  # every tried setting has all its outcomes
+            assert chosen is not None  # every tried setting has the outcomes it needs
             nxt = followup(self.protocol, tried, chosen, arm.knobs)
             if nxt is None:
                 break
-            if self._missing(arm, nxt, seeds):
-                return ArmState(arm, "followup", tuple(tried), nxt, None)
+            needed = self.needed(arm, [*tried, nxt])
+            if needed:
+                return ArmState(arm, "followup", tuple(tried), nxt, None, tuple(needed.items()))
             tried.append(nxt)
         stage = "heldout" if self._missing(arm, chosen, self.protocol.heldout_seeds) else "done"
         return ArmState(arm, stage, tuple(tried), None, chosen)
@@ -196,14 +221,17 @@ class Campaign:
                     self.run(st.arm, s, seed, "grid")
                     for st in states
                     if st.stage == "grid" and st.arm.kind == kind
-                    for s in st.tried
+                    for s, need in st.needed
+                    if seed in need
                 ]
                 units.append(Unit(f"grid-{kind}", seed, _pending(self, runs)))
         for seed in seeds:
             runs = [
-                self.run(st.arm, st.pending, seed, "followup")
+                self.run(st.arm, s, seed, "followup")
                 for st in states
-                if st.stage == "followup" and st.pending is not None
+                if st.stage == "followup"
+                for s, need in st.needed
+                if seed in need
             ]
             units.append(Unit("followup", seed, _pending(self, runs)))
         for seed in seeds:
@@ -298,12 +326,23 @@ class Campaign:
         if st.selected is not None:
             tried, seeds = [st.selected], self.protocol.heldout_seeds
         else:
-            tried, seeds = list(st.tried), self.protocol.selection_seeds
+            tried, seeds = self._unsettled(arm, st.tried), self.protocol.selection_seeds
         return {
             self.run(arm, setting, seed, "").key
             for setting in tried
             for seed in self._missing(arm, setting, seeds)
         }
+
+    def settled(self, arm: Arm, tried: Sequence[Setting]) -> frozenset[Setting]:
+        """The settings of ``tried`` the outcomes so far have :func:`settled`."""
+        seeds = self.protocol.selection_seeds
+        higher = get_task(self.case.task).metric.higher_is_better
+        return settled({s: self.outcomes(arm, s, seeds) for s in tried}, len(seeds), higher)
+
+    def _unsettled(self, arm: Arm, tried: Sequence[Setting]) -> list[Setting]:
+        """The settings of ``tried`` the outcomes so far have not :func:`settled`."""
+        out = self.settled(arm, tried)
+        return [s for s in tried if s not in out]
 
     def runs_left(self, st: ArmState) -> int:
         """About how many runs the arm standing at ``st`` still needs: the rest
@@ -315,7 +354,7 @@ class Campaign:
             return len(self._missing(arm, st.selected, self.protocol.heldout_seeds))
         held = len(self.protocol.heldout_seeds)
         seeds = self.protocol.selection_seeds
-        missing = sum(len(self._missing(arm, s, seeds)) for s in st.tried)
+        missing = sum(len(self._missing(arm, s, seeds)) for s in self._unsettled(arm, st.tried))
         return missing + (self.protocol.budget - len(st.tried)) * len(seeds) + held
 
 
@@ -528,7 +567,7 @@ def work(
 def selections(campaign: Campaign) -> dict[str, Selection]:
     """Every arm's selected setting (arms still tuning left out), as the task stores it."""
     out = {}
-    budget = len(campaign.protocol.selection_seeds)
+    seeds = campaign.protocol.selection_seeds
     for arm in campaign.case.arms:
         state = campaign.state(arm)
         if state.selected is None:
@@ -541,6 +580,6 @@ def selections(campaign: Campaign) -> dict[str, Selection]:
             kfac=dict(s.kfac),
             case=campaign.case.name,
             settings=len(state.tried),
-            runs=len(state.tried) * budget,
+            runs=sum(len(campaign.records(arm, s, seeds)) for s in state.tried),
         )
     return out

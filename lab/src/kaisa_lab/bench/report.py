@@ -429,7 +429,9 @@ def markdown_tuning(campaign: Campaign) -> str:
     """Every setting each arm tried, median over the selection seeds; the choice
     in bold. A setting that changes a step's work shows its measured step cost
     (its cost pair's ratio, ``pending`` until measured), which its steps are
-    weighed by; every other setting's step costs the arm's own (``-``)."""
+    weighed by; every other setting's step costs the arm's own (``-``). A
+    setting its deciding seeds settled (:func:`~kaisa_lab.bench.protocol.settled`)
+    says on how many seeds it ran."""
     seeds = campaign.protocol.selection_seeds
     lines = [
         "| arm | setting | reached | median steps | step cost | median time (s) |",
@@ -437,6 +439,7 @@ def markdown_tuning(campaign: Campaign) -> str:
     ]
     for arm in campaign.case.arms:
         state = campaign.state(arm)
+        out = campaign.settled(arm, state.tried)
         for setting in state.tried:
             results = [r["result"] for r in campaign.records(arm, setting, seeds)]
             reached = [r for r in results if r["reached"]]
@@ -449,6 +452,8 @@ def markdown_tuning(campaign: Campaign) -> str:
             text = setting.describe()
             if setting == state.selected:
                 text = f"**{text}**"
+            if setting in out and len(results) < len(seeds):
+                text += f" (settled on {len(results)} seeds)"
             lines.append(
                 f"| {arm_label(arm)} | {text} | {len(reached)}/{len(results)} "
                 f"| {'-' if math.isinf(med_s) else f'{med_s:.0f}'} "
