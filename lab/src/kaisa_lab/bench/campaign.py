@@ -9,6 +9,11 @@ turn, each on its own clock):
 
 - ``grid``: the grid of one kind of run on one selection seed;
 - ``followup``: every arm's next follow-up on one selection seed;
+
+(the later selection seeds of a grid or a follow-up wait for its deciding
+seeds, :attr:`~kaisa_lab.bench.protocol.Protocol.deciding_seeds`, and run only
+the settings those left a chance of being selected,
+:func:`~kaisa_lab.bench.protocol.settled`)
 - ``cost``: on one selection seed, every arm's cost pair: a tried setting
   that changes a step's work (a K-FAC interval) and the same setting without
   that knob, side by side, so their clocks over the same steps compare
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 
 from kaisa_lab.bench.cases import Arm, TrainCase
-from kaisa_lab.bench.protocol import Outcome, Setting, best, followup, work_base
+from kaisa_lab.bench.protocol import Outcome, Setting, best, followup, settled, work_base
 from kaisa_lab.bench.records import RecordStore, config_key, environment, load_average, train_record
 from kaisa_lab.cli.distributed import DistContext
 from kaisa_lab.cli.progress import Progress
@@ -48,7 +53,7 @@ from kaisa_lab.cli.train import RunResult, train_lockstep, warm_up
 from kaisa_lab.tasks.registry import get_task
 from kaisa_lab.tasks.tuned import Selection
 
-__all__ = ["ArmState", "Campaign", "Run", "Unit", "pair_ratio", "selections", "work"]
+__all__ = ["ArmState", "Campaign", "Run", "Unit", "duration", "pair_ratio", "selections", "work"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ class ArmState:
     tried: tuple[Setting, ...]
     pending: Setting | None  # the follow-up being run, or the setting a cost pair prices
     selected: Setting | None
+    #: in the grid and follow-up stages, the selection seeds each setting
+    #: needs now (the settings that need none left out)
+    needed: tuple[tuple[Setting, tuple[int, ...]], ...] = ()
 
 
 class Campaign:
@@ -157,12 +165,28 @@ class Campaign:
             ratios.append(pair_ratio(knob, base))
         return statistics.median(ratios)
 
+    def needed(self, arm: Arm, tried: Sequence[Setting]) -> dict[Setting, tuple[int, ...]]:
+        """The selection seeds each of ``tried`` needs now: its deciding seeds
+        it lacks; once every one has those, the later seeds it lacks, unless
+        the outcomes so far have :func:`settled` it (its other runs could not
+        change the choice). Settings that need nothing are left out."""
+        deciding = self.protocol.deciding_seeds
+        missing = {s: tuple(self._missing(arm, s, deciding)) for s in tried}
+        if any(missing.values()):
+            return {s: m for s, m in missing.items() if m}
+        seeds = self.protocol.selection_seeds
+        later = [seed for seed in seeds if seed not in deciding]
+        out = self.settled(arm, tried)
+        found = {s: tuple(self._missing(arm, s, later)) for s in tried if s not in out}
+        return {s: m for s, m in found.items() if m}
+
     def state(self, arm: Arm) -> ArmState:
         """Replay the protocol for ``arm`` over the records: where it stands now."""
         seeds = self.protocol.selection_seeds
         tried = list(self.case.grid(arm))
-        if any(self._missing(arm, s, seeds) for s in tried):
-            return ArmState(arm, "grid", tuple(tried), None, None)
+        needed = self.needed(arm, tried)
+        if needed:
+            return ArmState(arm, "grid", tuple(tried), None, None, tuple(needed.items()))
         higher = get_task(self.case.task).metric.higher_is_better
         while True:
             costs: dict[Setting, float] = {}
@@ -174,12 +198,13 @@ class Campaign:
                     return ArmState(arm, "cost", tuple(tried), s, None)
                 costs[s] = cost
             chosen = best({s: self.outcomes(arm, s, seeds) for s in tried}, higher, costs)
-            assert chosen is not None  # every tried setting has all its outcomes
+            assert chosen is not None  # every tried setting has the outcomes it needs
             nxt = followup(self.protocol, tried, chosen, arm.knobs)
             if nxt is None:
                 break
-            if self._missing(arm, nxt, seeds):
-                return ArmState(arm, "followup", tuple(tried), nxt, None)
+            needed = self.needed(arm, [*tried, nxt])
+            if needed:
+                return ArmState(arm, "followup", tuple(tried), nxt, None, tuple(needed.items()))
             tried.append(nxt)
         stage = "heldout" if self._missing(arm, chosen, self.protocol.heldout_seeds) else "done"
         return ArmState(arm, stage, tuple(tried), None, chosen)
@@ -196,14 +221,17 @@ class Campaign:
                     self.run(st.arm, s, seed, "grid")
                     for st in states
                     if st.stage == "grid" and st.arm.kind == kind
-                    for s in st.tried
+                    for s, need in st.needed
+                    if seed in need
                 ]
                 units.append(Unit(f"grid-{kind}", seed, _pending(self, runs)))
         for seed in seeds:
             runs = [
-                self.run(st.arm, st.pending, seed, "followup")
+                self.run(st.arm, s, seed, "followup")
                 for st in states
-                if st.stage == "followup" and st.pending is not None
+                if st.stage == "followup"
+                for s, need in st.needed
+                if seed in need
             ]
             units.append(Unit("followup", seed, _pending(self, runs)))
         for seed in seeds:
@@ -215,14 +243,21 @@ class Campaign:
             ]
             units.append(Unit("cost", seed, _pending(self, runs)))
         if all(st.stage in ("heldout", "done") for st in states):
-            for seed in self.protocol.heldout_seeds:
-                runs = [
-                    self.run(st.arm, st.selected, seed, "heldout")
-                    for st in states
-                    if st.selected is not None
-                ]
-                units.append(Unit("heldout", seed, _pending(self, runs)))
+            units += self.heldout_units(states)
         return [u for u in units if u.runs]
+
+    def heldout_units(self, states: Sequence[ArmState]) -> list[Unit]:
+        """One lockstep group a held-out seed, of the runs of every arm of
+        ``states`` with a selection that are not recorded yet."""
+        units = []
+        for seed in self.protocol.heldout_seeds:
+            runs = [
+                self.run(st.arm, st.selected, seed, "heldout")
+                for st in states
+                if st.selected is not None
+            ]
+            units.append(Unit("heldout", seed, _pending(self, runs)))
+        return units
 
     def every_record(self) -> list[dict[str, Any]]:
         """Every record of the case (as last read)."""
@@ -242,8 +277,9 @@ class Campaign:
         pending now (later stages add runs once these are read) and how many runs
         are in flight with a snapshot."""
         lines = []
-        for arm in self.case.arms:
-            st = self.state(arm)
+        states = [self.state(arm) for arm in self.case.arms]
+        for st in states:
+            arm = st.arm
             text = f"{arm.name:<22} {st.stage:<9} {len(st.tried)}/{self.protocol.budget} settings"
             if st.pending is not None:
                 doing = "pricing" if st.stage == "cost" else "running"
@@ -259,7 +295,76 @@ class Campaign:
             f"pending now: {runs} run(s) in {len(units)} group(s); "
             f"{saved} run(s) in flight saved to resume"
         )
+        left, seen = [], set[str]()
+        for st in states:  # a run two arms share (a tuned arm's grid) counted once
+            known = self.known_left(st)
+            left.append((st.arm, self.runs_left(st) - len(known & seen)))
+            seen |= known
+        paces = self.paces()
+        if any(n for _, n in left) and paces:
+            overall = statistics.median(t for ts in paces.values() for t in ts)
+            need = sum(n * statistics.median(paces.get(arm.kind, [overall])) for arm, n in left)
+            lines.append(
+                f"left: about {sum(n for _, n in left)} run(s) (each arm's remaining budget on "
+                "the selection seeds, then its held-out seeds); at each arm's median run so far "
+                f"(all arms' where it has none), about {duration(need)} of one worker"
+            )
         return lines
+
+    def paces(self) -> dict[str, list[float]]:
+        """The training time (s) of each recorded run, by the runs' arm kind."""
+        out: dict[str, list[float]] = {}
+        for record in self._index.values():
+            out.setdefault(record["arm"], []).append(float(record["result"]["train_time_s"]))
+        return out
+
+    def known_left(self, st: ArmState) -> set[str]:
+        """The keys of the runs :meth:`runs_left` counts that are known now
+        (its settings tried so far, or selected, on the seeds they lack): a
+        tuned K-FAC arm's grid is the defaults' arm's, run by the same runs."""
+        arm = st.arm
+        if st.selected is not None:
+            tried, seeds = [st.selected], self.protocol.heldout_seeds
+        else:
+            tried, seeds = self._unsettled(arm, st.tried), self.protocol.selection_seeds
+        return {
+            self.run(arm, setting, seed, "").key
+            for setting in tried
+            for seed in self._missing(arm, setting, seeds)
+        }
+
+    def settled(self, arm: Arm, tried: Sequence[Setting]) -> frozenset[Setting]:
+        """The settings of ``tried`` the outcomes so far have :func:`settled`."""
+        seeds = self.protocol.selection_seeds
+        higher = get_task(self.case.task).metric.higher_is_better
+        return settled({s: self.outcomes(arm, s, seeds) for s in tried}, len(seeds), higher)
+
+    def _unsettled(self, arm: Arm, tried: Sequence[Setting]) -> list[Setting]:
+        """The settings of ``tried`` the outcomes so far have not :func:`settled`."""
+        out = self.settled(arm, tried)
+        return [s for s in tried if s not in out]
+
+    def runs_left(self, st: ArmState) -> int:
+        """About how many runs the arm standing at ``st`` still needs: the rest
+        of its budget on the selection seeds, then its held-out seeds (cost
+        pairs, which the records call for as the follow-ups arrive, are not
+        counted)."""
+        arm = st.arm
+        if st.selected is not None:  # held out, or being held out
+            return len(self._missing(arm, st.selected, self.protocol.heldout_seeds))
+        held = len(self.protocol.heldout_seeds)
+        seeds = self.protocol.selection_seeds
+        missing = sum(len(self._missing(arm, s, seeds)) for s in self._unsettled(arm, st.tried))
+        return missing + (self.protocol.budget - len(st.tried)) * len(seeds) + held
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in the unit a person reads it in: ``40 s``, ``12.5 min``, ``91.3 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def pair_ratio(knob: dict[str, Any], base: dict[str, Any]) -> float:
@@ -462,7 +567,7 @@ def work(
 def selections(campaign: Campaign) -> dict[str, Selection]:
     """Every arm's selected setting (arms still tuning left out), as the task stores it."""
     out = {}
-    budget = len(campaign.protocol.selection_seeds)
+    seeds = campaign.protocol.selection_seeds
     for arm in campaign.case.arms:
         state = campaign.state(arm)
         if state.selected is None:
@@ -475,6 +580,6 @@ def selections(campaign: Campaign) -> dict[str, Selection]:
             kfac=dict(s.kfac),
             case=campaign.case.name,
             settings=len(state.tried),
-            runs=len(state.tried) * budget,
+            runs=sum(len(campaign.records(arm, s, seeds)) for s in state.tried),
         )
     return out

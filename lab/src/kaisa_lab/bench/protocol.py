@@ -21,7 +21,10 @@ seeds, over the same axes:
    the same setting without the knob run side by side in one lockstep group
    on each selection seed (a *cost pair*), and the median over the seeds of
    their clocks' ratio at the last step both reached; where no setting
-   reaches the target on most seeds, the best median final metric. Wall
+   reaches the target on most seeds, the best median final metric. A
+   setting whose first seeds already put it behind another setting, whatever
+   its remaining seeds give, runs no more of them (:func:`settled`): those
+   runs could not change the choice. Wall
    time decides nothing across groups: a grid's ten settings step in one
    group and the follow-ups in others, under other loads and caches, and
    the same setting's step has been timed 0.7–2× apart that way;
@@ -51,6 +54,7 @@ __all__ = [
     "fastest",
     "followup",
     "grid",
+    "settled",
     "work_base",
 ]
 
@@ -93,6 +97,14 @@ class Protocol:
     #: steps, as the selection reads, so no group's load cuts a run sooner
     cutoff: float | None = 3.0
     warmups_note: str = field(default="none, and the task's", compare=False)
+
+    @property
+    def deciding_seeds(self) -> tuple[int, ...]:
+        """The selection seeds every setting runs (the first half, rounded up):
+        once a setting has them, its median steps over all the selection
+        seeds is bounded, and the other seeds run only where the bounds leave
+        it a chance of being selected (:func:`settled`)."""
+        return self.selection_seeds[: (len(self.selection_seeds) + 1) // 2]
 
     def __post_init__(self) -> None:
         if set(self.selection_seeds) & set(self.heldout_seeds):
@@ -182,6 +194,54 @@ def best(
         ),
     )
     return ranked[0] if ranked else None
+
+
+def settled(
+    results: Mapping[Setting, Sequence[Outcome]], seeds: int, higher_is_better: bool = False
+) -> frozenset[Setting]:
+    """The settings of ``results`` that :func:`best` cannot select, whatever
+    their outcomes on the seeds they lack (of ``seeds`` selection seeds).
+
+    A setting's median steps over all the seeds lies between the median of
+    its outcomes with every missing seed at 0 steps and the median with every
+    missing seed a miss. A setting loses to another on any outcome of its
+    missing seeds, ties and tie-breaks included, where its least possible
+    median is above the other's greatest possible median; or where it misses
+    the target on most seeds whatever its missing seeds give (so its median
+    and mean steps are infinite and the final metric decides between it and
+    any setting that misses as often) and its best possible median final
+    metric is worse than the other's worst possible one. Its missing runs
+    could not change the choice. Only settings that leave a step's work as
+    it is (:func:`work_base` None) are compared: the others' steps are
+    weighed by a step cost the bounds do not know."""
+    sign = -1.0 if higher_is_better else 1.0
+    bounds = {}
+    for setting, outcomes in results.items():
+        if work_base(setting) is not None:
+            continue
+        missing = max(seeds - len(outcomes), 0)
+        steps = [float(o.steps) if o.steps is not None else math.inf for o in outcomes]
+        # the final metric as best() sorts it (lower first); a non-finite or
+        # absent one is left out of the median there, and no finite one at all
+        # sorts last
+        finals = [sign * o.final_metric for o in outcomes if o.final_metric is not None]
+        finals = [f for f in finals if math.isfinite(f)]
+        # (a missing seed's final left out of the median lies between the two)
+        bounds[setting] = (
+            _median(steps + [-math.inf] * missing),  # least median steps
+            _median(steps + [math.inf] * missing),  # greatest
+            _median(finals + [-math.inf] * missing) if finals or missing else math.inf,
+            _median(finals + [math.inf] * missing),  # worst median final
+        )
+    ceiling = min((b[1] for b in bounds.values()), default=math.inf)
+    metric_ceiling = min((b[3] for b in bounds.values()), default=math.inf)
+    # a NaN bound (an even count of seeds: a miss beside a missing seed)
+    # compares false: such a setting is not settled by it
+    return frozenset(
+        s
+        for s, (low, _, best_final, _) in bounds.items()
+        if low > ceiling or (low == math.inf and best_final > metric_ceiling)
+    )
 
 
 def fastest(results: Mapping[Setting, Sequence[Outcome]]) -> Setting | None:
