@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
 from typing import Any
@@ -44,6 +44,7 @@ from kaisa.engines import Engine, GradientAccess, OwnsTheLoop
 from kaisa.layers.registry import SkippedModule
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod
+from kaisa.optimizers import as_optimizers
 from kaisa.report import describe, log_registration, memory_usage
 from kaisa.step.schedule import Schedule, warn_unaligned_intervals
 from kaisa.step.skip import SkippedUpdates
@@ -94,8 +95,9 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
             frozen ones too, preconditioned on the steps they have a gradient —
             except those matching ``skip_layers`` and those with a parameter
             tied to another module.
-        optimizer: if given and ``lr`` is not, the learning rate used by the
-            KL clip is read from its first param group at every step.
+        optimizer: the optimizer, or every optimizer (``[muon, adamw]``),
+            stepping the model: the KL clip reads the first one's lr at every
+            step unless ``lr`` is given (:mod:`kaisa.optimizers`).
         grad_scaler: a ``torch.amp.GradScaler`` or a callable returning the
             current loss scale; it is divided out of the captured output
             gradients.  Call ``scaler.unscale_(optimizer)`` before :meth:`step`
@@ -125,7 +127,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         self,
         model: nn.Module,
         *,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         grad_scaler: Any | None = None,
         # -- the algorithm (kaisa.AlgorithmConfig)
         factor_update_steps: IntOrSchedule = AlgorithmConfig.factor_update_steps,
@@ -174,8 +176,9 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
             model, optimizer, grad_scaler, gradient_access, pg_timeout_s, loglevel, topology, engine
         )
         method_object = _method_argument(method, options, AlgorithmConfig.compute_method)
-        setup = configure(model, options, optimizer, grad_scaler, gradient_access, engine, topology)
-        self._schedule = Schedule(setup.config, optimizer, setup.lr_from_optimizer)
+        steppers = as_optimizers(optimizer)
+        setup = configure(model, options, steppers, grad_scaler, gradient_access, engine, topology)
+        self._schedule = Schedule(setup.config, next(iter(steppers), None), setup.lr_from_optimizer)
         self.model = model
         self.optimizer = optimizer
         self.grad_scaler = setup.grad_scaler
@@ -188,7 +191,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         # after a step skipped for non-finite gradients the next update changes
         # nothing either: the optimizer given loses its gradients, or an engine
         # that steps its own keeps it still by its rule
-        self._skipped_updates = SkippedUpdates(optimizer, engine, self.grad_scaler is not None)
+        self._skipped_updates = SkippedUpdates(steppers, engine, self.grad_scaler is not None)
         self._parts.pipeline.verdict.keep_updates(self._skipped_updates)
         log_registration(
             logger, loglevel, repr(self), list(self.layers.values()), self.skipped, self.plan

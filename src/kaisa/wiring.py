@@ -38,6 +38,7 @@ from kaisa.layers.registry import SkippedModule, register_layers, supported_laye
 from kaisa.layers.state import KFACLayer
 from kaisa.methods import CurvatureMethod, resolve_method
 from kaisa.methods.capabilities import updates_state
+from kaisa.optimizers import as_optimizers, warn_unstepped
 from kaisa.planner.forecast import auto_fraction
 from kaisa.report import changes, warn_user
 from kaisa.step.apply import GradientApplication
@@ -92,7 +93,7 @@ class Setup:
 def configure(
     model: nn.Module,
     options: dict[str, Any],
-    optimizer: torch.optim.Optimizer | None,
+    optimizers: tuple[torch.optim.Optimizer, ...],
     grad_scaler: Any,
     gradient_access: GradientAccess | None,
     engine: Engine | None,
@@ -112,11 +113,11 @@ def configure(
                 f"{given.accumulation_steps} micro-batches per step; leave "
                 "accumulation_steps out"
             )
-    lr_from_optimizer = "lr" not in options and optimizer is not None
-    if "lr" not in options and optimizer is None and given.lr is not None:
+    lr_from_optimizer = "lr" not in options and bool(optimizers)
+    if "lr" not in options and not optimizers and given.lr is not None:
         options["lr"] = given.lr
     config = KFACConfig.from_options(**options)
-    if "lr" not in options and optimizer is None and config.kl_clip is not None:
+    if "lr" not in options and not optimizers and config.kl_clip is not None:
         warn_user(
             f"kaisa: the KL clip assumes a learning rate of {config.lr:g}, kfac-pytorch's "
             "default, because neither optimizer= nor lr= was given; pass optimizer=your "
@@ -126,9 +127,13 @@ def configure(
     topology = topology or given.topology
     if isinstance(engine, OwnsTheLoop):
         engine.check_topology(topology)
+    else:  # the user steps the optimizers: a skipped step must reach every one
+        unstepped = warn_unstepped(model, optimizers)
+        if unstepped is not None:
+            warn_user(unstepped)
     if grad_scaler is None and given.loss_scale is not None:
         grad_scaler = given.loss_scale
-    scaling = LossScaling(grad_scaler, optimizer)
+    scaling = LossScaling(grad_scaler, optimizers)
     return Setup(
         config, engine, topology, grad_scaler, scaling, lr_from_optimizer, given.loss_divisor
     )
@@ -178,7 +183,10 @@ def check_call(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[st
         )
     if len(args) > 1:
         second = args[1]
-        what = "the optimizer" if isinstance(second, torch.optim.Optimizer) else "every option"
+        optimizers = isinstance(second, (list, tuple)) and bool(second)
+        optimizers = optimizers and all(isinstance(o, torch.optim.Optimizer) for o in second)
+        is_optimizer = isinstance(second, torch.optim.Optimizer) or optimizers
+        what = "the optimizer" if is_optimizer else "every option"
         raise TypeError(
             "KFACPreconditioner takes the model positionally and every option by keyword: "
             f"pass {what} as "
@@ -202,10 +210,7 @@ def check_runtime_arguments(
     """A ``TypeError``/``ValueError`` naming the first argument of a wrong type or value."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}"
-        )
+    as_optimizers(optimizer)
     if grad_scaler is not None and not (
         callable(getattr(grad_scaler, "get_scale", None)) or callable(grad_scaler)
     ):

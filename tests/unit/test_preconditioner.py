@@ -511,7 +511,8 @@ def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> No
     assert target.config.compute_method is kaisa.ComputeMethod.INVERSE
     assert target.config.lr == 0.2
     # an lr read from an optimizer is never overridden by the checkpoint
-    follower = KFACPreconditioner(mlp(), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.07))
+    model = mlp()
+    follower = KFACPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.07))
     follower.load_state_dict(source.state_dict())
     assert follower.lr == 0.07
 

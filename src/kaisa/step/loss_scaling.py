@@ -15,7 +15,7 @@ Three things depend on the scaler:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,9 +27,9 @@ __all__ = ["LossScaling"]
 class LossScaling:
     """The preconditioner's view of a grad scaler."""
 
-    def __init__(self, grad_scaler: Any, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, grad_scaler: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.scaler = grad_scaler
-        self.optimizer = optimizer
+        self.optimizers = tuple(optimizers)
         self._is_amp = callable(getattr(grad_scaler, "get_scale", None))
 
     @property
@@ -54,9 +54,9 @@ class LossScaling:
         states = getattr(self.scaler, "_per_optimizer_states", None)
         if not isinstance(states, dict):
             return []
-        if self.optimizer is not None:
-            state = states.get(id(self.optimizer))
-            return [state] if state is not None else []
+        if self.optimizers:
+            found = (states.get(id(o)) for o in self.optimizers)
+            return [state for state in found if state is not None]
         return list(states.values())
 
     def check_unscaled(self) -> None:
@@ -64,10 +64,15 @@ class LossScaling:
         if not (self._is_amp and self.active) or not hasattr(self.scaler, "unscale_"):
             return
         stages = [getattr(s.get("stage"), "name", None) for s in self._states()]
-        if "UNSCALED" not in stages:
+        if self.optimizers:  # every optimizer given: each holds gradients kaisa reads
+            unscaled = len(stages) == len(self.optimizers) and set(stages) == {"UNSCALED"}
+        else:
+            unscaled = "UNSCALED" in stages
+        if not unscaled:
             raise RuntimeError(
                 "kaisa: grad_scaler is set but the gradients are still scaled: call "
-                "scaler.unscale_(optimizer) after backward and before precond.step() (then "
+                "scaler.unscale_(optimizer) (for each optimizer given) after backward and "
+                "before precond.step() (then "
                 "scaler.step(optimizer) and scaler.update() as usual); the KL clip needs the "
                 "true gradients"
             )

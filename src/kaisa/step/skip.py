@@ -5,9 +5,10 @@ decomposition, the step count as it was.  What runs next is the user's
 update, and it must change nothing too, or the ``NaN`` reaches every weight.
 Who steps the optimizer decides how:
 
-- the user, with ``optimizer=`` given: kaisa takes every gradient of the
-  optimizer's parameters away (sets them to None), which torch's optimizers
-  skip — no weight, no momentum, no step count moves;
+- the user, with ``optimizer=`` given (one optimizer, or every one that
+  steps the model: :mod:`kaisa.optimizers`): kaisa takes every gradient of
+  their parameters away (sets them to None), which torch's optimizers skip —
+  no weight, no momentum, no step count moves;
 - an engine that steps its own optimizer (DeepSpeed): the engine's rule
   (:meth:`kaisa.engines.base.OwnsTheLoop.skips_update`), told after every
   step whether it was skipped;
@@ -23,6 +24,8 @@ no host read; another optimizer's update goes through, as the report says.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -60,40 +63,41 @@ class SkippedUpdates:
     """Keeps the update after a skipped step from changing anything.
 
     Args:
-        optimizer: the user's ``optimizer=`` (None: not given).
+        optimizers: the user's ``optimizer=`` (empty: not given).
         engine: where the gradients live; one that owns the loop may step its
             own optimizer and skip by its own rule.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer | None, engine: Engine, scaled: bool
+        self, optimizers: Sequence[torch.optim.Optimizer], engine: Engine, scaled: bool
     ) -> None:
         owner = engine if isinstance(engine, OwnsTheLoop) else None
         rule = owner.skips_update() if owner is not None else None
         #: the engine told after every step (its rule keeps its own update still)
         self.engine = owner if rule is not None else None
-        #: the optimizer whose gradients kaisa takes away (the user steps it)
-        self.optimizer = optimizer if rule is None else None
+        #: the optimizers whose gradients kaisa takes away (the user steps them)
+        self.optimizers = tuple(optimizers) if rule is None else ()
         #: what happens to a skipped step's update, as the skip report says it
-        self.report = rule if rule is not None else TAKEN if optimizer is not None else LEFT
-        #: 1.0 where the step's gradients are not finite, read by the
-        #: optimizer's update as its ``found_inf`` (None: it reads none, or a
-        #: ``GradScaler`` hands it its own)
-        self.flag: torch.Tensor | None = None
-        #: a verdict has been written into :attr:`flag` on the device (from then
-        #: on a step whose verdict is read clears it: a replayed step writes it
-        #: with no Python run, so once is for good)
+        self.report = rule if rule is not None else TAKEN if self.optimizers else LEFT
+        #: per optimizer that reads a ``found_inf`` (and no ``GradScaler``
+        #: hands it its own): 1.0 where the step's gradients are not finite
+        self.flags: dict[int, torch.Tensor] = {}
+        #: a verdict has been written into :attr:`flags` on the device (from then
+        #: on a step whose verdict is read clears them: a replayed step writes
+        #: them with no Python run, so once is for good)
         self._written = False
-        if self.optimizer is not None and not scaled and reads_found_inf(self.optimizer):
-            device = self.optimizer.param_groups[0]["params"][0].device
-            self.flag = torch.zeros((), dtype=torch.float32, device=device)
-            self.optimizer.found_inf = self.flag  # type: ignore[attr-defined]
+        for optimizer in self.optimizers if not scaled else ():
+            if reads_found_inf(optimizer):
+                device = optimizer.param_groups[0]["params"][0].device
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                optimizer.found_inf = flag  # type: ignore[attr-defined]
+                self.flags[id(optimizer)] = flag
 
     @property
     def deferred(self) -> str:
         """What happened to the update of a step whose verdict stayed on the
         device, as the report says it."""
-        if self.flag is not None:
+        if self.flags and len(self.flags) == len(self.optimizers):
             return (
                 "the optimizer skipped its update on the device (kaisa hands its verdict to "
                 "optimizers that read found_inf, as torch's fused ones do)"
@@ -107,27 +111,31 @@ class SkippedUpdates:
     def on_device(self, finite: torch.Tensor) -> None:
         """A verdict that stays on the device (device work only: it may be
         recorded in a graph): the update reads it."""
-        if self.flag is not None:
-            self.flag.copy_(finite.logical_not())
-            self._written = True
+        for flag in self.flags.values():
+            flag.copy_(finite.logical_not())
+        self._written = bool(self.flags)
 
     def read(self) -> None:
         """A verdict read on the host: the flag is clear (a skip takes the
         gradients away instead, :meth:`after`).  Nothing to do where no
         verdict was ever left on the device (every step on CPU)."""
-        if self.flag is not None and self._written:
-            self.flag.zero_()
+        if self._written:
+            for flag in self.flags.values():
+                flag.zero_()
 
     def detach(self) -> None:
         """Hand the optimizer no verdict any more (its ``found_inf`` is kaisa's
         only while kaisa is attached)."""
-        if self.flag is not None and getattr(self.optimizer, "found_inf", None) is self.flag:
-            del self.optimizer.found_inf  # type: ignore[union-attr]
-        self.flag = None
+        for optimizer in self.optimizers:
+            flag = self.flags.get(id(optimizer))
+            if flag is not None and getattr(optimizer, "found_inf", None) is flag:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        self.flags = {}
 
     def after(self, skipped: bool) -> None:
         """Called after every ``step()``: ``skipped`` for non-finite gradients."""
         if self.engine is not None:
             self.engine.mark_update(skipped)
-        elif skipped and self.optimizer is not None:
-            take_gradients(self.optimizer)
+        elif skipped:
+            for optimizer in self.optimizers:
+                take_gradients(optimizer)
