@@ -9,7 +9,6 @@ trainable parameters out is warned about by name.
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -18,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
-
-STEPS, BAD = 8, 4  # the 5th step's loss is NaN (a factor step at factor_update_steps=2)
+from skip_case import assert_same_run, run_with_a_nan_step
 
 
 def _model() -> nn.Module:
@@ -50,48 +48,18 @@ def _optimizers(model: nn.Module, muon: bool) -> list[torch.optim.Optimizer]:
     return [first, torch.optim.AdamW(rest, lr=0.01, weight_decay=0.1)]
 
 
-def _run(muon: bool, loop_skips: bool) -> tuple[nn.Module, list[dict[str, object]]]:
-    model = _model()
-    opts = _optimizers(model, muon)
-    precond = KFACPreconditioner(
-        model, optimizer=opts, factor_update_steps=2, inv_update_steps=4, damping=0.1
-    )
-    for i in range(STEPS):
-        for opt in opts:
-            opt.zero_grad()
-        x, y = _batch(i)
-        if i == BAD and loop_skips:
-            continue
-        loss = F.cross_entropy(model(x), y)
-        if i == BAD:
-            loss = loss * float("nan")
-        loss.backward()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            assert precond.step() is (i != BAD)
-        for opt in opts:
-            opt.step()
-    return model, [copy.deepcopy(opt.state_dict()) for opt in opts]
-
-
 @pytest.mark.parametrize(
     "muon",
     [False, pytest.param(True, marks=pytest.mark.needs_torch((2, 9), "torch.optim.Muon"))],
     ids=["sgd+adamw", "muon+adamw"],
 )
 def test_a_skipped_step_changes_nothing_any_optimizer_given_holds(muon: bool) -> None:
-    kaisa_skips, states_a = _run(muon, loop_skips=False)
-    loop_skips, states_b = _run(muon, loop_skips=True)
-    for a, b in zip(kaisa_skips.parameters(), loop_skips.parameters(), strict=True):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b)
-    for state_a, state_b in zip(states_a, states_b, strict=True):
-        assert state_a["state"].keys() == state_b["state"].keys()  # type: ignore[attr-defined]
-        for key, values in state_a["state"].items():  # type: ignore[attr-defined]
-            for name, value in values.items():
-                other = state_b["state"][key][name]  # type: ignore[index]
-                same = torch.equal(value, other) if torch.is_tensor(value) else value == other
-                assert same, (key, name)
+    def make(model: nn.Module) -> list[torch.optim.Optimizer]:
+        return _optimizers(model, muon)
+
+    kaisa_skips = run_with_a_nan_step(make, False, _model, _batch)
+    loop_skips = run_with_a_nan_step(make, True, _model, _batch)
+    assert_same_run(kaisa_skips, loop_skips)
 
 
 def test_an_optimizer_that_leaves_trainable_parameters_out_is_named() -> None:

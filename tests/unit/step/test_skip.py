@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import KFACPreconditioner
-
-STEPS, BAD = 8, 4  # the 5th step's loss is NaN (a factor step at factor_update_steps=2)
+from skip_case import BAD, STEPS, assert_same_run, run_with_a_nan_step
 
 
 def _model() -> nn.Module:
@@ -41,29 +40,7 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 
 
 def _run(make: Callable[[nn.Module], torch.optim.Optimizer], loop_skips: bool) -> nn.Module:
-    """STEPS steps; step BAD's loss is NaN. ``loop_skips``: the loop itself leaves that
-    step out; else the loop runs it like any other and relies on kaisa."""
-    model = _model()
-    opt = make(model)
-    precond = KFACPreconditioner(
-        model, optimizer=opt, factor_update_steps=2, inv_update_steps=4, damping=0.1
-    )
-    for i in range(STEPS):
-        opt.zero_grad()
-        x, y = _batch(i)
-        if i == BAD and loop_skips:
-            continue
-        loss = F.cross_entropy(model(x), y)
-        if i == BAD:
-            loss = loss * float("nan")
-        loss.backward()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            applied = precond.step()
-        assert applied is (i != BAD)
-        opt.step()
-    model.optimizer_state = copy.deepcopy(opt.state_dict())  # type: ignore[assignment]
-    return model
+    return run_with_a_nan_step(make, loop_skips, _model, _batch)
 
 
 @pytest.mark.parametrize(
@@ -78,18 +55,9 @@ def _run(make: Callable[[nn.Module], torch.optim.Optimizer], loop_skips: bool) -
 def test_a_skipped_step_leaves_weights_and_optimizer_state_as_a_loop_that_skipped_it(
     name: str,
 ) -> None:
-    kaisa_skips = _run(OPTIMIZERS[name], loop_skips=False)
-    loop_skips = _run(OPTIMIZERS[name], loop_skips=True)
-    for a, b in zip(kaisa_skips.parameters(), loop_skips.parameters(), strict=True):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b)
-    state_a, state_b = kaisa_skips.optimizer_state, loop_skips.optimizer_state
-    assert state_a["state"].keys() == state_b["state"].keys()
-    for key, values in state_a["state"].items():
-        for field, value in values.items():
-            other = state_b["state"][key][field]
-            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
-            assert same, (name, key, field)
+    assert_same_run(
+        _run(OPTIMIZERS[name], loop_skips=False), _run(OPTIMIZERS[name], loop_skips=True)
+    )
 
 
 def test_the_warning_says_the_gradients_were_taken_and_names_each_call() -> None:
