@@ -8,12 +8,11 @@ lockstep group (:func:`kaisa_lab.cli.train.train_lockstep`: each run one step in
 turn, each on its own clock):
 
 - ``grid``: the grid of one kind of run on one selection seed;
-- ``followup``: every arm's next follow-up on one selection seed;
-
-(the later selection seeds of a grid or a follow-up wait for its deciding
-seeds, :attr:`~kaisa_lab.bench.protocol.Protocol.deciding_seeds`, and run only
-the settings those left a chance of being selected,
-:func:`~kaisa_lab.bench.protocol.settled`)
+- ``followup``: every arm's next follow-up on one selection seed (a grid's
+  or a follow-up's later selection seeds wait for its deciding seeds,
+  :attr:`~kaisa_lab.bench.protocol.Protocol.deciding_seeds`, and run only the
+  settings those left a chance of being selected,
+  :func:`~kaisa_lab.bench.protocol.settled`);
 - ``cost``: on one selection seed, every arm's cost pair: a tried setting
   that changes a step's work (a K-FAC interval) and the same setting without
   that knob, side by side, so their clocks over the same steps compare
