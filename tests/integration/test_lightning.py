@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
 
 pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
 
+from kaisa import KFACPreconditioner  # noqa: E402
 from kaisa.integrations.lightning import KFACCallback  # noqa: E402
 
 from framework_case import (  # noqa: E402
@@ -16,6 +18,7 @@ from framework_case import (  # noqa: E402
     KW,
     STEPS,
     assert_close,
+    make_net,
     micro_batches,
     plain_loop,
 )
@@ -90,3 +93,88 @@ def test_resume_between_inverse_updates(tmp_path, second_order: bool) -> None:
 def test_include_second_order_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="include_second_order"):
         KFACCallback(include_second_order="yes")
+
+
+def _two_optimizers(net: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """SGD on the first layer's weight (as Muon takes the hidden matrices),
+    AdamW on the rest."""
+    first = [net[0].weight]
+    rest = [p for p in net.parameters() if p is not net[0].weight]
+    return [
+        torch.optim.SGD(first, lr=0.1, momentum=0.9),
+        torch.optim.AdamW(rest, lr=0.01, weight_decay=0.1),
+    ]
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers; batch ``NAN`` has a NaN loss."""
+
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.automatic_optimization = False
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opts = self.optimizers()
+        for opt in opts:
+            opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if batch_idx == self.nan_at:
+            loss = loss * float("nan")
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+
+    def configure_optimizers(self):
+        return _two_optimizers(self.net)
+
+
+def _two_optimizer_loop(nan_at: int | None) -> list[torch.Tensor]:
+    net = make_net()
+    opts = _two_optimizers(net)
+    precond = KFACPreconditioner(net, optimizer=opts, **KW)
+    for i, (x, y) in enumerate(micro_batches()):
+        for opt in opts:
+            opt.zero_grad()
+        if i == nan_at:  # the step kaisa skips, left out by the loop itself
+            continue
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        precond.step()
+        for opt in opts:
+            opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("nan_at", [None, 3])
+def test_two_optimizers_precondition_once_a_batch_and_skip_a_nan_step(
+    tmp_path, nan_at: int | None
+) -> None:
+    """Each optimizer's step fires the hook; kaisa preconditions once a batch,
+    reads the first optimizer's lr, and a NaN batch changes neither optimizer's
+    parameters."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    module = TwoOptimizers(nan_at)
+    callback = KFACCallback(**KW)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    loader = torch.utils.data.DataLoader(micro_batches(), batch_size=None, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the NaN step's report
+        trainer.fit(module, loader)
+    assert callback.preconditioner is not None
+    assert callback.preconditioner.steps == len(micro_batches()) - (nan_at is not None)
+    got = list(module.net.parameters())
+    assert all(torch.isfinite(p).all() for p in got)
+    assert_close(got, _two_optimizer_loop(nan_at), tol=0.0)

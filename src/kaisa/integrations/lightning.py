@@ -8,11 +8,15 @@ belongs::
 
     trainer = Trainer(callbacks=[KFACCallback(damping=0.01)], accumulate_grad_batches=2)
 
-``accumulation_steps`` is taken from ``accumulate_grad_batches``, the KL
-clip's learning rate from the (first) optimizer, and the grad scaler from
-the precision plugin, unless given.  The preconditioner's state is saved in
-and restored from Lightning checkpoints: the running factors, the step
-count and the eigenbases/inverses, so a resume is exact at any step.  With
+``accumulation_steps`` is taken from ``accumulate_grad_batches``, the
+optimizers from ``configure_optimizers`` (the KL clip's learning rate from
+the first), and the grad scaler from the precision plugin, unless given.
+With several optimizers (manual optimization: Muon on the hidden matrices,
+AdamW on the rest), each ``step()`` of one fires the hook; the gradients are
+preconditioned once, at the first after a backward (or a batch's start).
+The preconditioner's state is saved in and restored from Lightning
+checkpoints: the running factors, the step count and the
+eigenbases/inverses, so a resume is exact at any step.  With
 ``include_second_order=False`` the eigenbases/inverses are left out and
 recomputed at the first step after the resume, from factors that already
 hold that step's batch, so the resumed run equals the uninterrupted one only
@@ -55,12 +59,18 @@ class KFACCallback(Callback):
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
+        #: a backward has run since the last precondition (several optimizers
+        #: each fire on_before_optimizer_step for the same gradients)
+        self._fresh = False
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         kwargs = dict(self.kwargs)
         kwargs.setdefault("accumulation_steps", trainer.accumulate_grad_batches)
-        if "lr" not in kwargs and trainer.optimizers:
-            kwargs.setdefault("optimizer", trainer.optimizers[0])
+        if trainer.optimizers:
+            several = len(trainer.optimizers) > 1
+            kwargs.setdefault(
+                "optimizer", list(trainer.optimizers) if several else trainer.optimizers[0]
+            )
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             kwargs.setdefault("grad_scaler", scaler)
@@ -71,10 +81,19 @@ class KFACCallback(Callback):
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._fresh = True  # also where a manual loop calls loss.backward() itself
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._fresh = True
+
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self.preconditioner is not None:
+        if self.preconditioner is not None and self._fresh:
+            self._fresh = False
             self.preconditioner.step()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
