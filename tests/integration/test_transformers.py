@@ -93,6 +93,24 @@ def test_trainer_callback_equals_plain_loop_with_accumulation(tmp_path) -> None:
         assert float((a - b).norm() / b.norm()) <= 1e-5  # float32
 
 
+def test_a_given_lr_still_hands_kaisa_the_optimizer(tmp_path) -> None:
+    """lr= sets the KL clip's lr; the Trainer's optimizer is still kaisa's, so
+    a step skipped for non-finite gradients empties its gradients."""
+    model = Classifier()
+    callback = KFACCallback(**{**KW, "lr": 0.05})
+    trainer = InOrder(
+        model=model,
+        args=training_arguments(tmp_path, 0.0),
+        train_dataset=rows(),
+        callbacks=[callback],
+    )
+    trainer.train()
+    precond = callback.preconditioner
+    assert precond is not None and precond.lr == 0.05
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert precond.optimizer is inner
+
+
 def test_trainer_clipping_before_kfac_warns(tmp_path) -> None:
     with pytest.warns(UserWarning, match="max_grad_norm=1.0"):
         trainer_run(tmp_path, max_grad_norm=1.0)

@@ -78,7 +78,7 @@ class KFACCallback(TrainerCallback):
         options.setdefault("accumulation_steps", args.gradient_accumulation_steps)
         optimizer = kwargs.get("optimizer")
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-        if "lr" not in options and optimizer is not None:
+        if optimizer is not None:  # its lr unless lr= is given; a skipped step empties it
             options.setdefault("optimizer", optimizer)
         if args.max_grad_norm and args.max_grad_norm > 0:
             warn_user(
