@@ -31,11 +31,22 @@ import torch
 
 from kaisa.engines.base import Engine, OwnsTheLoop
 
-__all__ = ["LEFT", "TAKEN", "SkippedUpdates", "reads_found_inf", "take_gradients"]
+__all__ = [
+    "LEFT",
+    "TAKEN",
+    "TAKEN_SEVERAL",
+    "SkippedUpdates",
+    "reads_found_inf",
+    "take_gradients",
+]
 
 TAKEN = (
     "every gradient of the optimizer's parameters was taken away (set to None), so "
     "its next step changes no weight and no state"
+)
+TAKEN_SEVERAL = (
+    "every gradient of the optimizers' parameters was taken away (set to None), so "
+    "their next steps change no weight and no state"
 )
 LEFT = (
     "the gradients were left as they are: step() returned False, so skip "
@@ -78,7 +89,8 @@ class SkippedUpdates:
         #: the optimizers whose gradients kaisa takes away (the user steps them)
         self.optimizers = tuple(optimizers) if rule is None else ()
         #: what happens to a skipped step's update, as the skip report says it
-        self.report = rule if rule is not None else TAKEN if self.optimizers else LEFT
+        taken = TAKEN if len(self.optimizers) == 1 else TAKEN_SEVERAL
+        self.report = rule if rule is not None else taken if self.optimizers else LEFT
         #: per optimizer that reads a ``found_inf`` (and no ``GradScaler``
         #: hands it its own): 1.0 where the step's gradients are not finite
         self.flags: dict[int, torch.Tensor] = {}

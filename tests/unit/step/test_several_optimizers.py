@@ -140,3 +140,15 @@ def test_every_fused_optimizer_given_is_handed_the_verdict_while_attached() -> N
     assert all(isinstance(f, torch.Tensor) for f in flags)
     precond.remove_hooks()
     assert not any(hasattr(opt, "found_inf") for opt in fused)
+
+
+def test_the_skip_report_speaks_of_every_optimizer() -> None:
+    model = _model()
+    opts = _optimizers(model, muon=False)
+    precond = KFACPreconditioner(model, optimizer=opts)
+    x, y = _batch(0)
+    (F.cross_entropy(model(x), y) * float("nan")).backward()
+    with pytest.warns(UserWarning, match="the optimizers' parameters was taken away") as caught:
+        assert precond.step() is False
+    assert "their next steps change no weight" in str(caught[0].message)
+    assert all(p.grad is None for p in model.parameters())
