@@ -25,14 +25,16 @@ from framework_case import (  # noqa: E402
 from lightning_case import Module  # noqa: E402
 
 
-def make_trainer(tmp_path, callback: KFACCallback, **limits) -> pl.Trainer:
-    """A float64 CPU Trainer with the callback, accumulating ACCUMULATE micro-batches."""
+def make_trainer(
+    tmp_path, callback: KFACCallback, accumulate: int = ACCUMULATE, **limits
+) -> pl.Trainer:
+    """A float64 CPU Trainer with the callback, accumulating ``accumulate`` micro-batches."""
     return pl.Trainer(
         **limits,
         accelerator="cpu",
         devices=1,
         precision="64-true",
-        accumulate_grad_batches=ACCUMULATE,
+        accumulate_grad_batches=accumulate,
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
@@ -147,28 +149,22 @@ def _two_optimizer_loop(nan_at: int | None) -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
-@pytest.mark.parametrize("nan_at", [None, 3])
+@pytest.mark.parametrize(
+    "nan_at, lr", [(None, None), (3, None), (3, 0.1)], ids=["finite", "nan", "nan-lr-given"]
+)
 def test_two_optimizers_precondition_once_a_batch_and_skip_a_nan_step(
-    tmp_path, nan_at: int | None
+    tmp_path, nan_at: int | None, lr: float | None
 ) -> None:
     """Each optimizer's step fires the hook; kaisa preconditions once a batch,
     reads the first optimizer's lr, and a NaN batch changes neither optimizer's
-    parameters."""
+    parameters, also where lr= is given (it sets the KL clip's lr only: the
+    first optimizer's, 0.1, here)."""
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     module = TwoOptimizers(nan_at)
-    callback = KFACCallback(**KW)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    callback = KFACCallback(**KW) if lr is None else KFACCallback(**KW, lr=lr)
+    trainer = make_trainer(
+        tmp_path, callback, accumulate=1, max_epochs=1
+    )  # manual: no accumulation
     loader = torch.utils.data.DataLoader(micro_batches(), batch_size=None, shuffle=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the NaN step's report
