@@ -124,8 +124,12 @@ class KfacPytorchAttributes(PreconditionerView):
 
     # -- configuration, as kfac-pytorch exposes it --------------------------------------
     @property
-    def compute_method(self) -> ComputeMethod:
-        return self.config.compute_method
+    def compute_method(self) -> ComputeMethod | str:
+        """The method that runs: a :class:`ComputeMethod` for the library's
+        (given by name or as an object), the ``name`` of a method of one's own."""
+        name = self._parts.method.name
+        known = {m.value for m in ComputeMethod}
+        return ComputeMethod(name) if name in known else name
 
     @property
     def assignment_strategy(self) -> AssignmentStrategy:

@@ -368,8 +368,10 @@ def _method_argument(
     method: Any, options: dict[str, Any], default_compute_method: Any
 ) -> CurvatureMethod | None:
     """``method=``: a name replaces ``compute_method`` in ``options``; an object
-    is returned; with ``compute_method`` given too (not its default), a
-    ``ValueError``."""
+    is returned, its name written into ``options`` where it is a library
+    method's (so ``precond.compute_method``, ``repr`` and a checkpoint's
+    hyperparameters name the method that runs); with ``compute_method`` given
+    too (not its default), a ``ValueError``."""
     if method is None:
         return None
     if options["compute_method"] != default_compute_method:
@@ -386,4 +388,6 @@ def _method_argument(
             "method must be a kaisa.methods.CurvatureMethod or one of "
             f"{allowed}; got {type(method).__name__}"
         )
+    if method.name in {m.value for m in ComputeMethod}:
+        options["compute_method"] = ComputeMethod(method.name)
     return method

@@ -98,6 +98,20 @@ def test_fields_are_typed_without_strings() -> None:
         assert (str in members) == (name == "plan_costs"), (name, hint)
 
 
+def test_the_getting_started_table_lists_each_concerns_options() -> None:
+    """docs/getting-started.md's table of the configs names every option of
+    each, and no other (an option added to a config and not to the table fails)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "getting-started.md").read_text()
+    for concern in CONCERNS:
+        rows = [r for r in text.splitlines() if r.startswith(f"| `{concern.__name__}` |")]
+        assert len(rows) == 1, concern.__name__
+        listed = rows[0].split("|")[2].replace("`", "").split(",")
+        assert sorted(n.strip() for n in listed) == sorted(
+            f.name for f in dataclasses.fields(concern)
+        ), concern.__name__
+
+
 def test_kfac_config_is_each_concern_and_made_of_them() -> None:
     names = [f.name for concern in CONCERNS for f in dataclasses.fields(concern)]
     assert sorted(names) == sorted(KFACConfig.field_names())  # a partition

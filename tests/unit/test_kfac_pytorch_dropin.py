@@ -92,6 +92,23 @@ def test_a_foreign_member_kaisa_does_not_have_is_refused_by_name() -> None:
 # -- attributes -----------------------------------------------------------------------
 
 
+def test_compute_method_names_the_method_object_that_runs() -> None:
+    """``method=`` an object: the attribute, ``repr`` and the checkpoint's
+    hyperparameters name that method, not the default ``compute_method``."""
+    from kaisa.methods.ekfac_adam import EKFACAdamMethod
+    from kaisa.methods.inverse import InverseMethod
+
+    p = KFACPreconditioner(mlp(), method=EKFACAdamMethod(eps=1e-3), grafting="sgd")
+    assert p.compute_method is kaisa.ComputeMethod.EKFAC_ADAM
+    assert p.state_dict()["hyperparameters"]["compute_method"] == "ekfac_adam"
+    assert "compute_method=ekfac_adam" in repr(p)
+
+    class Mine(InverseMethod):
+        name = "mine"
+
+    assert KFACPreconditioner(mlp(), method=Mine()).compute_method == "mine"
+
+
 def test_configuration_attributes_read_as_kfac_pytorch_exposes_them() -> None:
     p = KFACPreconditioner(
         mlp(),
