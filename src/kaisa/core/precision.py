@@ -63,10 +63,16 @@ class CastCopies:
                 out[key] = tensor
                 continue
             entry = self._entries.get(key)
-            if entry is None or entry.source() is not tensor or entry.version != tensor._version:
+            if entry is None or entry.source() is not tensor:
                 entry = self._entries[key] = _Entry(
                     weakref.ref(tensor, self._forget(key)), tensor._version, tensor.to(dtype)
                 )
+            elif entry.version != tensor._version:
+                # the same source changed in place (EKFAC's S folded on a factor
+                # step): refresh the copy in place too, so that a recorded graph,
+                # which holds the copy's address, reads the new values
+                entry.copy.copy_(tensor)
+                entry.version = tensor._version
             out[key] = entry.copy
         for key in [k for k in self._entries if k not in state]:
             del self._entries[key]

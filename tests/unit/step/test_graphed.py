@@ -488,3 +488,43 @@ def test_a_replayed_step_hands_its_verdict_to_a_fused_optimizer() -> None:
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
         assert not graphed or log.count("replay") >= 4
+
+
+class Pinned(Emulated):
+    """A graph's reads, more literally: a replay reads the very operand
+    tensors the recording saw (at their current values: one changed in place
+    is read as it is now), not the ones the eager step would look up now."""
+
+    def record(self, work: Callable[[], None]) -> None:
+        self.held = {la.name: dict(la.operands()) for la in self.layers}
+        super().record(work)
+
+    def replay(self) -> None:
+        looked_up = {la.name: la.operands for la in self.layers}
+        for la in self.layers:
+            la.operands = (lambda held: lambda: held)(self.held[la.name])  # type: ignore[method-assign]
+        try:
+            self.operands = self._operands()  # changed in place: the graph's to read
+            super().replay()
+        finally:
+            for la in self.layers:
+                la.operands = looked_up[la.name]  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("precondition_dtype", [None, torch.float32])
+def test_ekfac_scales_changed_in_place_are_read_by_the_replay(
+    precondition_dtype: torch.dtype | None,
+) -> None:
+    """EKFAC folds its scales S into the same tensor on every factor step, with
+    no new recording; a replay must read the new S, also through the cast
+    copy ``precondition_dtype`` makes (refreshed in place, not replaced)."""
+    kwargs = {
+        **CONSTANT,
+        "compute_method": "ekfac",
+        "inv_dtype": torch.float64,
+        "precondition_dtype": precondition_dtype,
+    }
+    want, _, _ = train(False, kwargs=kwargs)
+    got, log, _ = train(True, kwargs=kwargs, recorder=Pinned)
+    assert "replay" in log
+    assert_same(got, want)
