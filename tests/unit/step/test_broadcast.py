@@ -50,6 +50,8 @@ class PositionModel(nn.Module):
         elif self.how == "logged-then-add":  # uses outside autograd capture nothing
             self.logged = (p.detach().norm(), p.shape, p.dtype, repr(p)[:10])
             h = h + p
+        elif self.how == "add-twice":  # two broadcasts: G of their gradients' sum
+            h = torch.tanh(h + p) + p
         elif self.how == "expand":  # an expand of its own: not seen through
             h = h + p.expand_as(h)
         return self.head(torch.tanh(h))
@@ -66,7 +68,8 @@ def factors(how: str, per_example: bool) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "how", ["add", "radd", "iadd", "torch.add", "to-then-add", "mul", "logged-then-add"]
+    "how",
+    ["add", "radd", "iadd", "torch.add", "to-then-add", "mul", "logged-then-add", "add-twice"],
 )
 def test_broadcast_position_embedding_has_per_example_factors(how: str) -> None:
     want = factors(how, per_example=True)
@@ -83,3 +86,74 @@ def test_a_use_that_is_not_an_elementwise_broadcast_keeps_the_warning() -> None:
         got = factors("expand", per_example=False)
     want = factors("expand", per_example=True)
     assert not torch.allclose(got["G"], want["G"])  # the batch-summed gradient, as reported
+
+
+class Residual(nn.Module):
+    """An embedding whose output feeds two branches (a residual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D)
+        self.mix = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(h + torch.tanh(self.mix(h)))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_batch_of_one_sequence_reads_the_outputs_whole_gradient(batch: int) -> None:
+    """ids ``[1, T]`` are also a genuine batch of one sequence: G is formed
+    from the output's gradient, the sum over the branches it feeds, as at
+    any other batch size (its definition, from a hook that sees the output
+    before kaisa does)."""
+    model = Residual().double()
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: seen.__setitem__("g", g.detach().clone()))
+
+    model.emb.register_forward_hook(keep)
+    precond = KFACPreconditioner(model, damping=0.01, kl_clip=None)
+    ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(1))
+    logits = model(ids).reshape(-1, V)
+    F.cross_entropy(logits, ids.reshape(-1), reduction="none").reshape(batch, T).sum(
+        1
+    ).mean().backward()
+    precond.step()
+    ghat = seen["g"].reshape(-1, D) * batch  # a loss averaged over the batch: ĝ = N·g
+    want = ghat.t() @ ghat / batch
+    got = precond.layers["emb"].factor("G")
+    assert float((got - want).norm() / want.norm()) <= 1e-12
+
+
+def test_hooks_on_the_output_see_its_gradient_as_without_kaisa() -> None:
+    """A tensor hook, or ``retain_grad``, on an output kaisa wraps (ids
+    ``[1, T]``) is the output's own: it fires once, with the whole gradient."""
+
+    def run(with_kaisa: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        model = Residual().double()
+        if with_kaisa:
+            KFACPreconditioner(model)
+        fired: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+
+        def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: fired.append(g.detach().clone()))
+            out.retain_grad()
+            outputs.append(out)
+
+        model.emb.register_forward_hook(hook)
+        ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(1))
+        F.cross_entropy(model(ids).reshape(-1, V), ids.reshape(-1)).backward()
+        grad = outputs[0].grad
+        assert grad is not None
+        return fired, grad
+
+    (want,), want_retained = run(False)
+    fired, retained = run(True)
+    assert len(fired) == 1
+    torch.testing.assert_close(fired[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(retained, want_retained, rtol=0, atol=0)

@@ -16,9 +16,17 @@ replaces itself by that expansion and hands kaisa the call it stands for:
 ``(ids.expand(N, T), out.expand(N, T, d))``, N examples, exact.  Operations
 that keep its values (``.to``, ``.contiguous``, dtype casts) pass the
 wrapper on, and queries (shape, dtype, printing) or uses without autograd
-capture nothing; any other use hands kaisa an alias of the output (the
-batch-summed gradient of that use only, which ``step()`` reports as one
-data point per pass).  Each use is one call, as for a module called twice.
+capture nothing; any other use hands kaisa an alias of the output (its
+batch-summed gradient, which ``step()`` reports as one data point per pass
+where the rest of the model sees more).  The uses that broadcast it to the
+same batch share one expansion, and the other uses one alias, so each reads
+the sum of its uses' gradients — the output's whole gradient, as without
+the wrapper, when the output feeds several branches (a residual, a genuine
+batch of one sequence); only an expansion and the alias, whose gradients
+cannot be added per example, stay two calls, as for a module called twice.
+A use that changes it in place gets an alias of its own, and the uses
+after it start afresh.  Hooks on the output (``register_hook``,
+``retain_grad``) go to the output itself, which receives the whole gradient.
 Every operation computes on plain tensors, so results are plain tensors and
 autograd sees the graph it would without kaisa, plus an expand or a view.
 """
@@ -75,6 +83,9 @@ _KEEPS_VALUES = frozenset(
 )
 
 
+#: asked of the output itself, which autograd gives the sum of every use's gradient
+_ON_THE_OUTPUT = frozenset({Tensor.register_hook, Tensor.retain_grad})
+
 _QUERIES = frozenset(
     {
         Tensor.size,
@@ -99,6 +110,27 @@ class _Call:
         self.observe = observe
 
 
+class _Uses:
+    """A wrapped output's stand-ins so far: one per batch it was broadcast to
+    (1: the alias of the uses that do not broadcast it), each with the input
+    it stands for, and which of them kaisa has been handed."""
+
+    def __init__(self) -> None:
+        self.stand_ins: dict[int, tuple[Tensor, Tensor]] = {}
+        self.observed: set[int] = set()
+
+    def stand_in(self, plain: Tensor, x: Tensor, batch: int) -> tuple[Tensor, Tensor]:
+        """The (output, input) that a use broadcasting to ``batch`` computes with."""
+        held = self.stand_ins.get(batch)
+        if held is None:
+            if batch > 1:  # the per-example gradients arrive at the expansion
+                held = plain.expand(batch, *plain.shape[1:]), x.expand(batch, *x.shape[1:])
+            else:
+                held = plain.view_as(plain), x
+            self.stand_ins[batch] = held
+        return held
+
+
 def _is_query(func: Callable[..., Any]) -> bool:
     """A shape, dtype, device or printout: nothing of the values flows on."""
     return func in _QUERIES or getattr(func, "__name__", "") == "__get__"
@@ -109,6 +141,7 @@ class BroadcastOutput(Tensor):
 
     _kaisa_plain: Tensor
     _kaisa_call: _Call
+    _kaisa_uses: _Uses
 
     @classmethod
     def __torch_function__(
@@ -121,7 +154,7 @@ class BroadcastOutput(Tensor):
         kwargs = kwargs or {}
         wrapped = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, BroadcastOutput)]
         stand_in = {id(w): w._kaisa_plain for w in wrapped}
-        if _is_query(func) or not torch.is_grad_enabled():
+        if _is_query(func) or func in _ON_THE_OUTPUT or not torch.is_grad_enabled():
             return _call(func, args, kwargs, stand_in)
         if func in _KEEPS_VALUES and len(wrapped) == 1:
             result = _call(func, args, kwargs, stand_in)
@@ -131,18 +164,23 @@ class BroadcastOutput(Tensor):
         uses = []
         for w in wrapped:
             plain, call = w._kaisa_plain, w._kaisa_call
-            batch = _broadcast_batch(w, func, args) if len(wrapped) == 1 else 1
-            if batch > 1:  # the per-example gradients arrive at the expansion
-                use = plain.expand(batch, *plain.shape[1:])
-                x = call.x.expand(batch, *call.x.shape[1:])
-            else:  # an alias of its own gets this use's gradient only
-                use, x = plain.view_as(plain), call.x
+            if func in _IN_PLACE and args[0] is w:  # changed in place: an alias of its own
+                use, x = _Uses().stand_in(plain, call.x, 1)
+                w._kaisa_uses = _Uses()  # the uses after it start afresh
+                observed = None
+            else:
+                batch = _broadcast_batch(w, func, args) if len(wrapped) == 1 else 1
+                use, x = w._kaisa_uses.stand_in(plain, call.x, batch)
+                observed = w._kaisa_uses.observed
             stand_in[id(w)] = use
-            uses.append((call, x, use))
+            uses.append((call, x, use, observed))
         result = _call(func, args, kwargs, stand_in)
         if any(isinstance(r, Tensor) and r.requires_grad for r in tree_flatten(result)[0]):
-            for call, x, use in uses:
-                call.observe(x, use)
+            for call, x, use, observed in uses:
+                if observed is None or id(use) not in observed:
+                    call.observe(x, use)
+                    if observed is not None:
+                        observed.add(id(use))
         return result
 
 
@@ -181,4 +219,5 @@ def wrap_broadcast(output: Tensor, call: _Call | tuple[Tensor, Observe]) -> Broa
     wrapped = output.as_subclass(BroadcastOutput)
     wrapped._kaisa_plain = output
     wrapped._kaisa_call = call
+    wrapped._kaisa_uses = _Uses()
     return wrapped
