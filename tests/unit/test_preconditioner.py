@@ -517,6 +517,21 @@ def test_load_state_dict_restores_schedule_hyperparameters_not_structure() -> No
     assert follower.lr == 0.07
 
 
+def test_an_lr_read_from_the_optimizer_is_not_saved_as_the_preconditioners() -> None:
+    """A preconditioner following its optimizer's lr has none of its own to
+    save: a checkpoint that held the config's default would, loaded into one
+    given ``lr=``, impose a value neither run used."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    follower = KFACPreconditioner(model, optimizer=opt)
+    train(model, follower, opt, 1)
+    assert "lr" not in follower.state_dict()["hyperparameters"]
+    assert "lr" not in follower.sharded_state_dict()["hyperparameters"]
+    own = KFACPreconditioner(mlp(), lr=0.5)
+    own.load_state_dict(follower.state_dict())
+    assert own.lr == 0.5
+
+
 def test_multihead_attention_is_preconditioned_and_steps() -> None:
     class Block(nn.Module):
         def __init__(self) -> None:

@@ -59,7 +59,7 @@ class Checkpoints(PreconditionerView):
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "steps": self.steps,
-            "hyperparameters": self.config.hyperparameters(),
+            "hyperparameters": self._schedule.hyperparameters(),
         }
         if include_second_order is None:
             include_second_order = include_factors
@@ -108,7 +108,8 @@ class Checkpoints(PreconditionerView):
         the uninterrupted run).  Not collective; the same call's result is
         the template ``dcp.load`` fills."""
         damping = self._schedule.current("damping", self.steps)
-        return sharded_state(self._parts, self.config, self.rank, damping, include_second_order)
+        hyperparameters = self._schedule.hyperparameters()
+        return sharded_state(self._parts, hyperparameters, self.rank, damping, include_second_order)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at

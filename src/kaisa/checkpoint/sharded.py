@@ -64,14 +64,18 @@ __all__ = [
 
 
 def sharded_state(
-    parts: Parts, config: KFACConfig, rank: int, damping: float, include_second_order: bool
+    parts: Parts,
+    hyperparameters: dict[str, Any],
+    rank: int,
+    damping: float,
+    include_second_order: bool,
 ) -> dict[str, Any]:
     """Step count and hyperparameters (replicated), the owned factors and,
     with ``include_second_order``, the worked layers' second-order tensors."""
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "steps": torch.tensor(parts.pipeline.steps),
-        "hyperparameters": config.hyperparameters(),
+        "hyperparameters": hyperparameters,
     }
     state.update(owned_factors(parts.layers, parts.plan, rank))
     if include_second_order:

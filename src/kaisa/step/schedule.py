@@ -71,6 +71,16 @@ class Schedule:
         changed = {k: v for k, v in self.values.items() if v is not getattr(self._config, k)}
         return dataclasses.replace(self._config, **changed) if changed else self._config
 
+    def hyperparameters(self) -> dict[str, Any]:
+        """The non-callable options a checkpoint keeps: the learning rate only
+        where it is the preconditioner's own (one read from the optimizer is
+        the optimizer's to save; saved here, a load would impose a value no
+        step used on a preconditioner given an lr of its own)."""
+        saved = self.config.hyperparameters()
+        if self.lr_from_optimizer:
+            saved.pop("lr", None)
+        return saved
+
     def value(self, name: str, step: int) -> Any:
         """The option at ``step``, validated; a constant is validated the
         first time it is read (read six times a step, it is then returned
