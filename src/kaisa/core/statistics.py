@@ -190,6 +190,7 @@ def fold_averages_(
     batches: Sequence[Tensor],
     counts: Sequence[float],
     decay: float,
+    grams: Sequence[bool] | None = None,
 ) -> list[bool]:
     """In place, for every pair at once: ``batch ← batch / count``, then
     ``running ← decay·running + (1−decay)·batch`` where the batch is finite;
@@ -205,7 +206,12 @@ def fold_averages_(
     propagate through it; on CPU over dense factors' diagonals, see
     :func:`factor_finite`), one host read of the verdicts — the factor step
     reads the step's validity anyway — and one multi-tensor interpolation of
-    the finite ones."""
+    the finite ones.
+
+    ``grams[i]``: whether batch ``i`` is a Gram (a factor), whose diagonal
+    vouches for the rest (default: every batch is).  A method's own statistic
+    (EKFAC's scales: squared projections, not a Gram) is checked whole: an
+    entry of it can overflow where its diagonal does not."""
     verdicts = [True] * len(batches)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, batch in enumerate(batches):
@@ -215,7 +221,13 @@ def fold_averages_(
         torch._foreach_div_(group, [float(counts[i]) for i in members])
         # on CPU d reads instead of d² (no launches to save); elsewhere the
         # contiguous tensors take the multi-tensor kernel's fast path
-        checked = [_diagonal_or_all(b) for b in group] if device.type == "cpu" else group
+        if device.type == "cpu":
+            checked = [
+                _diagonal_or_all(batches[i]) if grams is None or grams[i] else batches[i]
+                for i in members
+            ]
+        else:
+            checked = group
         largest = torch.stack(torch._foreach_norm(checked, math.inf))
         for i, ok in zip(members, torch.isfinite(largest).tolist(), strict=True):
             verdicts[i] = ok

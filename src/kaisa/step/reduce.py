@@ -263,7 +263,8 @@ class FactorReduction:
         if self.profile is not None:
             for batch in batches:
                 self.profile.record(FOLD, "fold", batch.shape)
-        verdicts = fold_averages_(runnings, batches, divisors, decay) if batches else []
+        grams = [index is not None for _, index in owners]  # factors; a method's state is not
+        verdicts = fold_averages_(runnings, batches, divisors, decay, grams) if batches else []
         for (layer, index), batch, finite in zip(owners, batches, verdicts, strict=True):
             if index is not None:
                 layer.folded(index, batch, finite)

@@ -226,3 +226,40 @@ def test_forecast_reads_the_declared_statistic() -> None:
     assert ekfac.bytes_factor_step["statistic_allreduce"][0] == 8 * (5 * 5 + 3 * 6)
     assert eigen.bytes_factor_step["statistic_allreduce"][0] == 0
     assert ekfac.memory["second_order"][0] > 0
+
+
+def test_scales_that_overflow_off_their_diagonal_are_rejected() -> None:
+    """S is not a Gram: one entry ``Σ (Q_Gᵀ g)_i² (Q_Aᵀ a)_j²`` can overflow
+    where S's diagonal, A, G and the gradient stay finite (a large input in
+    one feature, a large output gradient in another, in one example).  The
+    batch is rejected, as a non-finite factor is, and S stays finite."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4, bias=False)  # a square S: its diagonal alone would pass
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(4))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    precond = KFACPreconditioner(
+        layer,
+        optimizer=opt,
+        compute_method="ekfac",
+        factor_update_steps=1,
+        inv_update_steps=100,
+        damping=0.01,
+        kl_clip=None,
+        loss_average="sum",
+    )
+
+    def step(x: Tensor, out_grad: Tensor) -> bool:
+        opt.zero_grad()
+        (layer(x) * out_grad).sum().backward()
+        return precond.step()
+
+    plain, scales = torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0])), torch.eye(4).flip(0)
+    step(plain, scales)  # the bases: near the identity
+    x, g = torch.eye(4), torch.eye(4)
+    x[0, 0], x[0, 1], g[0, 0] = 0.0, 1e10, 1e10  # S[0, 1] ~ 1e40: beyond float32
+    step(x, g)
+    (state,) = (la.state for la in precond.layers.values())
+    assert torch.isfinite(state["ekfac_s"]).all()
+    assert step(plain, scales)  # the next step preconditions with finite scales
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
