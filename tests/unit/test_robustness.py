@@ -237,6 +237,33 @@ def _corrupt_shape(layer: str, key: str) -> Callable[[dict], None]:
     return corrupt
 
 
+def _corrupt_values(layer: str, key: str, how: str) -> Callable[[dict], None]:
+    """``layer.key`` (the last layer's, so a check that changed the earlier
+    ones first would show) with a NaN or an Inf, as bools, or without data."""
+
+    def corrupt(state: dict) -> None:
+        entry = state["layers"][layer]
+        # "second-order": the last of the second-order tensors this method holds
+        second_order = sorted(k for k in entry if k not in ("A", "G"))
+        key_ = key if key in entry else second_order[-1]
+        value = entry[key_].clone()
+        if how == "nan":
+            value.view(-1)[0] = float("nan")
+        elif how == "inf":
+            value.view(-1)[-1] = float("inf")
+        elif how == "bool":
+            value = value != 0
+        else:
+            value = torch.empty_like(value, device="meta")
+        entry[key_] = value
+
+    return corrupt
+
+
+def _set_version(state: dict) -> None:
+    state["version"] = 99
+
+
 def _add_unknown_layer(state: dict) -> None:
     state["layers"]["bogus_layer"] = {k: v.clone() for k, v in state["layers"]["hidden"].items()}
 
@@ -259,6 +286,11 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
         (_set_steps("3"), "steps"),
         (_set_steps(2.5), "steps"),
         (_set_steps(None), "steps"),
+        (_corrupt_values("classifier", "G", "nan"), "classifier.G holds NaN"),
+        (_corrupt_values("classifier", "second-order", "inf"), "classifier.* holds NaN or Inf"),
+        (_corrupt_values("classifier", "A", "bool"), "classifier.A is of dtype torch.bool"),
+        (_corrupt_values("classifier", "G", "meta"), "classifier.G is a meta tensor"),
+        (_set_version, "version"),
     ],
     ids=[
         "hidden.A-shape",
@@ -269,6 +301,11 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
         "steps='3'",
         "steps=2.5",
         "steps=None",
+        "classifier.G-nan",
+        "classifier-second-order-inf",
+        "classifier.A-bool",
+        "classifier.G-meta",
+        "version=99",
     ],
 )
 def test_load_state_dict_validates_everything_before_changing_anything(corrupt, match) -> None:
@@ -499,6 +536,15 @@ def test_compiled_model_has_the_eager_layer_names() -> None:
     compiled = KFACPreconditioner(torch.compile(mlp(), backend="eager"))
     assert list(compiled.layers) == list(eager.layers) == list(LAYERS)
     assert not any("_orig_mod" in name for name in compiled.layers)
+
+
+def test_an_entry_the_preconditioner_does_not_know_is_named_in_a_warning() -> None:
+    """A misspelt or foreign key is ignored, and says so (the rest loads)."""
+    _, _, precond, saved = _trained_pair()
+    saved["layers"]["hidden"]["QA"] = saved["layers"]["hidden"]["A"].clone()
+    with pytest.warns(UserWarning, match=r"'hidden' holds entries .* \['QA'\]"):
+        precond.load_state_dict(saved)
+    assert precond.steps == saved["steps"]
 
 
 def test_checkpoints_move_between_compiled_and_eager_models() -> None:

@@ -183,6 +183,12 @@ class Checkpointer:
         steps = state_dict["steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"state_dict['steps'] must be a non-negative int; got {steps!r}")
+        version = state_dict.get("version", STATE_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or version > STATE_VERSION:
+            raise ValueError(
+                f"state_dict['version'] is {version!r}; this kaisa reads checkpoints of "
+                f"version {STATE_VERSION} and older (one written by a newer kaisa needs it)"
+            )
         try:
             dataclasses.replace(config, **restore)
         except (TypeError, ValueError) as exc:
@@ -232,14 +238,33 @@ class Checkpointer:
         if not isinstance(entry, Mapping):
             raise ValueError(f"state_dict layer {name!r} must be a mapping of tensors")
         known = self._known_tensors(self.layers[name])
+        unknown = sorted(key for key in entry if key not in known)
+        if unknown:
+            warn_user(
+                f"kaisa: state_dict layer {name!r} holds entries this preconditioner does not "
+                f"know, ignored: {unknown} (it holds {sorted(known)})",
+            )
         for key, value in entry.items():
             if not isinstance(value, Tensor):
                 raise ValueError(f"state_dict entry {name}.{key} is not a tensor")
-            if key in known and tuple(value.shape) != known[key]:
+            if key not in known:
+                continue
+            if tuple(value.shape) != known[key]:
                 raise ValueError(
                     f"state_dict entry {name}.{key} has shape {tuple(value.shape)}, "
                     f"expected {known[key]} (a checkpoint of another model, or saved with "
                     "other max_factor_dim/large_factor options, which change factor shapes)"
+                )
+            if value.is_meta or not value.is_floating_point():
+                what = "a meta tensor (no data)" if value.is_meta else f"of dtype {value.dtype}"
+                raise ValueError(
+                    f"state_dict entry {name}.{key} is {what}; kaisa saves floating-point "
+                    "tensors with their values"
+                )
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(
+                    f"state_dict entry {name}.{key} holds NaN or Inf; kaisa never saves a "
+                    "non-finite tensor, so this checkpoint was changed or damaged after saving"
                 )
 
     def load(
