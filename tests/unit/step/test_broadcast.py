@@ -20,7 +20,7 @@ V, T, D, N = 11, 5, 4, 6
 
 
 class PositionModel(nn.Module):
-    def __init__(self, how: str, per_example: bool = False) -> None:
+    def __init__(self, how: str, per_example: bool = False, flat: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.tok = nn.Embedding(V, D)
@@ -28,9 +28,10 @@ class PositionModel(nn.Module):
         self.head = nn.Linear(D, V)
         self.how = how
         self.per_example = per_example
+        self.flat = flat  # ids [T] (nanoGPT's wpe(arange(T))), not [1, T]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(T).unsqueeze(0)
+        positions = torch.arange(T) if self.flat else torch.arange(T).unsqueeze(0)
         if self.per_example:
             positions = positions.expand(ids.shape[0], T)
         h, p = self.tok(ids), self.pos(positions)
@@ -57,8 +58,8 @@ class PositionModel(nn.Module):
         return self.head(torch.tanh(h))
 
 
-def factors(how: str, per_example: bool) -> dict[str, torch.Tensor]:
-    model = PositionModel(how, per_example).double()
+def factors(how: str, per_example: bool, flat: bool = False) -> dict[str, torch.Tensor]:
+    model = PositionModel(how, per_example, flat).double()
     precond = KFACPreconditioner(model, damping=0.01, kl_clip=None)
     ids = torch.randint(0, V, (N, T), generator=torch.Generator().manual_seed(1))
     F.cross_entropy(model(ids).reshape(-1, V), ids.reshape(-1)).backward()
@@ -76,6 +77,19 @@ def test_broadcast_position_embedding_has_per_example_factors(how: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="kaisa")
         got = factors(how, per_example=False)
+    for name in ("A", "G"):
+        err = float((got[name] - want[name]).norm() / want[name].norm())
+        assert err <= 1e-12, (name, err)
+
+
+@pytest.mark.parametrize("how", ["add", "radd", "iadd", "torch.add", "mul", "add-twice"])
+def test_position_ids_without_a_batch_dimension_have_per_example_factors(how: str) -> None:
+    """ids ``[T]``: the output ``[T, d]`` is broadcast over a dimension the
+    addition prepends, and read there per example, as from ``[1, T]``."""
+    want = factors(how, per_example=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="kaisa")
+        got = factors(how, per_example=False, flat=True)
     for name in ("A", "G"):
         err = float((got[name] - want[name]).norm() / want[name].norm())
         assert err <= 1e-12, (name, err)

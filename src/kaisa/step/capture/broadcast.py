@@ -2,7 +2,9 @@
 
 A position embedding called with ids of shape ``[1, T]`` — what Hugging Face
 models build when no ``position_ids`` are passed — returns ``[1, T, d]``,
-which the model adds to the ``[N, T, d]`` token embeddings.  Autograd sums
+which the model adds to the ``[N, T, d]`` token embeddings; called with
+``[T]`` (nanoGPT's ``wpe(arange(T))``) it returns ``[T, d]``, which the
+addition broadcasts over a new leading dimension.  Autograd sums
 the gradient over the broadcast, so a hook on that output sees ``Σ_n g_n``,
 where K-FAC's G needs every ``g_n``.  They exist, one step later: the
 gradient of the operand once expanded, ``out.expand(N, T, d)``, is
@@ -13,7 +15,9 @@ So the forward hook of such a layer returns its output wrapped in
 operation that broadcasts it over a larger leading dimension (``+``, ``-``,
 ``*``, in place or not, as a method, operator or ``torch`` function),
 replaces itself by that expansion and hands kaisa the call it stands for:
-``(ids.expand(N, T), out.expand(N, T, d))``, N examples, exact.  Operations
+``(ids.expand(N, T), out.expand(N, T, d))``, N examples, exact (from
+``[T]`` ids only a broadcast that adds the leading dimension is one over
+the batch).  Operations
 that keep its values (``.to``, ``.contiguous``, dtype casts) pass the
 wrapper on, and queries (shape, dtype, printing) or uses without autograd
 capture nothing; any other use hands kaisa an alias of the output (its
@@ -108,6 +112,8 @@ class _Call:
     def __init__(self, x: Tensor, observe: Observe) -> None:
         self.x = x
         self.observe = observe
+        #: ids without a batch dimension (``[T]``): a broadcast prepends it
+        self.prepend = x.dim() == 1
 
 
 class _Uses:
@@ -119,11 +125,14 @@ class _Uses:
         self.stand_ins: dict[int, tuple[Tensor, Tensor]] = {}
         self.observed: set[int] = set()
 
-    def stand_in(self, plain: Tensor, x: Tensor, batch: int) -> tuple[Tensor, Tensor]:
+    def stand_in(self, plain: Tensor, call: _Call, batch: int) -> tuple[Tensor, Tensor]:
         """The (output, input) that a use broadcasting to ``batch`` computes with."""
         held = self.stand_ins.get(batch)
+        x = call.x
         if held is None:
-            if batch > 1:  # the per-example gradients arrive at the expansion
+            if batch > 1 and call.prepend:  # [T] ids: the batch dimension is added
+                held = plain.expand(batch, *plain.shape), x.expand(batch, *x.shape)
+            elif batch > 1:  # the per-example gradients arrive at the expansion
                 held = plain.expand(batch, *plain.shape[1:]), x.expand(batch, *x.shape[1:])
             else:
                 held = plain.view_as(plain), x
@@ -165,12 +174,12 @@ class BroadcastOutput(Tensor):
         for w in wrapped:
             plain, call = w._kaisa_plain, w._kaisa_call
             if func in _IN_PLACE and args[0] is w:  # changed in place: an alias of its own
-                use, x = _Uses().stand_in(plain, call.x, 1)
+                use, x = _Uses().stand_in(plain, call, 1)
                 w._kaisa_uses = _Uses()  # the uses after it start afresh
                 observed = None
             else:
                 batch = _broadcast_batch(w, func, args) if len(wrapped) == 1 else 1
-                use, x = w._kaisa_uses.stand_in(plain, call.x, batch)
+                use, x = w._kaisa_uses.stand_in(plain, call, batch)
                 observed = w._kaisa_uses.observed
             stand_in[id(w)] = use
             uses.append((call, x, use, observed))
@@ -199,16 +208,18 @@ def _call(
 
 def _broadcast_batch(w: BroadcastOutput, func: Callable[..., Any], args: tuple[Any, ...]) -> int:
     """The leading size an elementwise ``func`` broadcasts ``w`` to (1: none)."""
-    plain = w._kaisa_plain
+    plain, prepend = w._kaisa_plain, w._kaisa_call.prepend
     if func not in _BROADCASTING or len(args) < 2 or (func in _IN_PLACE and args[0] is w):
         return 1
     others = [a for a in args[:2] if isinstance(a, Tensor) and a is not w]
-    if len(others) != 1 or plain.dim() == 0 or plain.shape[0] != 1:
+    if len(others) != 1 or plain.dim() == 0 or (not prepend and plain.shape[0] != 1):
         return 1
     try:
         shape = torch.broadcast_shapes(plain.shape, others[0].shape)
     except RuntimeError:
         return 1
+    if prepend:  # [T, d]: the batch is a dimension the broadcast adds, and only one
+        return int(shape[0]) if len(shape) == plain.dim() + 1 else 1
     return int(shape[0]) if len(shape) == plain.dim() else 1
 
 

@@ -184,13 +184,13 @@ class Capture:
 
     def _broadcast(self, layer: KFACLayer, module: nn.Module, x: Tensor, out: Tensor) -> bool:
         """Whether the output may be broadcast over a batch it does not have:
-        one row of ids (position ids ``[1, T]``) of a layer that allows it."""
+        one row of ids (position ids ``[1, T]``), or ids without a batch
+        dimension (``[T]``), of a layer that allows it."""
+        one_row = x.dim() >= 2 and x.shape[0] == 1 and out.dim() >= 1 and out.shape[0] == 1
+        unbatched = x.dim() == 1 and out.dim() == 2
         return (
             layer.adapter.broadcast_over_batch
-            and x.dim() >= 2
-            and x.shape[0] == 1
-            and out.dim() >= 1
-            and out.shape[0] == 1
+            and (one_row or unbatched)
             and not hasattr(out, "placements")
             and self.accepts(layer.adapter, module, out)
         )
