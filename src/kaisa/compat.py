@@ -17,6 +17,7 @@ kfac-pytorch is never imported: its enum members are recognised by name
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,8 @@ class KfacPytorchAttributes(PreconditionerView):
 
     @_steps.setter
     def _steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | numbers.Integral) or value < 0:
+            raise ValueError(f"_steps must be a non-negative int; got {value!r}")
         self._parts.pipeline.steps = int(value)
         self._refresh_capture()
 

@@ -164,6 +164,10 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+#: dtypes factors and second-order tensors may be kept in (float8 has no
+#: arithmetic for the running averages; inv_dtype refuses the 16-bit ones)
+_STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 #: dtypes the products may run in; float16 is refused (see _check_product_dtype)
 _PRODUCT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
@@ -330,8 +334,9 @@ def _check_dtype(name: str, value: Any) -> None:
         return
     if not isinstance(value, torch.dtype):
         raise _dtype_error(name, value, converted=True)
-    if not value.is_floating_point:
-        raise ValueError(f"{name} must be a floating-point torch.dtype; got {value}")
+    if value not in _STORAGE_DTYPES:
+        allowed = ", ".join(str(d) for d in _STORAGE_DTYPES)
+        raise ValueError(f"{name} must be one of {allowed} (or None); got {value}")
 
 
 def _check_product_dtype(name: str, value: Any) -> None:

@@ -126,7 +126,9 @@ class StepControls(PreconditionerView):
 
     @stacking.setter
     def stacking(self, value: bool) -> None:
-        self._parts.pipeline.application.groups.allowed = bool(value)
+        if not isinstance(value, bool):
+            raise TypeError(f"stacking must be True or False; got {value!r}")
+        self._parts.pipeline.application.groups.allowed = value
 
     @property
     def factor_step(self) -> bool:

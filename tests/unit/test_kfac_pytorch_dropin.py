@@ -164,6 +164,10 @@ def test_private_names_are_kfac_pytorchs_unvalidated_until_used() -> None:
     assert p.steps == 7
     step(model, p, seed=1)
     assert p.steps == 8
+    for bad in (-3, "7", 2.9, None, True):  # a counter its own checkpoint could not load
+        with pytest.raises(ValueError, match="_steps must be a non-negative int"):
+            p._steps = bad
+    assert p.steps == 8
 
 
 def test_lr_read_from_the_optimizer_is_a_callable_for_schedulers() -> None:

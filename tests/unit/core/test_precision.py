@@ -286,3 +286,11 @@ def test_options_refuse_float16_and_non_dtypes_naming_the_allowed_values(option:
     with pytest.raises(TypeError, match=rf"{option} must be None, float32, float64 or bfloat16"):
         KFACPreconditioner(mlp(), **{option: "bf16x"})
     KFACPreconditioner(mlp(), **{option: "torch.bfloat16"})
+
+
+@pytest.mark.parametrize("option", ["factor_dtype", "inv_dtype"])
+def test_storage_dtypes_refuse_float8_naming_the_allowed_values(option: str) -> None:
+    """float8 is floating point but has no arithmetic for a running average
+    or a decomposition: refused at construction, not at the first step."""
+    with pytest.raises(ValueError, match=rf"{option} must be one of .*torch.float32"):
+        KFACPreconditioner(mlp(), **{option: torch.float8_e4m3fn})

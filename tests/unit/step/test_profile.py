@@ -248,3 +248,6 @@ def test_stacking_and_read_scalars_switches() -> None:
     assert {len(o.shape) for o in profile.operations if o.phase == PRODUCTS} == {2}
     with pytest.raises(TypeError, match="read_scalars"):
         precond.read_scalars = 1  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="stacking must be True or False"):
+        precond.stacking = "False"  # type: ignore[assignment]  # a truthy string
+    assert precond.stacking is False
