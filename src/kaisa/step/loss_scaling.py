@@ -15,6 +15,8 @@ Three things depend on the scaler:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +45,20 @@ class LossScaling:
         if not self.active:
             return None
         if not self._is_amp:
-            return self.scaler()
+            value = self.scaler()
+            if isinstance(value, Tensor):
+                return value  # on its device: read there, unchecked (a check would sync)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    "grad_scaler() must return the loss scale, a positive finite number or "
+                    f"tensor; got {type(value).__name__}"
+                )
+            if not 0 < float(value) < math.inf:
+                raise ValueError(
+                    "grad_scaler() must return the loss scale, a positive finite number; "
+                    f"got {value!r}"
+                )
+            return float(value)
         getter = getattr(self.scaler, "_get_scale_async", None)
         return getter() if getter is not None else self.scaler.get_scale()
 

@@ -110,6 +110,23 @@ def test_callable_loss_scale_is_divided_out() -> None:
         assert rel_err(g_factors(scaled)[name], g) <= 1e-12
 
 
+@pytest.mark.parametrize(
+    ("scale", "error"),
+    [(float("nan"), ValueError), (float("inf"), ValueError), (0.0, ValueError), ("x", TypeError)],
+)
+def test_a_callable_loss_scale_that_is_not_one_is_refused_by_name(
+    scale: object, error: type
+) -> None:
+    """A NaN scale used to leave G unformed without a word, an Inf one made it
+    zero, and 0 or a string failed deep in the capture."""
+    model = mlp()
+    precond = KFACPreconditioner(model, kl_clip=None, grad_scaler=lambda: scale)
+    x, y = batch(0)
+    with pytest.raises(error, match=r"grad_scaler\(\) must return the loss scale"):
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+
+
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_autocast_factors_accumulate_in_float32(autocast_dtype: torch.dtype) -> None:
     results = {}
