@@ -349,6 +349,18 @@ def build(
         warn_user(changed)
     world = len(group_ranks(topology.dp if topology is not None else None))
     fraction = config.grad_worker_fraction
+    unused = [
+        f"{name}={getattr(config, name)!r}"
+        for name in ("plan_costs", "memory_budget_mb")
+        if getattr(config, name) is not None
+    ]
+    if unused and fraction is not DistributedStrategy.AUTO:
+        verb, pronoun = ("are", "they are") if len(unused) > 1 else ("is", "it is")
+        shown = getattr(fraction, "value", fraction)
+        warn_user(
+            f"kaisa: {' and '.join(unused)} {verb} read only to choose "
+            f"grad_worker_fraction='auto'; with grad_worker_fraction={shown!r} {pronoun} not used",
+        )
     if fraction is DistributedStrategy.AUTO:
         # a method whose statistics need every rank to be a worker runs COMM-OPT only
         every = _needs_every_worker(ordered) is not None

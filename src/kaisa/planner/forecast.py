@@ -611,6 +611,14 @@ def auto_fraction(
     ]
     kfac = {name: getattr(config, name) for name in KFACConfig.field_names()}
     budget = config.memory_budget_mb * 2**20 if config.memory_budget_mb is not None else None
-    cost = CostModel.load(Path(config.plan_costs)) if config.plan_costs is not None else None
+    cost = None
+    if config.plan_costs is not None:
+        try:
+            cost = CostModel.load(Path(config.plan_costs))
+        except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise ValueError(
+                f"plan_costs={config.plan_costs!r} is not a cost model kaisa can read "
+                f"(a JSON file written by `kaisa plan --save-costs`): {exc}"
+            ) from exc
     chosen, _ = choose_fraction(costs, world_size, cost, budget, method, **kfac)
     return chosen

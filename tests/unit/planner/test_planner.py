@@ -113,6 +113,11 @@ def test_auto_fraction_and_budget_option() -> None:
     assert precond.plan.grad_worker_fraction == 1.0
     with pytest.raises(ValueError, match="memory_budget_mb"):
         KFACPreconditioner(mlp(), memory_budget_mb=0)
+    # read only by 'auto': given with a fixed fraction, they say they are unused
+    with pytest.warns(UserWarning, match=r"memory_budget_mb=64 is read only to choose .*'auto'"):
+        KFACPreconditioner(mlp(), grad_worker_fraction=1.0, memory_budget_mb=64)
+    with pytest.warns(UserWarning, match=r"plan_costs='c.json' and memory_budget_mb=64 are read"):
+        KFACPreconditioner(mlp(), plan_costs="c.json", memory_budget_mb=64)
 
 
 def test_diagonal_inverse_is_not_sent_as_a_triangle() -> None:
@@ -230,8 +235,11 @@ def test_auto_fraction_uses_the_given_cost_model(tmp_path: Path) -> None:
     assert picks["slow link"] == 1.0 and picks["slow products"] < 1.0
     with pytest.raises(TypeError, match="plan_costs"):
         KFACConfig(plan_costs=3)
-    with pytest.raises(FileNotFoundError):
-        KFACPreconditioner(mlp(), grad_worker_fraction="auto", plan_costs=str(tmp_path / "no"))
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    for bad in (tmp_path / "no", garbled, tmp_path):  # missing, not JSON, a folder
+        with pytest.raises(ValueError, match=r"plan_costs=.* is not a cost model kaisa can read"):
+            KFACPreconditioner(mlp(), grad_worker_fraction="auto", plan_costs=str(bad))
 
 
 def test_large_factors_are_planned_per_block_and_reported(
