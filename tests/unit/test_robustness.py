@@ -984,3 +984,26 @@ def test_a_backward_autograd_cannot_place_is_not_counted(monkeypatch: pytest.Mon
         got = run(True)
     assert sum("could not say" in str(w.message) for w in seen) == 1  # once, not per layer
     assert_same(got, run(False), "factors: the unreadable backward left out")
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [("kl_clip", -1.0), ("lr", float("nan")), ("inv_update_steps", 0), ("damping", -1.0)],
+)
+def test_a_schedule_refused_at_a_step_leaves_the_state_as_it_was(option: str, bad: Any) -> None:
+    """A callable whose value at step 2 is out of range is refused naming it,
+    before the step folds its factors or decomposes them: the state is that
+    of the step before, and the step count too."""
+    good = {"kl_clip": 1e-3, "lr": 0.1, "inv_update_steps": 1, "damping": 0.01}[option]
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs: dict[str, Any] = {"factor_update_steps": 1, "inv_update_steps": 1, "damping": 0.01}
+    kwargs[option] = lambda s: bad if s == 2 else good
+    precond = KFACPreconditioner(model, **kwargs)
+    for seed in range(2):
+        train_step(model, precond, opt, seed=seed)
+    before = copy.deepcopy(precond.state_dict())
+    with pytest.raises(ValueError, match=rf"{option}\(2\)"):
+        train_step(model, precond, opt, seed=2)
+    assert precond.steps == 2
+    assert_same(precond.state_dict(), before)

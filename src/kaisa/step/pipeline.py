@@ -147,20 +147,24 @@ class StepPipeline:
             self.skip(counts is not None)
             clock.end_step(SKIPPED, started)
             return False
+        # every schedule value this step reads, before anything changes: a
+        # callable refused here (a bad value at this step) leaves the factors
+        # and decompositions as they were
         damping = self.schedule.damping(step)
-        if counts is not None:
+        decay = self.schedule.factor_decay(step) if counts is not None else None
+        inverse_step = self.schedule.is_inverse_step(step)
+        lr = lr_operand(self.schedule, self.application, step)
+        kl_clip = self.schedule.kl_clip(step)
+        if counts is not None and decay is not None:
             since = clock.start()
-            if self.reduction.fold(counts, self.schedule.factor_decay(step)):
+            if self.reduction.fold(counts, decay):
                 self.second_order.settled = False  # layers may be captured for the first time
             clock.stop(FOLD, since)
         since = clock.start()
-        inverse_step = self.schedule.is_inverse_step(step)
         self.second_order.update(self.layers, inverse_step, damping)
         if inverse_step and self.on_inverse_step is not None:
             self.on_inverse_step(step)
         since = clock.stop(DECOMPOSE, since)
-        lr = lr_operand(self.schedule, self.application, step)
-        kl_clip = self.schedule.kl_clip(step)
         ctx = StepContext(
             step, factor_step, damping, lr, kl_clip, verdict.presence, verdict.verdict_of
         )
