@@ -11,7 +11,7 @@ the facade, so that :mod:`kaisa.preconditioner` stays the orchestration
 and this module is the one place the compatibility surface is kept.
 
 kfac-pytorch is never imported: its enum members are recognised by name
-(:func:`kaisa.config._as_enum`) and kaisa's members compare equal to them
+(:func:`kaisa.config.as_enum`) and kaisa's members compare equal to them
 (:class:`kaisa.core.options.SameNameEquality`).
 """
 

@@ -181,7 +181,10 @@ _AT_THE_BOUNDARY = (
 # -- the boundary: what a user may pass, converted to what a config holds ---------------------
 
 
-def _as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
+def as_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
+    """``value`` as a member of ``enum_cls``: the member, its value or name in
+    any case, or another library's member of the same name; else a
+    ``ValueError`` naming ``name`` and the allowed values."""
     if isinstance(value, enum_cls):
         return value
     allowed = ", ".join(repr(m.value) for m in enum_cls)
@@ -230,7 +233,7 @@ def _as_fraction(name: str, value: Any) -> Any:
     """A strategy's name or enum member as a :class:`DistributedStrategy`, a
     number as a float; anything else unchanged, for the config to check."""
     if isinstance(value, (str, enum.Enum)):
-        return _as_enum(name, value, DistributedStrategy)
+        return as_enum(name, value, DistributedStrategy)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return value
@@ -256,14 +259,14 @@ def _as_grafting(name: str, value: Any) -> Any:
     other string is a ``ValueError`` naming the allowed values."""
     if value is None or isinstance(value, Grafting):
         return value
-    converted = _as_enum(name, value, Grafting)
+    converted = as_enum(name, value, Grafting)
     if isinstance(value, str) and not isinstance(converted, Grafting):
         raise ValueError(f"{name} must be None, 'sgd' or 'adam'; got {value!r}")
     return converted
 
 
 def _enum_of(enum_cls: type[enum.Enum]) -> Callable[[str, Any], Any]:
-    return lambda name, value: _as_enum(name, value, enum_cls)
+    return lambda name, value: as_enum(name, value, enum_cls)
 
 
 #: how :meth:`KFACConfig.from_options` converts each option that has more than

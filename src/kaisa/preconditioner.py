@@ -37,6 +37,7 @@ from kaisa.config import (
     PlannerConfig,
     PrecisionConfig,
     TensorParallelMode,
+    as_enum,
 )
 from kaisa.controls import StepControls
 from kaisa.distributed.communicator import Communicator
@@ -382,13 +383,13 @@ def _method_argument(
     too (not its default), a ``ValueError``."""
     if method is None:
         return None
-    if options["compute_method"] != default_compute_method:
+    if options["compute_method"] is not default_compute_method:  # given, even as the default
         raise ValueError(
             "give method= or compute_method=, not both; "
             f"got method={method!r}, compute_method={options['compute_method']!r}"
         )
-    if isinstance(method, (str, ComputeMethod)):
-        options["compute_method"] = method
+    if isinstance(method, str | Enum):  # a name, read as compute_method= reads it
+        options["compute_method"] = as_enum("method", method, ComputeMethod)
         return None
     if not isinstance(method, CurvatureMethod):
         allowed = ", ".join(repr(m.value) for m in ComputeMethod)

@@ -13,6 +13,7 @@ reduction, the plan check and the facade read the declaration.
 
 from __future__ import annotations
 
+import enum
 import inspect
 
 import pytest
@@ -172,11 +173,21 @@ def test_method_argument_takes_an_object_or_a_name() -> None:
     by_name = KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method="inverse")
     assert isinstance(by_name._parts.method, InverseMethod)
     assert by_name.config.compute_method == "inverse"
-    # the typed signature cannot tell a compute_method left at its default from
-    # one passed equal to it: a compute_method other than the default is refused
+    # compute_method given beside it is refused, also given as the default's name
+    # (only the default's own member, as the signature holds it, passes unseen)
     default = inspect.unwrap(KFACPreconditioner.__init__).__kwdefaults__["compute_method"]
     other = "inverse" if default == "eigen" else "eigen"
-    with pytest.raises(ValueError, match="method= or compute_method="):
-        KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method=own, compute_method=other)
+    for given in (other, str(default.value)):
+        with pytest.raises(ValueError, match="method= or compute_method="):
+            KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method=own, compute_method=given)
     with pytest.raises(TypeError, match="method must be"):
         KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method=3)
+    # a name is read as compute_method= reads it, and a bad one is named as method's
+    with pytest.raises(ValueError, match="method must be one of 'eigen'"):
+        KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method="eigne")
+
+    class Foreign(enum.Enum):  # kfac-pytorch's kfac.enums.ComputeMethod
+        EIGEN = 1
+
+    by_enum = KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), method=Foreign.EIGEN)
+    assert by_enum.compute_method == "eigen"
