@@ -101,6 +101,7 @@ def assert_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
 # -- unequal batches and an extra forward on one rank ---------------------------------------------
 
 SPLIT = [(0, 3), (3, 8)]  # rank 0 holds 3 rows, rank 1 holds 5
+EMPTY = [(0, 0), (0, 8)]  # rank 0 holds none (the last batch of an epoch, unpadded)
 
 
 def single(config: dict[str, Any], rows: int = 8) -> dict[str, Any]:
@@ -117,18 +118,21 @@ def single(config: dict[str, Any], rows: int = 8) -> dict[str, Any]:
     return finish(model, precond, out)
 
 
-def unequal(rank: int, world: int, config: dict[str, Any], extra: bool) -> dict[str, Any]:
+def unequal(
+    rank: int, world: int, config: dict[str, Any], extra: bool, split: list[tuple[int, int]]
+) -> dict[str, Any]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precond = KFACPreconditioner(model, **(KW | config))
-    lo, hi = SPLIT[rank]
+    lo, hi = split[rank]
     out: dict[str, Any] = {"warnings": []}
     for x, y in batches(8):
         x, y = x[lo:hi], y[lo:hi]
         opt.zero_grad()
         if extra and rank == 0:
             model(x[:2])  # e.g. a metric in training mode, never backpropagated
-        F.cross_entropy(model(x), y).backward()
+        # the local mean (a sum over no rows is 0, where a mean would be NaN)
+        (F.cross_entropy(model(x), y, reduction="sum") / max(hi - lo, 1)).backward()
         for p in model.parameters():  # the gradient of the mean over all 8 rows
             p.grad *= hi - lo
             dist.all_reduce(p.grad)
@@ -143,10 +147,16 @@ def unequal(rank: int, world: int, config: dict[str, Any], extra: bool) -> dict[
     return finish(model, precond, out)
 
 
-@pytest.mark.parametrize("extra", [False, True], ids=["plain", "extra-forward-on-rank-0"])
-def test_unequal_local_batches_equal_single_process_on_all_rows(extra: bool) -> None:
+@pytest.mark.parametrize(
+    ("extra", "split"),
+    [(False, SPLIT), (True, SPLIT), (False, EMPTY)],
+    ids=["plain", "extra-forward-on-rank-0", "no-rows-on-rank-0"],
+)
+def test_unequal_local_batches_equal_single_process_on_all_rows(
+    extra: bool, split: list[tuple[int, int]]
+) -> None:
     for config in CONFIGS:
-        results = run_distributed(2, unequal, config, extra, timeout_s=60, pg_timeout_s=20)
+        results = run_distributed(2, unequal, config, extra, split, timeout_s=60, pg_timeout_s=20)
         ref = single(config)
         for rank, got in enumerate(results):
             assert_same(got, ref, f"rank {rank} {config}")

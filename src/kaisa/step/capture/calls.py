@@ -230,6 +230,8 @@ class Capture:
                 layer.eval_forward = True  # said at step() if it is all the layer saw
             return
         layer.eval_forward = False
+        if x.numel() == 0 or output.numel() == 0:
+            return  # no data points (a rank's empty share of the batch): nothing to add
         if hasattr(x, "placements") and not layer.adapter.sees_dtensors:
             raise RuntimeError(
                 f"kaisa: layer {layer.name!r} received a DTensor input: the model was "
