@@ -264,6 +264,10 @@ def _set_version(state: dict) -> None:
     state["version"] = 99
 
 
+def _set_hyperparameters(state: dict) -> None:
+    state["hyperparameters"] = [1, 2]
+
+
 def _add_unknown_layer(state: dict) -> None:
     state["layers"]["bogus_layer"] = {k: v.clone() for k, v in state["layers"]["hidden"].items()}
 
@@ -291,6 +295,7 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
         (_corrupt_values("classifier", "A", "bool"), "classifier.A is of dtype torch.bool"),
         (_corrupt_values("classifier", "G", "meta"), "classifier.G is a meta tensor"),
         (_set_version, "version"),
+        (_set_hyperparameters, "hyperparameters"),
     ],
     ids=[
         "hidden.A-shape",
@@ -306,6 +311,7 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
         "classifier.A-bool",
         "classifier.G-meta",
         "version=99",
+        "hyperparameters-a-list",
     ],
 )
 def test_load_state_dict_validates_everything_before_changing_anything(corrupt, match) -> None:

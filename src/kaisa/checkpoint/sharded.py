@@ -93,7 +93,12 @@ def restore_sharded(
     steps = state["steps"]
     steps = int(steps.item()) if isinstance(steps, Tensor) else steps
     saved = state.get("hyperparameters", {})
-    restore = schedule.restorable(saved if isinstance(saved, Mapping) else {})
+    if not isinstance(saved, Mapping):
+        raise ValueError(
+            "state['hyperparameters'] must be a mapping of option names to values; "
+            f"got {type(saved).__name__}"
+        )
+    restore = schedule.restorable(saved)
     parts.checkpointer.validate({"steps": steps}, config, restore)
     entries = worked_entries(parts, rank, state) if "second_order" in state else None
     load_owned_factors(parts.layers, parts.plan, rank, state)
