@@ -47,8 +47,9 @@ class StepReports:
                     f"layers saw {most:g}: its input is probably broadcast over the batch (e.g. "
                     "position ids of shape [1, T]) by an operation kaisa does not see through "
                     "(it does an elementwise +, - or * with the batch), so its G factor is that "
-                    "of the batch-summed gradient. Pass per-example inputs (ids.expand(N, T)) or "
-                    "leave it out with skip_layers",
+                    "of the batch-summed gradient, and changes with how the batch is split over "
+                    "ranks. Pass per-example inputs (ids.expand(N, T)) or leave it out with "
+                    "skip_layers",
                 )
 
     def eval_forwards(self, layers: list[KFACLayer], engine: Engine) -> None:
