@@ -30,7 +30,8 @@ How it runs in kaisa — everything else is the eigen method's:
   ``S = λ_G λ_Aᵀ`` — the eigen method's divisor.
 * **At each decomposition** (an inverse update, or a recompute after loading
   a checkpoint without second-order tensors) the bases change and ``S``
-  restarts from ``λ_G λ_Aᵀ`` of the new factors: the K-FAC estimate of the
+  restarts from ``λ_G λ_Aᵀ`` of the new factors (a decomposition that
+  failed keeps the previous bases, and ``S`` with them): the K-FAC estimate of the
   same diagonal, which the following factor steps' per-example statistics
   then correct (averaged in with ``factor_decay``).  A term formed with the
   old bases on the step of an inverse update is folded and then replaced by
@@ -184,9 +185,21 @@ class EKFACMethod(EigenBasis):
         own = tuple(t for s in factors for t in _own(s))
         return (*own, HeldTensor(_S, _grad_shape(factors)))
 
-    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
-        """The bases changed: ``S`` restarts from ``λ_G λ_Aᵀ`` (in axis order)."""
+    def receive(self, layer: LayerView, new: Mapping[str, Tensor]) -> None:
+        """New bases drop ``S`` (expressed in the old ones) for :meth:`complete`
+        to restart; a decomposition that kept the previous ones (it failed on
+        its owner, which sends them again) keeps ``S`` too.  Decided by the
+        values, which every worker holds alike, so the ranks decide alike."""
         state = layer.state
+        if any(k not in state or not torch.equal(state[k], v) for k, v in new.items()):
+            state.pop(_S, None)
+        super().receive(layer, new)
+
+    def complete(self, layer: LayerView, damping: float, colocated: bool) -> None:
+        """New bases: ``S`` restarts from ``λ_G λ_Aᵀ`` (in axis order)."""
+        state = layer.state
+        if _S in state:
+            return  # the bases were kept: S goes on in them
         ordered = sorted(layer.factors, key=lambda s: s.axis)
         state[_S] = eigen_outer([state[_values(s).key] for s in ordered]).clone()
 

@@ -263,3 +263,47 @@ def test_scales_that_overflow_off_their_diagonal_are_rejected() -> None:
     assert torch.isfinite(state["ekfac_s"]).all()
     assert step(plain, scales)  # the next step preconditions with finite scales
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+
+
+def test_a_failed_decomposition_keeps_the_bases_and_s_with_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An inverse update whose eigh fails keeps the previous bases; S, held in
+    them, goes on too: the run equals one whose step had no inverse update."""
+
+    def run(inverse_every: int, fail_at: int | None) -> tuple[dict, list[Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        precond = KFACPreconditioner(
+            model,
+            optimizer=opt,
+            compute_method="ekfac",
+            factor_update_steps=1,
+            inv_update_steps=inverse_every,
+            damping=DAMPING,
+            kl_clip=None,
+        )
+        g = torch.Generator().manual_seed(1)
+        for step in range(5):
+            x = torch.randn(7, 5, generator=g, dtype=torch.float64)
+            opt.zero_grad()
+            model(x).logsumexp(-1).mean().backward()
+            with monkeypatch.context() as patch:
+                if step == fail_at:
+                    patch.setattr(torch.linalg, "eigh", _failing_eigh)
+                precond.step()
+            opt.step()
+        return precond.state_dict(), [p.detach().clone() for p in model.parameters()]
+
+    want_state, want = run(inverse_every=8, fail_at=None)  # no inverse update at step 4
+    got_state, got = run(inverse_every=4, fail_at=4)  # one that fails there
+    for name, entry in want_state["layers"].items():
+        for key, value in entry.items():
+            assert torch.equal(got_state["layers"][name][key], value), (name, key)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def _failing_eigh(*args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+    raise torch.linalg.LinAlgError("eigh did not converge (injected)")
