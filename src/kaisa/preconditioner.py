@@ -380,7 +380,8 @@ def _method_argument(
     is returned, its name written into ``options`` where it is a library
     method's (so ``precond.compute_method``, ``repr`` and a checkpoint's
     hyperparameters name the method that runs); with ``compute_method`` given
-    too (not its default), a ``ValueError``."""
+    too (any value but the signature's own default object, its name
+    included), a ``ValueError``."""
     if method is None:
         return None
     if options["compute_method"] is not default_compute_method:  # given, even as the default
