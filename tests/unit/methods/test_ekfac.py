@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -238,16 +239,7 @@ def test_scales_that_overflow_off_their_diagonal_are_rejected() -> None:
     with torch.no_grad():
         layer.weight.copy_(torch.eye(4))
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)
-    precond = KFACPreconditioner(
-        layer,
-        optimizer=opt,
-        compute_method="ekfac",
-        factor_update_steps=1,
-        inv_update_steps=100,
-        damping=0.01,
-        kl_clip=None,
-        loss_average="sum",
-    )
+    precond = _ekfac_every_step(layer, opt, inv_update_steps=100, damping=0.01, loss_average="sum")
 
     def step(x: Tensor, out_grad: Tensor) -> bool:
         opt.zero_grad()
@@ -275,15 +267,7 @@ def test_a_failed_decomposition_keeps_the_bases_and_s_with_them(
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        precond = KFACPreconditioner(
-            model,
-            optimizer=opt,
-            compute_method="ekfac",
-            factor_update_steps=1,
-            inv_update_steps=inverse_every,
-            damping=DAMPING,
-            kl_clip=None,
-        )
+        precond = _ekfac_every_step(model, opt, inv_update_steps=inverse_every, damping=DAMPING)
         g = torch.Generator().manual_seed(1)
         for step in range(5):
             x = torch.randn(7, 5, generator=g, dtype=torch.float64)
@@ -307,3 +291,12 @@ def test_a_failed_decomposition_keeps_the_bases_and_s_with_them(
 
 def _failing_eigh(*args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
     raise torch.linalg.LinAlgError("eigh did not converge (injected)")
+
+
+def _ekfac_every_step(
+    model: nn.Module, opt: torch.optim.Optimizer, **options: Any
+) -> KFACPreconditioner:
+    """EKFAC folding factors and S every step, no KL clip."""
+    return KFACPreconditioner(
+        model, optimizer=opt, compute_method="ekfac", factor_update_steps=1, kl_clip=None, **options
+    )
