@@ -288,6 +288,8 @@ def test_stop_at_target_ends_the_run_early(tmp_path: Path) -> None:
         (["--warmup-epochs", "nan"], "--warmup-epochs"),
         (["--warmup-epochs", "3", "--epochs", "2"], "--warmup-epochs"),
         (["--kfac-arm-lr", "0"], "--kfac-arm-lr"),
+        (["--kfac-arm-lr", "inf"], "--kfac-arm-lr"),
+        (["--lr", "inf"], "--lr"),
         (["--kfac-arm-schedule", "linear"], "--kfac-arm-schedule"),
         (["--kfac-arm-warmup-epochs", "-1"], "--kfac-arm-warmup-epochs"),
         (["--kfac-arm-warmup-epochs", "3", "--epochs", "2"], "--kfac-arm-warmup-epochs"),
@@ -301,6 +303,21 @@ def test_bad_option_values_exit_2_naming_the_option(
     assert exc.value.code == 2
     assert f"argument {option}" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_an_output_folder_that_is_a_file_is_refused_before_anything_runs(
+    command: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Checked when the command line is read: a run used to train to its end
+    and then fail to write its results."""
+    taken = tmp_path / "results"
+    taken.write_text("a file")
+    for out in (taken, taken / "sub"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--task", "digits-mlp", "--out", str(out)])
+        assert exc.value.code == 2
+        assert "argument --out" in capsys.readouterr().err
 
 
 def test_missing_cifar_data_is_a_clear_usage_error(

@@ -18,6 +18,7 @@ This module only parses arguments and dispatches; see :mod:`kaisa_lab.cli.spec`
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -34,7 +35,7 @@ from kaisa.distributed.plan import grad_workers_for
 from kaisa_lab.bench.cli import add_bench_parser, run_bench
 from kaisa_lab.cli import distributed
 from kaisa_lab.cli.compiled import BACKENDS
-from kaisa_lab.cli.options import add_kfac_arguments
+from kaisa_lab.cli.options import add_kfac_arguments, output_folder
 from kaisa_lab.cli.plan import add_plan_parser, run_plan
 from kaisa_lab.cli.plot import plot_runs
 from kaisa_lab.cli.progress import Progress
@@ -75,9 +76,9 @@ def _float_at_least(low: float, *, strict: bool) -> Any:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
-        if not (value > low if strict else value >= low) or value != value:
+        if not (value > low if strict else value >= low) or not math.isfinite(value):
             raise argparse.ArgumentTypeError(
-                f"expected a number {'>' if strict else '>='} {low:g}; got {text!r}"
+                f"expected a finite number {'>' if strict else '>='} {low:g}; got {text!r}"
             )
         return value
 
@@ -236,7 +237,9 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: eager)",
     )
     run.add_argument("--data-dir", type=Path, help="folder with the task's data (cifar10)")
-    run.add_argument("--out", type=Path, help="output folder (default: runs/<task>-<timestamp>)")
+    run.add_argument(
+        "--out", type=output_folder, help="output folder (default: runs/<task>-<timestamp>)"
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bars; one line per epoch")
     run.add_argument(
         "--backend",

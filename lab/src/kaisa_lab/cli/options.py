@@ -20,6 +20,7 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,6 +78,19 @@ FLAG_NAMES: dict[str, str] = {"memory_budget_mb": "memory_budget_mib"}
 
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
+
+
+def output_folder(text: str) -> Path:
+    """``--out``: a folder, or a path one can be made at — checked when the
+    command line is read, not when a finished run writes its results."""
+    path = Path(text)
+    for where in (path, *path.parents):
+        if where.exists():
+            if not where.is_dir():
+                what = "is a file" if where == path else f"lies under the file {where}"
+                raise argparse.ArgumentTypeError(f"{path} {what}; give a folder")
+            break
+    return path
 
 
 def parse_bool(text: str) -> bool:

@@ -24,7 +24,7 @@ from kaisa.config import KFACConfig
 from kaisa.planner.costs import CostModel, measure_costs
 from kaisa.planner.forecast import choose_fraction, layer_costs
 from kaisa.planner.probe import probe_rows
-from kaisa_lab.cli.options import add_kfac_arguments, kfac_overrides
+from kaisa_lab.cli.options import add_kfac_arguments, kfac_overrides, output_folder
 from kaisa_lab.tasks import get_task, task_names
 
 MIB = 2**20
@@ -93,7 +93,7 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     _add_node_arguments(plan)
     plan.add_argument(
         "--out",
-        type=Path,
+        type=output_folder,
         default=None,
         help="a folder to write plan.json and plan.png into (default: print only)",
     )
