@@ -84,6 +84,8 @@ def test_each_failure_names_its_own_option(
         "--costs": ["--costs", str(tmp_path / "missing.json")],
         "--ranks-per-node": ["--ranks-per-node", "4"],  # without the intra-node bandwidth
         "--device": ["--measure-costs", "cpu", "--device", "cuda"],
+        "--batch-size": ["--batch-size", "0"],  # it planned at the task's batch
+        "--memory-budget-mib": ["--memory-budget-mib", "-1"],  # nothing fits, all "recommended"
     }
     for option, extra in cases.items():
         with pytest.raises(SystemExit) as exit_info:

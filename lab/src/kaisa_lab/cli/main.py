@@ -18,7 +18,6 @@ This module only parses arguments and dispatches; see :mod:`kaisa_lab.cli.spec`
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -35,7 +34,7 @@ from kaisa.distributed.plan import grad_workers_for
 from kaisa_lab.bench.cli import add_bench_parser, run_bench
 from kaisa_lab.cli import distributed
 from kaisa_lab.cli.compiled import BACKENDS
-from kaisa_lab.cli.options import add_kfac_arguments, output_folder
+from kaisa_lab.cli.options import add_kfac_arguments, float_at_least, output_folder, positive_int
 from kaisa_lab.cli.plan import add_plan_parser, run_plan
 from kaisa_lab.cli.plot import plot_runs
 from kaisa_lab.cli.progress import Progress
@@ -58,32 +57,6 @@ __all__ = ["build_parser", "main"]
 
 RESULTS_JSON = "results.json"
 RESULTS_PNG = "results.png"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
-
-
-def _float_at_least(low: float, *, strict: bool) -> Any:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
-        if not (value > low if strict else value >= low) or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(
-                f"expected a finite number {'>' if strict else '>='} {low:g}; got {text!r}"
-            )
-        return value
-
-    parse.__name__ = "number"
-    return parse
 
 
 def _optimizer_list(text: str) -> list[str]:
@@ -117,14 +90,12 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "(pytorch-optimizer) need the extra kaisa-lab[baselines]",
     )
     training = parser.add_argument_group("training (unset: the task's default)")
-    training.add_argument("--epochs", type=_positive_int, help="number of epochs")
-    training.add_argument("--batch-size", type=_positive_int, help="batch size per rank")
-    training.add_argument("--lr", type=_float_at_least(0.0, strict=True), help="learning rate")
+    training.add_argument("--epochs", type=positive_int, help="number of epochs")
+    training.add_argument("--batch-size", type=positive_int, help="batch size per rank")
+    training.add_argument("--lr", type=float_at_least(0.0, strict=True), help="learning rate")
+    training.add_argument("--momentum", type=float_at_least(0.0, strict=False), help="SGD momentum")
     training.add_argument(
-        "--momentum", type=_float_at_least(0.0, strict=False), help="SGD momentum"
-    )
-    training.add_argument(
-        "--weight-decay", type=_float_at_least(0.0, strict=False), help="weight decay"
+        "--weight-decay", type=float_at_least(0.0, strict=False), help="weight decay"
     )
     training.add_argument(
         "--schedule",
@@ -134,7 +105,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     training.add_argument(
         "--warmup-epochs",
-        type=_float_at_least(0.0, strict=False),
+        type=float_at_least(0.0, strict=False),
         metavar="EPOCHS",
         help="linear warm-up of the learning rate over this many epochs, both runs unless "
         "--kfac-arm-warmup-epochs (may be fractional; 0: none)",
@@ -142,12 +113,12 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     _add_kfac_arm_arguments(parser)
     training.add_argument(
         "--max-steps-per-epoch",
-        type=_positive_int,
+        type=positive_int,
         help="cap on optimizer steps per epoch (for quick runs)",
     )
     training.add_argument(
         "--evals-per-epoch",
-        type=_positive_int,
+        type=positive_int,
         metavar="K",
         help="evaluate K times per epoch, at evenly spaced steps, so time and steps to "
         "target are read K times more finely (evaluation is off the clock; default: "
@@ -164,7 +135,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     training.add_argument(
         "--seeds",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="train each configuration on N seeds (--seed, --seed+1, ...) and report the "
@@ -185,7 +156,7 @@ def _add_kfac_arm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     arm.add_argument(
         "--kfac-arm-lr",
-        type=_float_at_least(0.0, strict=True),
+        type=float_at_least(0.0, strict=True),
         metavar="LR",
         help="learning rate of the K-FAC run (unset: --lr if given, else the lr the suite "
         "selected for the task's K-FAC arm, else the task's prior); its KL clip follows it "
@@ -196,7 +167,7 @@ def _add_kfac_arm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     arm.add_argument(
         "--kfac-arm-warmup-epochs",
-        type=_float_at_least(0.0, strict=False),
+        type=float_at_least(0.0, strict=False),
         metavar="EPOCHS",
         help="warm-up of the K-FAC run (unset: --warmup-epochs if given, else the warm-up the "
         "suite selected for the task's K-FAC arm, else the task's)",
@@ -210,7 +181,7 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=distributed.DEVICES, default="auto", help="auto: cuda if available"
     )
     run.add_argument(
-        "--threads", type=_positive_int, help="torch CPU threads (default: leave as is)"
+        "--threads", type=positive_int, help="torch CPU threads (default: leave as is)"
     )
     run.add_argument(
         "--default-allocator",
@@ -248,7 +219,7 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--pg-timeout-s",
-        type=_float_at_least(0.0, strict=True),
+        type=float_at_least(0.0, strict=True),
         default=300.0,
         help="process-group timeout in seconds under torchrun (default 300)",
     )

@@ -16,6 +16,7 @@ import argparse
 import collections.abc
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -78,6 +79,35 @@ FLAG_NAMES: dict[str, str] = {"memory_budget_mb": "memory_budget_mib"}
 
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (a batch, a count of epochs or seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
+def float_at_least(low: float, *, strict: bool) -> Any:
+    """A parser of finite numbers above ``low`` (``strict``) or from it on."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
+        if not (value > low if strict else value >= low) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number {'>' if strict else '>='} {low:g}; got {text!r}"
+            )
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
 def output_folder(text: str) -> Path:

@@ -24,7 +24,13 @@ from kaisa.config import KFACConfig
 from kaisa.planner.costs import CostModel, measure_costs
 from kaisa.planner.forecast import choose_fraction, layer_costs
 from kaisa.planner.probe import probe_rows
-from kaisa_lab.cli.options import add_kfac_arguments, kfac_overrides, output_folder
+from kaisa_lab.cli.options import (
+    add_kfac_arguments,
+    float_at_least,
+    kfac_overrides,
+    output_folder,
+    positive_int,
+)
 from kaisa_lab.tasks import get_task, task_names
 
 MIB = 2**20
@@ -53,12 +59,15 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="per-rank (micro-)batch (default: the task's; 32)",
     )
     plan.add_argument(
-        "--memory-budget-mib", type=float, default=None, help="K-FAC memory allowed per rank (MiB)"
+        "--memory-budget-mib",
+        type=float_at_least(0.0, strict=True),
+        default=None,
+        help="K-FAC memory allowed per rank (MiB)",
     )
     costs = plan.add_mutually_exclusive_group()
     costs.add_argument("--costs", type=Path, help="a cost model JSON (from --save-costs)")
