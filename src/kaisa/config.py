@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -501,6 +502,13 @@ class AlgorithmConfig:
             raise TypeError(
                 f"skip_layers must be a regex string or a list of regex strings; got {skip!r}{hint}"
             )
+        for pattern in skip:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(
+                    f"skip_layers contains an invalid regex {pattern!r}: {exc}"
+                ) from exc
 
 
 @dataclass(frozen=True, kw_only=True)

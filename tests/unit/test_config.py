@@ -209,3 +209,12 @@ def test_accumulation_steps_none_takes_the_engines_else_one() -> None:
     )
     with pytest.raises(ValueError, match=r"accumulation_steps=2 but the .* accumulates 4"):
         KFACPreconditioner(mlp(), engine=Accumulating(), accumulation_steps=2)
+
+
+def test_an_invalid_skip_layers_regex_is_refused_by_the_config() -> None:
+    """At construction, naming the pattern (the command line reports it before
+    any setup; it used to surface only when the layers were registered)."""
+    with pytest.raises(ValueError, match=r"skip_layers contains an invalid regex '\('"):
+        KFACConfig.from_options(skip_layers=["head", "("])
+    with pytest.raises(ValueError, match=r"skip_layers contains an invalid regex '\['"):
+        AlgorithmConfig(skip_layers=("[",))
