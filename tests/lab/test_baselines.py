@@ -279,6 +279,7 @@ def test_an_untuned_baseline_runs_at_its_librarys_lr_and_says_so(
         (["--optimizers", "adamw,muon", "--weight-decay", "0"], "argument --weight-decay"),
         (["--optimizers", "adamw,lion"], "from sgd, adam, adamw, muon, soap, shampoo, lamb"),
         (["--optimizers", "adamw,adamw"], "named twice"),
+        (["--optimizers", "sgd,,adam"], "from sgd, adam, adamw"),  # an empty name
         (["--optimizers", "adamw", "--optimizer", "sgd"], "not allowed with argument"),
     ],
 )

@@ -290,6 +290,7 @@ def test_stop_at_target_ends_the_run_early(tmp_path: Path) -> None:
         (["--kfac-arm-lr", "0"], "--kfac-arm-lr"),
         (["--kfac-arm-lr", "inf"], "--kfac-arm-lr"),
         (["--lr", "inf"], "--lr"),
+        (["--target", "nan"], "--target"),
         (["--kfac-arm-schedule", "linear"], "--kfac-arm-schedule"),
         (["--kfac-arm-warmup-epochs", "-1"], "--kfac-arm-warmup-epochs"),
         (["--kfac-arm-warmup-epochs", "3", "--epochs", "2"], "--kfac-arm-warmup-epochs"),

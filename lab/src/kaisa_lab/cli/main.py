@@ -34,7 +34,13 @@ from kaisa.distributed.plan import grad_workers_for
 from kaisa_lab.bench.cli import add_bench_parser, run_bench
 from kaisa_lab.cli import distributed
 from kaisa_lab.cli.compiled import BACKENDS
-from kaisa_lab.cli.options import add_kfac_arguments, float_at_least, output_folder, positive_int
+from kaisa_lab.cli.options import (
+    add_kfac_arguments,
+    finite_number,
+    float_at_least,
+    output_folder,
+    positive_int,
+)
 from kaisa_lab.cli.plan import add_plan_parser, run_plan
 from kaisa_lab.cli.plot import plot_runs
 from kaisa_lab.cli.progress import Progress
@@ -61,9 +67,9 @@ RESULTS_PNG = "results.png"
 
 def _optimizer_list(text: str) -> list[str]:
     """``--optimizers``: comma-separated names from :data:`OPTIMIZERS`, each once."""
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    names = [name.strip().lower() for name in text.split(",")]
     unknown = [name for name in names if name not in OPTIMIZERS]
-    if not names or unknown:
+    if unknown:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated optimizers from {', '.join(OPTIMIZERS)}; got {text!r}"
         )
@@ -124,7 +130,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "target are read K times more finely (evaluation is off the clock; default: "
         "the task's, usually 1)",
     )
-    training.add_argument("--target", type=float, help="target value of the task's metric")
+    training.add_argument("--target", type=finite_number, help="target value of the task's metric")
     training.add_argument(
         "--stop-at-target",
         action="store_true",

@@ -110,6 +110,17 @@ def float_at_least(low: float, *, strict: bool) -> Any:
     return parse
 
 
+def finite_number(text: str) -> float:
+    """A finite number of either sign (a target value of a metric)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number; got {text!r}")
+    return value
+
+
 def output_folder(text: str) -> Path:
     """``--out``: a folder, or a path one can be made at — checked when the
     command line is read, not when a finished run writes its results."""
