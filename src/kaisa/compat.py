@@ -17,7 +17,6 @@ kfac-pytorch is never imported: its enum members are recognised by name
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from kaisa.config import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    check_number,
 )
 from kaisa.view import PreconditionerView
 from kaisa.warn import warn_user
@@ -93,9 +93,8 @@ class KfacPytorchAttributes(PreconditionerView):
 
     @_steps.setter
     def _steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | numbers.Integral) or value < 0:
-            raise ValueError(f"_steps must be a non-negative int; got {value!r}")
-        self._parts.pipeline.steps = int(value)
+        check_number("_steps", value, low=0, integer=True)
+        self._parts.pipeline.steps = value
         self._refresh_capture()
 
     def _refresh_capture(self) -> None:

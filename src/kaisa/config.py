@@ -293,7 +293,7 @@ _CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
 # -- checks of converted values (the configs' __post_init__) ----------------------------------
 
 
-def _check_number(
+def check_number(
     name: str,
     value: Any,
     *,
@@ -391,9 +391,9 @@ def resolve(name: str, value: Any, step: int) -> Any:
     if name == "kl_clip" and result is None:
         return None
     if callable(value) and name in _CALLABLE_RANGES:
-        _check_number(f"{name}({step})", result, **_CALLABLE_RANGES[name])
+        check_number(f"{name}({step})", result, **_CALLABLE_RANGES[name])
     elif name in _RANGES:
-        _check_number(name, result, **_RANGES[name])
+        check_number(name, result, **_RANGES[name])
     return result
 
 
@@ -401,7 +401,7 @@ def check_value(name: str, value: Any) -> None:
     """Validate a schedule option's new value (a number in range, or a callable)."""
     if callable(value) or (name == "kl_clip" and value is None):
         return
-    _check_number(name, value, **_RANGES[name])
+    check_number(name, value, **_RANGES[name])
 
 
 #: kfac-pytorch's defaults where kaisa's differ: ``KFACPreconditioner(model,
@@ -470,8 +470,8 @@ class AlgorithmConfig:
         for name, limits in _RANGES.items():
             value = getattr(self, name)
             if not (callable(value) or (name == "kl_clip" and value is None)):
-                _check_number(name, value, **limits)
-        _check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
+                check_number(name, value, **limits)
+        check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
         for flag in ("compute_eigenvalue_outer_product", "update_factors_in_hook"):
             _check_bool(flag, getattr(self, flag))
         _check_member("compute_method", self.compute_method, ComputeMethod)
@@ -480,9 +480,9 @@ class AlgorithmConfig:
         _check_member("large_factor", self.large_factor, LargeFactor)
         fraction = self.factor_position_fraction
         if fraction is not None:
-            _check_number("factor_position_fraction", fraction, low=0.0, high=1.0, low_open=True)
+            check_number("factor_position_fraction", fraction, low=0.0, high=1.0, low_open=True)
         if self.factor_position_seed is not None:
-            _check_number("factor_position_seed", self.factor_position_seed, low=0, integer=True)
+            check_number("factor_position_seed", self.factor_position_seed, low=0, integer=True)
         if fraction is not None and fraction < 1.0 and self.kfac_approx is KFACApprox.REDUCE:
             raise ValueError(
                 f"factor_position_fraction={self.factor_position_fraction} cuts the rows of "
@@ -495,7 +495,7 @@ class AlgorithmConfig:
                 f"{_AT_THE_BOUNDARY}); got {self.grafting!r}"
             )
         if self.max_factor_dim is not None:
-            _check_number("max_factor_dim", self.max_factor_dim, low=1, integer=True)
+            check_number("max_factor_dim", self.max_factor_dim, low=1, integer=True)
         skip = self.skip_layers
         if not (isinstance(skip, tuple) and all(isinstance(s, str) for s in skip)):
             hint = _AT_THE_BOUNDARY if isinstance(skip, (str, list, set, frozenset)) else ""
@@ -531,10 +531,10 @@ class DistributionConfig:
                     f"kaisa.DistributedStrategy member; got {self.grad_worker_fraction!r}"
                     f"{_AT_THE_BOUNDARY}"
                 )
-            _check_number("grad_worker_fraction", self.grad_worker_fraction, low=0.0, high=1.0)
+            check_number("grad_worker_fraction", self.grad_worker_fraction, low=0.0, high=1.0)
         _check_member("assignment_strategy", self.assignment_strategy, AssignmentStrategy)
         _check_bool("colocate_factors", self.colocate_factors)
-        _check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
+        check_number("allreduce_bucket_cap_mb", self.allreduce_bucket_cap_mb, low=0.0)
         _check_bool("symmetry_aware", self.symmetry_aware)
         _check_member("tensor_parallel", self.tensor_parallel, TensorParallelMode)
 
@@ -582,7 +582,7 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         if self.memory_budget_mb is not None:
-            _check_number("memory_budget_mb", self.memory_budget_mb, low=0.0, low_open=True)
+            check_number("memory_budget_mb", self.memory_budget_mb, low=0.0, low_open=True)
         if self.plan_costs is not None and not isinstance(self.plan_costs, str):
             hint = _AT_THE_BOUNDARY if isinstance(self.plan_costs, os.PathLike) else ""
             raise TypeError(f"plan_costs must be a path or None; got {self.plan_costs!r}{hint}")

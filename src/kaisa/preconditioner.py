@@ -8,8 +8,6 @@ parts, :mod:`kaisa.step.pipeline` runs ``step()`` phase by phase,
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -280,17 +278,7 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
 
     @loss_items.setter
     def loss_items(self, value: float | int | torch.Tensor | None) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"loss_items must be one number; got a tensor of {value.numel()}")
-            value = float(value.item())
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not 0 < float(value) < math.inf
-        ):
-            raise ValueError(f"loss_items must be a positive finite number or None; got {value!r}")
-        self._parts.capture.normalisation.items = None if value is None else float(value)
+        self._parts.capture.normalisation.set_items(value)
 
     # -- hooks ------------------------------------------------------------------------
     def remove_hooks(self) -> None:

@@ -331,6 +331,32 @@ def _register(
     return layers, skipped
 
 
+def _resolve_fraction(
+    config: KFACConfig, layers: list[KFACLayer], world: int, method: CurvatureMethod | None
+) -> Any:
+    """``grad_worker_fraction`` as the plan takes it: ``'auto'`` chosen by the
+    planner (COMM-OPT for a method whose statistics need every rank a worker);
+    a fixed one as given, with a word where ``plan_costs`` or
+    ``memory_budget_mb``, which only ``'auto'`` reads, were given too."""
+    fraction = config.grad_worker_fraction
+    if fraction is DistributedStrategy.AUTO:
+        every = _needs_every_worker(layers) is not None
+        return 1.0 if every else auto_fraction(layers, world, config, method)
+    unused = [
+        f"{name}={getattr(config, name)!r}"
+        for name in ("plan_costs", "memory_budget_mb")
+        if getattr(config, name) is not None
+    ]
+    if unused:
+        verb, pronoun = ("are", "they are") if len(unused) > 1 else ("is", "it is")
+        shown = getattr(fraction, "value", fraction)
+        warn_user(
+            f"kaisa: {' and '.join(unused)} {verb} read only to choose "
+            f"grad_worker_fraction='auto'; with grad_worker_fraction={shown!r} {pronoun} not used",
+        )
+    return fraction
+
+
 def build(
     model: nn.Module,
     setup: Setup,
@@ -348,23 +374,7 @@ def build(
     if changed is not None:
         warn_user(changed)
     world = len(group_ranks(topology.dp if topology is not None else None))
-    fraction = config.grad_worker_fraction
-    unused = [
-        f"{name}={getattr(config, name)!r}"
-        for name in ("plan_costs", "memory_budget_mb")
-        if getattr(config, name) is not None
-    ]
-    if unused and fraction is not DistributedStrategy.AUTO:
-        verb, pronoun = ("are", "they are") if len(unused) > 1 else ("is", "it is")
-        shown = getattr(fraction, "value", fraction)
-        warn_user(
-            f"kaisa: {' and '.join(unused)} {verb} read only to choose "
-            f"grad_worker_fraction='auto'; with grad_worker_fraction={shown!r} {pronoun} not used",
-        )
-    if fraction is DistributedStrategy.AUTO:
-        # a method whose statistics need every rank to be a worker runs COMM-OPT only
-        every = _needs_every_worker(ordered) is not None
-        fraction = 1.0 if every else auto_fraction(ordered, world, config, given)
+    fraction = _resolve_fraction(config, ordered, world, given)
     plan = make_plan(
         [LayerSpec(la.name, la.factors) for la in ordered],
         world,

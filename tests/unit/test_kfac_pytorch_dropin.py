@@ -165,7 +165,7 @@ def test_private_names_are_kfac_pytorchs_unvalidated_until_used() -> None:
     step(model, p, seed=1)
     assert p.steps == 8
     for bad in (-3, "7", 2.9, None, True):  # a counter its own checkpoint could not load
-        with pytest.raises(ValueError, match="_steps must be a non-negative int"):
+        with pytest.raises((ValueError, TypeError), match=r"_steps must be (an int )?in \[0"):
             p._steps = bad
     assert p.steps == 8
 

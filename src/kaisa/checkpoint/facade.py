@@ -88,11 +88,6 @@ class Checkpoints(PreconditionerView):
         if is_kfac_pytorch_state(state_dict):
             raise refuse_kfac_pytorch_state()
         saved = state_dict.get("hyperparameters", {}) if isinstance(state_dict, Mapping) else {}
-        if not isinstance(saved, Mapping):
-            raise ValueError(
-                "state_dict['hyperparameters'] must be a mapping of option names to values; "
-                f"got {type(saved).__name__}"
-            )
         restore = self._schedule.restorable(saved)
         steps, layers = self._parts.checkpointer.validate(state_dict, self.config, restore)
         pipeline = self._parts.pipeline

@@ -93,11 +93,6 @@ def restore_sharded(
     steps = state["steps"]
     steps = int(steps.item()) if isinstance(steps, Tensor) else steps
     saved = state.get("hyperparameters", {})
-    if not isinstance(saved, Mapping):
-        raise ValueError(
-            "state['hyperparameters'] must be a mapping of option names to values; "
-            f"got {type(saved).__name__}"
-        )
     restore = schedule.restorable(saved)
     parts.checkpointer.validate({"steps": steps}, config, restore)
     entries = worked_entries(parts, rank, state) if "second_order" in state else None

@@ -15,13 +15,13 @@ Three things depend on the scaler:
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from kaisa.config import check_number
 
 __all__ = ["LossScaling"]
 
@@ -48,16 +48,7 @@ class LossScaling:
             value = self.scaler()
             if isinstance(value, Tensor):
                 return value  # on its device: read there, unchecked (a check would sync)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(
-                    "grad_scaler() must return the loss scale, a positive finite number or "
-                    f"tensor; got {type(value).__name__}"
-                )
-            if not 0 < float(value) < math.inf:
-                raise ValueError(
-                    "grad_scaler() must return the loss scale, a positive finite number; "
-                    f"got {value!r}"
-                )
+            check_number("the loss scale grad_scaler() returns", value, low=0, low_open=True)
             return float(value)
         getter = getattr(self.scaler, "_get_scale_async", None)
         return getter() if getter is not None else self.scaler.get_scale()

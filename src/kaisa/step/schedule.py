@@ -169,8 +169,14 @@ class Schedule:
     def is_inverse_step(self, step: int) -> bool:
         return step % int(self.value("inv_update_steps", step)) == 0
 
-    def restorable(self, saved: Mapping[str, Any]) -> dict[str, Any]:
-        """The saved schedule values this schedule would take from a checkpoint."""
+    def restorable(self, saved: object) -> dict[str, Any]:
+        """The saved schedule values this schedule would take from a checkpoint
+        (``saved``: its ``'hyperparameters'``, refused unless a mapping)."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(
+                "a checkpoint's 'hyperparameters' must be a mapping of option names to "
+                f"values; got {type(saved).__name__}"
+            )
         return {
             k: saved[k]
             for k in RESTORED

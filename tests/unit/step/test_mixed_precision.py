@@ -122,7 +122,7 @@ def test_a_callable_loss_scale_that_is_not_one_is_refused_by_name(
     model = mlp()
     precond = KFACPreconditioner(model, kl_clip=None, grad_scaler=lambda: scale)
     x, y = batch(0)
-    with pytest.raises(error, match=r"grad_scaler\(\) must return the loss scale"):
+    with pytest.raises(error, match=r"the loss scale grad_scaler\(\) returns must be"):
         F.cross_entropy(model(x), y).backward()
         precond.step()
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from kaisa.config import LossAverage
+from kaisa.config import LossAverage, check_number
 from kaisa.core.statistics import grad_multiplier
 
 __all__ = ["LossNormalisation", "ScaleGetter"]
@@ -42,6 +42,17 @@ class LossNormalisation:
         self.loss_scale = loss_scale
         #: ``N`` of ``loss = Σ ℓ / N`` (``LossAverage.ITEMS``: ``precond.loss_items``)
         self.items: float | None = None
+
+    def set_items(self, value: float | Tensor | None) -> None:
+        """``precond.loss_items = value``: one positive finite number (a 1-element
+        tensor is read as one), or None."""
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"loss_items must be one number; got a tensor of {value.numel()}")
+            value = float(value.item())
+        if value is not None:
+            check_number("loss_items", value, low=0, low_open=True)
+        self.items = None if value is None else float(value)
 
     def multiplier(self, batch: int, positions: int) -> float | Tensor:
         """``m`` of one call of ``batch`` examples and ``positions`` positions each."""
