@@ -409,6 +409,42 @@ def test_kaisa_bench_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "argument --snapshot-minutes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["run", "quick", "--snapshot-minutes", "nan"], "--snapshot-minutes"),
+        (["run", "quick", "--option", "rounds=2"], "--option"),  # a cost case's flags
+        (["run", "quick", "--quick"], "--quick"),
+        (["run", "quick", "--print-json"], "--print-json"),
+        (["run", "quick", "--device", "cuda"], "--device"),  # no CUDA on this build
+        (["status", "quick", "--records", "/no/such/folder"], "--records"),
+        (["report", "quick", "--records", "/no/such/folder"], "--records"),
+        (["summary", "--records", "/no/such/folder"], "--records"),
+        (["report", "quick", "--plot", "table.txt"], "--plot"),
+        (["summary", "--levers", "--plot", "levers.jpg"], "--plot"),
+        (["status", "quick", "--selected-from", "/no/such/folder"], "--selected-from"),
+    ],
+)
+def test_campaign_usage_errors_name_their_argument(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    if torch.cuda.is_available() and flag == "--device":
+        pytest.skip("this torch has a CUDA device: --device cuda is valid")
+    records = [] if "--records" in argv else ["--records", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv, *records])
+    assert exit_.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any run
+
+
+def test_bench_usage_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench"])
+    usage = capsys.readouterr().err
+    assert "{list,run,status,report,summary,select,ab}" in usage
+
+
 def test_an_arm_with_knobs_must_have_kfac() -> None:
     with pytest.raises(ValueError, match="knobs are K-FAC's"):
         Arm("adamw", knobs=KFAC_KNOBS)

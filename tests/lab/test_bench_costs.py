@@ -64,3 +64,64 @@ def test_ab_times_a_case_on_two_trees_in_turns(tmp_path: Path) -> None:
         assert res["ratio"] == pytest.approx(res["after_ms"] / res["before_ms"])
     assert len(list(tmp_path.glob("gram-ab/*/*.json"))) == len(records)
     assert markdown_ab(records).startswith("| arm | before (ms) |")
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("rounds=-1", "expected an integer >= 1"),
+        ("rounds=2.5", "expected an integer"),
+        ("rounds=true", "expected an integer"),
+        ("shapes=abc", "expected a JSON list"),
+    ],
+)
+def test_a_cost_case_refuses_an_option_of_the_wrong_kind_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, expected: str
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "run", "gram", "--quick", "--option", option, "--records", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "argument --option" in err and expected in err
+    assert not tmp_path.joinpath("gram").exists()  # refused before any measurement
+
+
+def test_option_kinds_follow_the_defaults() -> None:
+    from kaisa_lab.bench.timing import _option_problem
+
+    assert _option_problem("warmup", 0, 5) == ""  # a warm-up may be none
+    assert _option_problem("tflops", 14, 14.0) == ""  # an integer is a number
+    assert "finite" in _option_problem("tflops", float("nan"), 14.0)
+    assert "true or false" in _option_problem("timed", 1, True)
+    assert _option_problem("settings", "anything", None) == ""  # None: any value
+    assert "a text" in _option_problem("backend", 3, "inductor")
+    assert "a JSON object" in _option_problem("links", [], {"a": 1})
+    assert _option_problem("kfac_kwargs", "damping=0.3", {}) == ""  # the case parses it
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["bench", "run", "gram", "--quick", "--device", "cuda"], "--device"),
+        (["bench", "ab", "gram", "--before", "no-such-revision-x"], "--before"),
+        (["bench", "ab", "gram", "--before", "HEAD", "--after", "/"], "--after"),
+        (["bench", "ab", "gram", "--before", "HEAD", "--option", "rounds=0"], "--option"),
+        (["bench", "report", "gram", "--records", "/no/such/folder"], "--records"),
+    ],
+)
+def test_cost_case_usage_errors_name_their_argument(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_revisions_of_an_ab() -> None:
+    from kaisa_lab.bench.ab import _ROOT, revision_problem
+
+    assert revision_problem(str(_ROOT)) == ""  # a folder holding src/kaisa
+    assert revision_problem("HEAD") == ""
+    assert "neither" in revision_problem("no-such-revision-x")
+    empty_tree = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's empty tree: no commit
+    assert "neither" in revision_problem(empty_tree)

@@ -331,6 +331,32 @@ def test_missing_cifar_data_is_a_clear_usage_error(
     assert "--data-dir" in err and "data_batch_1" in err
 
 
+def test_a_garbled_cifar_file_is_a_clear_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kaisa_lab.tasks.cifar import SUBFOLDER
+
+    from fakes import write_fake_cifar
+
+    write_fake_cifar(tmp_path / SUBFOLDER)
+    (tmp_path / SUBFOLDER / "data_batch_2").write_bytes(b"not a pickle")
+    with pytest.raises(SystemExit) as exc:
+        main(
+            [
+                "train",
+                "--task",
+                "cifar10",
+                "--data-dir",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --data-dir" in err and "data_batch_2" in err
+
+
 def test_every_kfac_config_field_has_a_typed_option() -> None:
     parser, commands = build_parser()
     help_text = commands["train"].format_help()

@@ -98,6 +98,61 @@ def test_each_failure_names_its_own_option(
         assert not any(f"{o}/" in named or named.endswith(o) for o in others), message
 
 
+FACTORIES = (
+    "import torch\nfrom torch import nn\n"
+    "def sized(width):\n    return nn.Linear(width, width)\n"
+    "NUMBER = 3.0\n"
+    "def text():\n    return 'a model'\n"
+    "def triple():\n    return nn.Linear(2, 2), (torch.randn(1, 2),), 0\n"
+    "def bare():\n    return nn.Sequential(nn.ReLU())\n"
+    "def one_tensor():\n    return nn.Linear(4, 2), torch.randn(1, 4)\n"
+    "def in_a_tuple():\n    return nn.Linear(4, 2), (torch.randn(1, 4),)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("sized", "called with no arguments, but missing a required argument: 'width'"),
+        ("NUMBER", "is a float, not a callable"),
+        ("text", "returned a str; expected an nn.Module or (model, example inputs"),
+        ("triple", "returned a tuple; expected an nn.Module or (model, example inputs"),
+        ("bare", "the model has no layer K-FAC can precondition"),
+    ],
+)
+def test_a_model_that_cannot_be_planned_is_a_usage_error(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    why: str,
+) -> None:
+    (tmp_path / "plan_factories_cli.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "plan_factories_cli", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", f"plan_factories_cli:{name}", "--world-size", "1"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --model" in message and why in message, message
+
+
+def test_an_example_given_as_one_tensor_is_one_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``(model, x)`` with ``x`` a tensor is the input ``x``, not ``tuple(x)``'s rows."""
+    (tmp_path / "plan_factories_cli.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "plan_factories_cli", raising=False)
+    reports = []
+    for name in ("one_tensor", "in_a_tuple"):
+        out = tmp_path / name
+        argv = ["plan", "--model", f"plan_factories_cli:{name}", "--world-size", "1"]
+        assert main([*argv, "--batch-size", "8", "--out", str(out)]) == 0
+        reports.append(json.loads((out / "plan.json").read_text()))
+    assert reports[0]["plans"] and reports[0] == reports[1]  # the same rows: 8 per step
+
+
 def test_the_old_zoo_name_points_to_kaisa_lab(capsys: pytest.CaptureFixture[str]) -> None:
     """``--model kaisa.zoo:resnet50`` (the docs' spelling before kaisa-lab)
     names the new one instead of "No module named 'kaisa.zoo'"."""

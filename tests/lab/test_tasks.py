@@ -354,3 +354,48 @@ def test_cifar10_rejects_a_file_of_the_wrong_format(tmp_path: Path) -> None:
         pickle.dump({b"data": np.zeros((2, 100), dtype=np.uint8), b"labels": [0, 1]}, f)
     with pytest.raises(ValueError, match="3072"):
         load_cifar10(folder)
+
+
+def _pickled(batch: Any) -> bytes:
+    return pickle.dumps(batch)
+
+
+GOOD_DATA = np.zeros((2, 3072), dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"\x00garbage that is no pickle", "not a readable CIFAR-10 batch"),
+        (b"", "not a readable CIFAR-10 batch"),  # empty
+        (_pickled({b"data": GOOD_DATA, b"labels": [0, 1]})[:-40], "not a readable"),  # truncated
+        (_pickled([1, 2, 3]), "no b'data'/b'labels'"),
+        (
+            _pickled({b"data": GOOD_DATA, b"labels": [0, 10]}),
+            "every label must be an integer in 0..9",
+        ),
+        (_pickled({b"data": GOOD_DATA, b"labels": [0, -1]}), "every label"),
+        (_pickled({b"data": GOOD_DATA.astype(np.int64) + 300, b"labels": [0, 1]}), "every pixel"),
+        (_pickled({b"data": GOOD_DATA.astype(np.float32), b"labels": [0, 1]}), "every pixel"),
+        (_pickled({b"data": GOOD_DATA, b"labels": [0.5, 1.0]}), "every label"),
+        (_pickled({b"data": "text", b"labels": [0, 1]}), "no b'data'/b'labels'"),
+    ],
+)
+def test_cifar10_names_a_garbled_file(tmp_path: Path, content: bytes, why: str) -> None:
+    folder = tmp_path / SUBFOLDER
+    write_fake_cifar(folder)
+    (folder / TEST_FILE).write_bytes(content)
+    with pytest.raises(ValueError, match=why) as err:
+        load_cifar10(folder)
+    assert TEST_FILE in str(err.value)
+
+
+def test_cifar10_reads_integer_pixels_of_any_width(tmp_path: Path) -> None:
+    """int64 pixels in 0..255 (a batch re-saved by numpy code) read as the same uint8 images."""
+    folder = tmp_path / SUBFOLDER
+    write_fake_cifar(folder)
+    data = np.arange(2 * 3072, dtype=np.int64).reshape(2, 3072) % 256
+    (folder / TEST_FILE).write_bytes(_pickled({b"data": data, b"labels": [3, 9]}))
+    _, _, x_test, y_test = load_cifar10(folder)
+    assert torch.equal(x_test.flatten(1), torch.as_tensor(data, dtype=torch.uint8))
+    assert y_test.tolist() == [3, 9]

@@ -25,7 +25,7 @@ from typing import Any
 from kaisa_lab.bench.records import SCHEMA, RecordStore, config_key, environment, load_average
 from kaisa_lab.bench.timer import alternate
 
-__all__ = ["ab", "library_tree", "markdown_ab"]
+__all__ = ["ab", "library_tree", "markdown_ab", "revision_problem"]
 
 #: the repository this module lives in, and its suite (lab/src), used on both sides
 _ROOT = Path(__file__).resolve().parents[4]
@@ -44,6 +44,26 @@ def library_tree(rev: str, into: Path) -> Path:
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     return into
+
+
+def revision_problem(rev: str) -> str:
+    """Why ``rev`` cannot be a side of an A/B ('' when it can): it must be a
+    folder holding ``src/kaisa`` or a git revision of this repository that has
+    ``src``; checked before any process is started, so a typo is a usage error,
+    not a failed ``git archive`` after the other side's setup."""
+    if (Path(rev) / "src" / "kaisa").is_dir():
+        return ""
+    found = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        cwd=_ROOT,
+        capture_output=True,
+    )
+    if found.returncode != 0:
+        return "neither a folder holding src/kaisa nor a git revision of this repository"
+    has_src = subprocess.run(
+        ["git", "cat-file", "-e", f"{rev}:src"], cwd=_ROOT, capture_output=True
+    )
+    return "" if has_src.returncode == 0 else "a git revision without src/"
 
 
 def ab(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from kaisa_lab.bench import costs as _costs  # registers the cost cases
-from kaisa_lab.bench.ab import ab, markdown_ab
+from kaisa_lab.bench.ab import ab, markdown_ab, revision_problem
 from kaisa_lab.bench.advice import markdown_advice
 from kaisa_lab.bench.campaign import Campaign, selections, work
 from kaisa_lab.bench.cases import CASES, get_case, lever_cases, summary_cases
@@ -72,7 +73,9 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         "the same protocol and reports held-out seeds, from records of real runs.",
     )
     sub = bench.add_subparsers(
-        dest="bench_command", metavar="{list,run,status,report}", required=True
+        dest="bench_command",
+        metavar="{list,run,status,report,summary,select,ab}",
+        required=True,
     )
     sub.add_parser("list", help="the cases, with their tasks and arms")
     run = sub.add_parser("run", help="run a case's protocol until it is done (resumable)")
@@ -226,6 +229,7 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_bench(args: argparse.Namespace, error: Any) -> int:
     """Carry out ``kaisa bench ...``; usage problems go to ``error`` (exit 2)."""
+    _check_paths(args, error)
     if args.bench_command == "list":
         return _list()
     if args.bench_command == "summary":
@@ -252,6 +256,9 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
         return _run_ab(args, error)
     if args.case in TIMING_CASES:
         return _run_cost(TIMING_CASES[args.case], args, error)
+    if args.bench_command == "run":
+        _refuse_cost_flags(args, error)
+        _check_device(args.device, error)
     campaign = _campaign(args, error)
     if args.bench_command == "select":
         return _select(campaign, args.write, error)
@@ -278,6 +285,46 @@ def run_bench(args: argparse.Namespace, error: Any) -> int:
             plot_heldout(campaign, args.plot)
         return code
     return _run_campaign(campaign, args, error)
+
+
+def _check_paths(args: argparse.Namespace, error: Any) -> None:
+    """The folders read and the files drawn: a folder that is not there is a
+    usage error (a typo in ``--records`` would otherwise read as a campaign
+    with no runs yet), and a plot is a PNG."""
+    plot = getattr(args, "plot", None)
+    if plot is not None and plot.suffix.lower() != ".png":
+        error(f"argument --plot: expected a .png file; got {plot}")
+    records = getattr(args, "records", None)
+    reads = args.bench_command in ("status", "report", "summary", "select")
+    if reads and records is not None and not records.is_dir():
+        error(f"argument --records: no folder {records} (bench run writes it)")
+    source = getattr(args, "selected_from", None)
+    if source is not None and not source.is_dir():
+        error(f"argument --selected-from: no folder {source}")
+
+
+def _check_device(device: str, error: Any) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        error("argument --device: cuda, but this torch sees no CUDA device")
+
+
+def _refuse_cost_flags(args: argparse.Namespace, error: Any) -> None:
+    """``--option``, ``--quick`` and ``--print-json`` belong to cost cases; on a
+    time-to-target case they would be ignored, so they are refused."""
+    given = [
+        flag
+        for flag, on in (
+            ("--option", args.option),
+            ("--quick", args.quick),
+            ("--print-json", args.print_json),
+        )
+        if on
+    ]
+    if given:
+        error(
+            f"argument {given[0]}: a cost case's flag; {args.case} is a time-to-target "
+            f"case (its protocol is declared in kaisa_lab/bench/cases.py)"
+        )
 
 
 def _campaign(args: argparse.Namespace, error: Any) -> Campaign:
@@ -336,6 +383,14 @@ def _run_ab(args: argparse.Namespace, error: Any) -> int:
         error(f"argument CASE: ab times a cost case ({', '.join(TIMING_CASES)})")
     if args.rounds < 1:
         error(f"argument --rounds: expected a positive integer; got {args.rounds}")
+    for flag, rev in (("--before", args.before), ("--after", args.after)):
+        problem = "" if rev is None else revision_problem(rev)
+        if problem:
+            error(f"argument {flag}: {rev!r} is {problem}")
+    try:
+        TIMING_CASES[args.case].resolve(_parse_options(args.option, error), args.quick)
+    except KeyError as err:
+        error(f"argument --option: {err.args[0]}")
     extra = ["--quick"] * args.quick + [f"--option={o}" for o in args.option]
     records = ab(
         args.case,
@@ -372,7 +427,7 @@ def _run_campaign(campaign: Campaign, args: argparse.Namespace, error: Any) -> i
         error(f"argument --stages: choose from {', '.join(STAGES)}; got {args.stages!r}")
     if args.threads < 1:
         error(f"argument --threads: expected a positive integer; got {args.threads}")
-    if args.snapshot_minutes < 0:
+    if not math.isfinite(args.snapshot_minutes) or args.snapshot_minutes < 0:
         error(f"argument --snapshot-minutes: expected >= 0; got {args.snapshot_minutes}")
     torch.set_num_threads(args.threads)
     done = work(
@@ -430,6 +485,9 @@ def _run_cost(case: TimingCase, args: argparse.Namespace, error: Any) -> int:
         error(f"argument --option: {err.args[0]}")
     if case.device == "cuda" and args.device != "cuda":
         error(f"argument --device: {case.name} measures a GPU; pass --device cuda")
+    if case.device == "cpu" and args.device != "cpu":
+        error(f"argument --device: {case.name} measures on the CPU only")
+    _check_device(options.get("device", args.device), error)
     torch.set_num_threads(args.threads)
     records = run_timing(case, options, store, args.device)
     for name, render in case.tables.items():

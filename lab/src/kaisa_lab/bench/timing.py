@@ -22,6 +22,7 @@ measurement sharing its ``run`` stamp); the report reads the newest run.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,42 @@ class TimingCase:
                 f"case {self.name} has no option {', '.join(sorted(unknown))}; "
                 f"its options: {', '.join(sorted(self.options)) or 'none'}"
             )
+        for key, value in given.items():
+            problem = _option_problem(key, value, self.options[key])
+            if problem:
+                raise KeyError(f"case {self.name}'s option {key}: {problem}; got {value!r}")
         return {**self.options, **(self.quick if quick else {}), **given}
+
+
+#: integer options that may be 0 (every other integer option counts something
+#: that must happen at least once: rounds, blocks, steps, a batch)
+_MAY_BE_ZERO = frozenset({"warmup"})
+
+
+def _option_problem(key: str, value: Any, default: Any) -> str:
+    """Why ``value`` cannot stand for an option whose default is ``default``
+    ('' when it can): the same kind as the default (an option whose default
+    is None takes any value), counts positive, numbers finite and >= 0; so a
+    bad value is refused before the measurement starts, not deep inside it."""
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return "" if isinstance(value, bool) else "expected true or false"
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return "expected an integer"
+        least = 0 if key in _MAY_BE_ZERO else 1
+        return "" if value >= least else f"expected an integer >= {least}"
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "expected a number"
+        return "" if math.isfinite(value) and value >= 0 else "expected a finite number >= 0"
+    if isinstance(default, dict):  # keywords: a JSON object or the case's KEY=VALUE text
+        return "" if isinstance(value, (dict, str)) else "expected a JSON object"
+    for kind, word in ((str, "a text"), (list, "a JSON list")):
+        if isinstance(default, kind) and not isinstance(value, kind):
+            return f"expected {word}"
+    return ""
 
 
 #: every timing case, by name (filled by :func:`register`)

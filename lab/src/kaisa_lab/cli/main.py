@@ -361,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = task.load(args.data_dir)
     except FileNotFoundError as err:
         command.error(f"argument --data-dir: {err}")
+    except ValueError as err:  # a file of --data-dir that is not in the task's format
+        if args.data_dir is None:
+            raise
+        command.error(f"argument --data-dir: {err}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     tuned = not args.default_allocator and tune_cpu_allocator()

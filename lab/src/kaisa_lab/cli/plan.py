@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from kaisa.config import KFACConfig
+from kaisa.layers.registry import supported_layers
 from kaisa.planner.costs import CostModel, measure_costs
 from kaisa.planner.forecast import choose_fraction, layer_costs
 from kaisa.planner.probe import probe_rows
@@ -152,11 +154,30 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...] | 
         raise ValueError(f"--model must be MODULE:CALLABLE; got {args.model!r}")
     if module_name == "kaisa.zoo":  # the zoo's home before kaisa-lab split off
         raise ValueError(f"the model zoo is kaisa_lab.zoo now: --model kaisa_lab.zoo:{attr}")
-    built = getattr(importlib.import_module(module_name), attr)()
+    factory = getattr(importlib.import_module(module_name), attr)
+    if not callable(factory):
+        raise ValueError(f"{args.model} is a {type(factory).__name__}, not a callable")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:  # it is called with no arguments: say which it needs
+        raise ValueError(f"{args.model} is called with no arguments, but {exc}") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
+    built = factory()
     if isinstance(built, nn.Module):
         return built, None, args.batch_size or 32
+    if (
+        not isinstance(built, (tuple, list))
+        or len(built) != 2
+        or not isinstance(built[0], nn.Module)
+    ):
+        raise ValueError(
+            f"{args.model}() returned a {type(built).__name__}; expected an nn.Module "
+            f"or (model, example inputs of batch 1)"
+        )
     model, example = built
-    return model, tuple(example), args.batch_size or 32
+    example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    return model, example, args.batch_size or 32
 
 
 def _cost_model(args: argparse.Namespace, error: Any) -> CostModel:
@@ -220,6 +241,12 @@ def run_plan(args: argparse.Namespace, error: Any) -> int:
         model, example, batch = _load_model(args)
     except (ImportError, AttributeError, ValueError, OSError) as exc:
         error(f"argument --model: {exc}")
+    if not layer_costs(model, device=device, **kfac):  # before the probe builds K-FAC
+        error(
+            f"argument {'--model' if args.model else '--task'}: the model has no layer K-FAC "
+            f"can precondition (supported: {supported_layers()}; after --kfac-skip-layers); "
+            "nothing to plan"
+        )
     rows = probe_rows(model, example, batch / _batch_of(example), **kfac) if example else None
     layers = layer_costs(model, rows, device=device, **kfac)
     budget = args.memory_budget_mib * MIB if args.memory_budget_mib is not None else None

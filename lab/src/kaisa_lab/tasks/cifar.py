@@ -52,20 +52,48 @@ def find_cifar10_dir(data_dir: Path | str | None) -> Path:
     )
 
 
+#: what unpickling a file that is not a pickle (truncated, another format) raises
+_UNREADABLE = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    ImportError,
+    IndexError,
+    KeyError,
+    UnicodeDecodeError,
+    OverflowError,
+    MemoryError,
+)
+
+
 def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    with path.open("rb") as f:
-        batch = pickle.load(f, encoding="bytes")
+    """One batch file's images and labels; any file that is not a CIFAR-10 batch
+    (garbled, truncated, pixels or labels out of range) is a ValueError naming it,
+    so ``kaisa train --data-dir`` reports it instead of failing mid-training."""
+    try:
+        with path.open("rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+    except _UNREADABLE as err:
+        raise ValueError(
+            f"{path} is not a readable CIFAR-10 batch (a python pickle): "
+            f"{type(err).__name__}: {err}"
+        ) from err
     try:
         data, labels = batch[b"data"], batch[b"labels"]
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a CIFAR-10 batch (no b'data'/b'labels')") from err
-    images = torch.as_tensor(data, dtype=torch.uint8)
-    if images.dim() != 2 or images.shape[1] != 3 * 32 * 32:
-        raise ValueError(f"{path}: expected data of shape [N, 3072], got {tuple(images.shape)}")
-    targets = torch.as_tensor(list(labels), dtype=torch.int64)
-    if targets.numel() != images.shape[0]:
-        raise ValueError(f"{path}: {images.shape[0]} images but {targets.numel()} labels")
-    return images.view(-1, 3, 32, 32), targets
+        pixels, targets = torch.as_tensor(data), torch.as_tensor(list(labels))
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{path} is not a CIFAR-10 batch (no b'data'/b'labels' arrays)") from err
+    if pixels.dim() != 2 or pixels.shape[1] != 3 * 32 * 32:
+        raise ValueError(f"{path}: expected data of shape [N, 3072], got {tuple(pixels.shape)}")
+    if targets.numel() != pixels.shape[0]:
+        raise ValueError(f"{path}: {pixels.shape[0]} images but {targets.numel()} labels")
+    for what, values, top in (("pixel", pixels, 255), ("label", targets, 9)):
+        fractional = values.is_floating_point() or values.is_complex() or values.dtype == torch.bool
+        if fractional or (values.numel() and (values.min() < 0 or values.max() > top)):
+            raise ValueError(f"{path}: every {what} must be an integer in 0..{top}")
+    return pixels.to(torch.uint8).view(-1, 3, 32, 32), targets.to(torch.int64)
 
 
 def load_cifar10(
