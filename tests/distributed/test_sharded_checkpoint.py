@@ -157,3 +157,37 @@ def test_a_new_factor_layout_loads_as_the_gathered_checkpoint_does(
             key for layer, entry in got.items() for key in set(entry) - set(reference[layer])
         }
         assert bool(missing) == saved_colocated, missing
+
+
+def load_damaged(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Load with one factor of rank 1's part turned NaN after dcp.load (a file
+    damaged on disk); return what each rank raised and whether anything moved."""
+    import torch.distributed.checkpoint as dcp
+
+    net, opt = make()
+    precond = KFACPreconditioner(net, optimizer=opt, grad_worker_fraction=1.0, **KW)
+    template = {"kfac": precond.sharded_state_dict()}
+    dcp.load(template, checkpoint_id=path)
+    if rank == 1:
+        key = next(iter(template["kfac"]["factors"]))
+        template["kfac"]["factors"][key].fill_(float("nan"))
+    try:
+        precond.load_sharded_state_dict(template["kfac"])
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    untouched = all(f is None for la in precond.layers.values() for f in la.running)
+    # the ranks go on together: a collective after the refusal completes
+    torch.distributed.barrier()
+    return {"error": error, "untouched": untouched, "steps": precond.steps}
+
+
+def test_a_part_damaged_on_one_rank_is_refused_on_every_rank(tmp_path) -> None:
+    """Only rank 1 can see the NaN in the factor it owns; both ranks refuse
+    the load, naming the cause where it was seen, and neither changes."""
+    path = str(tmp_path / "ckpt")
+    run_distributed(2, save, path)
+    results = run_distributed(2, load_damaged, path)
+    assert "NaN or Inf" in results[1]["error"]
+    assert "another rank refused" in results[0]["error"]
+    assert all(r["untouched"] and r["steps"] == 0 for r in results)

@@ -608,7 +608,26 @@ def test_sharded_state_round_trip_and_refusals_in_one_process() -> None:
     }
     with pytest.raises(ValueError, match="lacks second-order tensors this rank works on"):
         fresh.load_sharded_state_dict(no_second)
+    factor_key = next(iter(state["factors"]))
+    for part, damaged, why in (
+        ("factors", torch.full_like(state["factors"][factor_key], float("nan")), "NaN or Inf"),
+        ("factors", state["factors"][factor_key].to(torch.int64), "of dtype torch.int64"),
+        ("second_order", torch.full_like(state["second_order"][key], float("inf")), "NaN or Inf"),
+    ):
+        name = factor_key if part == "factors" else key
+        with pytest.raises(ValueError, match=f"{name!r}.*{why}"):
+            fresh.load_sharded_state_dict({**state, part: {**state[part], name: damaged}})
     assert all(f is None for la in fresh.layers.values() for f in la.running)
+    assert all(not la.state for la in fresh.layers.values())
+    absent = {**state, "present": {**state["present"], factor_key: torch.tensor(0.0)}}
+    absent["factors"] = {
+        **state["factors"],
+        factor_key: torch.full_like(before[factor_key], float("nan")),
+    }
+    fresh.load_sharded_state_dict(absent)  # a factor flagged absent is not read, whatever it holds
+    layer_name, factor_name = factor_key.rsplit(".", 1)
+    assert fresh.layers[layer_name].factor(factor_name) is None
+    fresh = KFACPreconditioner(mlp(), damping=0.01)
     fresh.load_sharded_state_dict(state)
     assert fresh.steps == 1
     for name, la in fresh.layers.items():

@@ -114,5 +114,7 @@ class Checkpoints(PreconditionerView):
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`sharded_state_dict` filled by ``dcp.load``, taken at
         any world size or fraction (collective): bit for bit where the
-        checkpoint holds the second-order tensors the new layout needs."""
+        checkpoint holds the second-order tensors the new layout needs.  A
+        part damaged on one rank (NaN, Inf, another dtype) is refused on
+        every rank, before any of them changes."""
         restore_sharded(self._parts, self._schedule, self.config, self.rank, state)

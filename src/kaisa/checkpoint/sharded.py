@@ -54,10 +54,11 @@ if TYPE_CHECKING:
     from kaisa.wiring import Parts
 
 __all__ = [
-    "load_owned_factors",
+    "owned_entries",
     "owned_factors",
     "restore_sharded",
     "sharded_state",
+    "take_owned_factors",
     "worked_entries",
     "worked_second_order",
 ]
@@ -87,7 +88,14 @@ def restore_sharded(
     parts: Parts, schedule: Schedule, config: KFACConfig, rank: int, state: Mapping[str, Any]
 ) -> None:
     """Validate, take the owned factors, agree which layers had statistics (one
-    small collective) and let the owners recompute decompositions next step."""
+    small collective) and let the owners recompute decompositions next step.
+
+    Each rank reads only its own part of a sharded checkpoint, so only the
+    owner of a damaged tensor (NaN, Inf, another dtype) can see the damage:
+    every rank checks its part, the ranks agree (one small collective) and
+    either all load or all raise, before anything changes on any rank.  A
+    refusal on one rank alone would leave the others waiting in the next
+    collective, or training on a state the refusing rank does not hold."""
     if not isinstance(state, Mapping) or "steps" not in state:
         raise ValueError("state must be a mapping made by sharded_state_dict() and dcp.load")
     steps = state["steps"]
@@ -95,10 +103,21 @@ def restore_sharded(
     saved = state.get("hyperparameters", {})
     restore = schedule.restorable(saved)
     parts.checkpointer.validate({"steps": steps}, config, restore)
-    entries = worked_entries(parts, rank, state) if "second_order" in state else None
-    load_owned_factors(parts.layers, parts.plan, rank, state)
     layers = list(parts.layers.values())
     device = layers[0].adapter.device
+    problem = ""
+    try:
+        entries = worked_entries(parts, rank, state) if "second_order" in state else None
+        owned = owned_entries(parts.layers, parts.plan, rank, state)
+    except ValueError as exc:
+        problem = str(exc)
+    if not parts.comm.agree_all([not problem], device)[0]:
+        raise ValueError(
+            problem
+            or "another rank refused its part of the sharded K-FAC state (its error names "
+            "the entry); nothing was loaded on any rank"
+        )
+    take_owned_factors(parts.layers, parts.plan, rank, owned)
     nobody = parts.comm.agree_all([not la.captured for la in layers], device)
     for layer, none in zip(layers, nobody):
         layer.captured = not none
@@ -144,10 +163,26 @@ def owned_factors(layers: Mapping[str, KFACLayer], plan: WorkPlan, rank: int) ->
     return {"factors": factors, "present": present}
 
 
-def load_owned_factors(
+def _check_values(key: str, value: Tensor) -> None:
+    """A loaded tensor kaisa could have saved: floating point, with values, finite."""
+    if value.is_meta or not value.is_floating_point():
+        what = "a meta tensor (no data)" if value.is_meta else f"of dtype {value.dtype}"
+        raise ValueError(
+            f"sharded state entry {key!r} is {what}; kaisa saves floating-point tensors "
+            "with their values"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(
+            f"sharded state entry {key!r} holds NaN or Inf; kaisa never saves a non-finite "
+            "tensor, so this checkpoint was changed or damaged after saving"
+        )
+
+
+def owned_entries(
     layers: Mapping[str, KFACLayer], plan: WorkPlan, rank: int, state: Mapping[str, Any]
-) -> None:
-    """Take the owned factors out of a loaded :func:`owned_factors` template."""
+) -> dict[str, Tensor]:
+    """The factors ``rank`` owns that a loaded :func:`owned_factors` template
+    holds (those flagged present), by key, checked; nothing is changed."""
     factors, present = state.get("factors"), state.get("present")
     if not isinstance(factors, Mapping) or not isinstance(present, Mapping):
         raise ValueError("a sharded K-FAC state needs 'factors' and 'present' mappings")
@@ -160,10 +195,21 @@ def load_owned_factors(
     missing = sorted((set(expected) - set(factors)) | (set(expected) - set(present)))
     if missing:
         raise ValueError(f"sharded state lacks factors this rank owns: {missing}")
+    owned: dict[str, Tensor] = {}
     for key, shape in expected.items():
         value = factors[key]
         if not isinstance(value, Tensor) or tuple(value.shape) != shape:
             raise ValueError(f"sharded state entry {key!r} must be a tensor of shape {shape}")
+        if bool(present[key]):
+            _check_values(key, value)
+            owned[key] = value
+    return owned
+
+
+def take_owned_factors(
+    layers: Mapping[str, KFACLayer], plan: WorkPlan, rank: int, owned: Mapping[str, Tensor]
+) -> None:
+    """Install :func:`owned_entries`' factors; every other factor starts afresh."""
     for name, layer in layers.items():
         lp = plan.layer(name)
         captured = False
@@ -171,9 +217,9 @@ def load_owned_factors(
             layer.running[i] = None
             if owner != rank:
                 continue
-            key = f"{name}.{spec.name}"
-            if bool(present[key]):
-                layer.running[i] = factors[key].to(layer.adapter.device, layer.factor_dtype)
+            value = owned.get(f"{name}.{spec.name}")
+            if value is not None:
+                layer.running[i] = value.to(layer.adapter.device, layer.factor_dtype)
                 captured = True
         layer.state.clear()
         layer.captured = captured
@@ -231,6 +277,7 @@ def worked_entries(
             if not isinstance(value, Tensor) or tuple(value.shape) != shape:
                 raise ValueError(f"sharded state entry {full!r} must be a tensor of shape {shape}")
             if bool(flag):
+                _check_values(full, value)
                 entry[key] = value
         entries[name] = entry
     return entries
