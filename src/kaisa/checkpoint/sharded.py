@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from kaisa.checkpoint.state import STATE_VERSION
+from kaisa.checkpoint.state import STATE_VERSION, check_saved_values
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.state import KFACLayer
 
@@ -163,21 +163,6 @@ def owned_factors(layers: Mapping[str, KFACLayer], plan: WorkPlan, rank: int) ->
     return {"factors": factors, "present": present}
 
 
-def _check_values(key: str, value: Tensor) -> None:
-    """A loaded tensor kaisa could have saved: floating point, with values, finite."""
-    if value.is_meta or not value.is_floating_point():
-        what = "a meta tensor (no data)" if value.is_meta else f"of dtype {value.dtype}"
-        raise ValueError(
-            f"sharded state entry {key!r} is {what}; kaisa saves floating-point tensors "
-            "with their values"
-        )
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(
-            f"sharded state entry {key!r} holds NaN or Inf; kaisa never saves a non-finite "
-            "tensor, so this checkpoint was changed or damaged after saving"
-        )
-
-
 def owned_entries(
     layers: Mapping[str, KFACLayer], plan: WorkPlan, rank: int, state: Mapping[str, Any]
 ) -> dict[str, Tensor]:
@@ -201,7 +186,7 @@ def owned_entries(
         if not isinstance(value, Tensor) or tuple(value.shape) != shape:
             raise ValueError(f"sharded state entry {key!r} must be a tensor of shape {shape}")
         if bool(present[key]):
-            _check_values(key, value)
+            check_saved_values(f"sharded state entry {key!r}", value)
             owned[key] = value
     return owned
 
@@ -277,7 +262,7 @@ def worked_entries(
             if not isinstance(value, Tensor) or tuple(value.shape) != shape:
                 raise ValueError(f"sharded state entry {full!r} must be a tensor of shape {shape}")
             if bool(flag):
-                _check_values(full, value)
+                check_saved_values(f"sharded state entry {full!r}", value)
                 entry[key] = value
         entries[name] = entry
     return entries

@@ -28,7 +28,7 @@ from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.warn import warn_user
 
-__all__ = ["STATE_VERSION", "Checkpointer", "normalise_name"]
+__all__ = ["STATE_VERSION", "Checkpointer", "check_saved_values", "normalise_name"]
 
 STATE_VERSION = 2
 _WRAPPER_PARTS = ("module", "_orig_mod")
@@ -38,6 +38,20 @@ _INSTANCES = itertools.count()
 def normalise_name(name: str) -> str:
     """``name`` without the path components DDP/DataParallel/compile add."""
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def check_saved_values(entry: str, value: Tensor) -> None:
+    """Refuse a loaded tensor kaisa could not have saved (``entry`` names it):
+    one without values, of another dtype, or holding NaN/Inf — a checkpoint
+    changed or damaged after saving, which must not become the running state."""
+    if value.is_meta or not value.is_floating_point():
+        what = "a meta tensor (no data)" if value.is_meta else f"of dtype {value.dtype}"
+        raise ValueError(f"{entry} is {what}; kaisa saves floating-point tensors with their values")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(
+            f"{entry} holds NaN or Inf; kaisa never saves a non-finite tensor, so this "
+            "checkpoint was changed or damaged after saving"
+        )
 
 
 class Checkpointer:
@@ -255,17 +269,7 @@ class Checkpointer:
                     f"expected {known[key]} (a checkpoint of another model, or saved with "
                     "other max_factor_dim/large_factor options, which change factor shapes)"
                 )
-            if value.is_meta or not value.is_floating_point():
-                what = "a meta tensor (no data)" if value.is_meta else f"of dtype {value.dtype}"
-                raise ValueError(
-                    f"state_dict entry {name}.{key} is {what}; kaisa saves floating-point "
-                    "tensors with their values"
-                )
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(
-                    f"state_dict entry {name}.{key} holds NaN or Inf; kaisa never saves a "
-                    "non-finite tensor, so this checkpoint was changed or damaged after saving"
-                )
+            check_saved_values(f"state_dict entry {name}.{key}", value)
 
     def load(
         self,
