@@ -78,74 +78,18 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         required=True,
     )
     sub.add_parser("list", help="the cases, with their tasks and arms")
+    _add_case_commands(sub)
+    _add_summary(sub)
+    _add_select(sub)
+    _add_ab(sub)
+    return bench
+
+
+def _add_case_commands(sub: Any) -> None:
+    """``run``, ``status`` and ``report``: a case's protocol, its state, its tables."""
     run = sub.add_parser("run", help="run a case's protocol until it is done (resumable)")
     status = sub.add_parser("status", help="where each arm of a case stands")
     report = sub.add_parser("report", help="a case's tables (markdown) and plot, from its records")
-    summary = sub.add_parser(
-        "summary",
-        help="which K-FAC to use when: every family's held-out medians, K-FAC against its base",
-    )
-    summary.add_argument(
-        "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
-    )
-    summary.add_argument(
-        "--plot", type=Path, metavar="PNG", help="with --levers: also draw it (a PNG)"
-    )
-    instead = summary.add_mutually_exclusive_group()
-    instead.add_argument(
-        "--levers",
-        action="store_true",
-        help="instead: each lever on every case that runs it, against K-FAC at the defaults",
-    )
-    instead.add_argument(
-        "--advice",
-        action="store_true",
-        help="instead: per case and base optimizer, the fastest K-FAC arm (defaults, tuned "
-        "or a lever) against the optimizer alone and the fastest first-order arm",
-    )
-    instead.add_argument(
-        "--defaults",
-        action="store_true",
-        help="instead: each lever's decision: the library's default, an option, usage or "
-        "not built, from its verdicts on every family",
-    )
-    instead.add_argument(
-        "--goals",
-        action="store_true",
-        help="instead: the bar against the best tuned peer, each claim met or missed and why",
-    )
-    select = sub.add_parser(
-        "select",
-        help="the settings a case's protocol selected; --write puts them in the task's defaults",
-        description="Print each arm's selected setting; with --write, record them in "
-        "kaisa_lab/tasks/tuned.json, where the task reads its tuned lrs (an arm without a "
-        "selection runs at its prior and kaisa compare calls it untuned).",
-    )
-    select.add_argument("case", choices=list(CASES), metavar="CASE", help="a time-to-target case")
-    select.add_argument(
-        "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
-    )
-    select.add_argument("--write", action="store_true", help="write them to tuned.json")
-    compare = sub.add_parser(
-        "ab",
-        help="a cost case on two versions of the library, in alternating fresh processes",
-        description="Before and after a change: the cost case on --before's src and on "
-        "--after's (default: this tree), in fresh interpreters taking turns; per arm the "
-        "median over rounds and after/before.",
-    )
-    compare.add_argument("case", metavar="CASE", help="a cost case (see list)")
-    compare.add_argument(
-        "--before", required=True, help="a git revision, or a folder holding src/kaisa"
-    )
-    compare.add_argument("--after", help="a git revision or folder (default: this tree)")
-    compare.add_argument("--rounds", type=int, default=5, help="turns of each side (default 5)")
-    compare.add_argument(
-        "--records", type=Path, help="also write the result's records under this folder"
-    )
-    compare.add_argument("--quick", action="store_true", help="the case's quick options")
-    compare.add_argument(
-        "--option", action="append", default=[], metavar="KEY=VALUE", help="a case option"
-    )
     names = [*CASES, *TIMING_CASES]
     for parser in (run, status, report):
         parser.add_argument("case", choices=names, metavar="CASE", help="the case (see list)")
@@ -224,7 +168,83 @@ def add_bench_parser(commands: Any) -> argparse.ArgumentParser:
         "case: one of its tables, default its first)",
     )
     report.add_argument("--plot", type=Path, metavar="PNG", help="also draw the held-out plot")
-    return bench
+
+
+def _add_summary(sub: Any) -> None:
+    """``summary``: the tables across cases (families, levers, advice, defaults, goals)."""
+    summary = sub.add_parser(
+        "summary",
+        help="which K-FAC to use when: every family's held-out medians, K-FAC against its base",
+    )
+    summary.add_argument(
+        "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
+    )
+    summary.add_argument(
+        "--plot", type=Path, metavar="PNG", help="with --levers: also draw it (a PNG)"
+    )
+    instead = summary.add_mutually_exclusive_group()
+    instead.add_argument(
+        "--levers",
+        action="store_true",
+        help="instead: each lever on every case that runs it, against K-FAC at the defaults",
+    )
+    instead.add_argument(
+        "--advice",
+        action="store_true",
+        help="instead: per case and base optimizer, the fastest K-FAC arm (defaults, tuned "
+        "or a lever) against the optimizer alone and the fastest first-order arm",
+    )
+    instead.add_argument(
+        "--defaults",
+        action="store_true",
+        help="instead: each lever's decision: the library's default, an option, usage or "
+        "not built, from its verdicts on every family",
+    )
+    instead.add_argument(
+        "--goals",
+        action="store_true",
+        help="instead: the bar against the best tuned peer, each claim met or missed and why",
+    )
+
+
+def _add_select(sub: Any) -> None:
+    """``select``: a campaign's selections, optionally written to the tasks' defaults."""
+    select = sub.add_parser(
+        "select",
+        help="the settings a case's protocol selected; --write puts them in the task's defaults",
+        description="Print each arm's selected setting; with --write, record them in "
+        "kaisa_lab/tasks/tuned.json, where the task reads its tuned lrs (an arm without a "
+        "selection runs at its prior and kaisa compare calls it untuned).",
+    )
+    select.add_argument("case", choices=list(CASES), metavar="CASE", help="a time-to-target case")
+    select.add_argument(
+        "--records", type=Path, default=DEFAULT_RECORDS, help=f"default: {DEFAULT_RECORDS}"
+    )
+    select.add_argument("--write", action="store_true", help="write them to tuned.json")
+
+
+def _add_ab(sub: Any) -> None:
+    """``ab``: a cost case timed on two versions of the library, in turns."""
+    compare = sub.add_parser(
+        "ab",
+        help="a cost case on two versions of the library, in alternating fresh processes",
+        description="Before and after a change: the cost case on --before's src and on "
+        "--after's (default: this tree), in fresh interpreters taking turns; per arm the "
+        "median over rounds and after/before.",
+    )
+    compare.add_argument("case", metavar="CASE", help="a cost case (see list)")
+    compare.add_argument(
+        "--before", required=True, help="a git revision, or a folder holding src/kaisa"
+    )
+    compare.add_argument("--after", help="a git revision or folder (default: this tree)")
+    compare.add_argument("--rounds", type=int, default=5, help="turns of each side (default 5)")
+    compare.add_argument(
+        "--records", type=Path, help="also write the result's records under this folder"
+    )
+    compare.add_argument("--quick", action="store_true", help="the case's quick options")
+    compare.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="a case option"
+    )
 
 
 def run_bench(args: argparse.Namespace, error: Any) -> int:

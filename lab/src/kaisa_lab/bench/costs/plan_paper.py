@@ -438,7 +438,13 @@ def plot(records: Records, out: Path) -> None:
     links = scenarios(records[0]["config"]["options"])[0]
     keys = list(dict.fromkeys(r["config"]["model"] for r in records))
     out.parent.mkdir(parents=True, exist_ok=True)
+    _plot_memory_vs_bytes(plt, records, keys, out)
+    _plot_scaling(plt, records, keys, links.label, out.with_name(f"{out.stem}-scaling{out.suffix}"))
+    _plot_fig63(plt, records, links.label, out.with_name(f"{out.stem}-fig63{out.suffix}"))
 
+
+def _plot_memory_vs_bytes(plt: Any, records: Records, keys: list[str], out: Path) -> None:
+    """Per model: K-FAC memory against the bytes a step moves, a line per W."""
     fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
     for ax, key in zip(axes[0], keys):
         rows = _flat(_arms(records, key))
@@ -470,6 +476,9 @@ def plot(records: Records, out: Path) -> None:
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
+
+def _plot_scaling(plt: Any, records: Records, keys: list[str], links: str, out: Path) -> None:
+    """Per model: the predicted overhead against W, a line per fraction."""
     fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
         rows = _flat(_arms(records, key))
@@ -488,16 +497,17 @@ def plot(records: Records, out: Path) -> None:
                 label=label,
             )
         ax.set_xscale("log", base=2)
-        ax.set_title(
-            f"{MODELS[key].name}: predicted K-FAC overhead per step\n{links.label}", fontsize=10
-        )
+        ax.set_title(f"{MODELS[key].name}: predicted K-FAC overhead per step\n{links}", fontsize=10)
         ax.set_xlabel("GPUs (W)")
         ax.set_ylabel("ms per step (amortised)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out.with_name(f"{out.stem}-scaling{out.suffix}"), dpi=120)
+    fig.savefig(out, dpi=120)
     plt.close(fig)
 
+
+def _plot_fig63(plt: Any, records: Records, links: str, out: Path) -> None:
+    """Per model: overhead (bars) and memory (line) at every fraction, W = 64."""
     sweeps = {
         r["config"]["model"]: r["result"]["fractions"]
         for r in records
@@ -514,11 +524,11 @@ def plot(records: Records, out: Path) -> None:
         mem.plot(range(len(rows)), [r["memory_mib"] / 1024 for r in rows], "o-", color="tab:red")
         mem.set_ylabel("K-FAC memory per rank (GiB)", color="tab:red")
         ax.set_title(
-            f"{MODELS[key].name}: overhead and memory per fraction (predicted)\n{links.label}",
+            f"{MODELS[key].name}: overhead and memory per fraction (predicted)\n{links}",
             fontsize=10,
         )
     fig.tight_layout()
-    fig.savefig(out.with_name(f"{out.stem}-fig63{out.suffix}"), dpi=120)
+    fig.savefig(out, dpi=120)
     plt.close(fig)
 
 
