@@ -267,7 +267,8 @@ class Checkpointer:
                 raise ValueError(
                     f"state_dict entry {name}.{key} has shape {tuple(value.shape)}, "
                     f"expected {known[key]} (a checkpoint of another model, or saved with "
-                    "other max_factor_dim/large_factor options, which change factor shapes)"
+                    "other max_factor_dim/large_factor options, or with a bias that trained on "
+                    "one side and was frozen on the other: each changes factor shapes)"
                 )
             check_saved_values(f"state_dict entry {name}.{key}", value)
 

@@ -110,6 +110,8 @@ class TorchEngine(Engine, InPlaceGradients, ReplayableGradients):
         weight, bias = adapter.matrix_to_grads(matrix)
         values = [weight] if bias is None else [weight, bias]
         for param, rows, value in zip(adapter.parameters(), adapter.param_rows(), values):
+            if not param.requires_grad:  # frozen since the preconditioner was built
+                continue
             if rows is None:
                 self.access.write(param, value)
                 continue
@@ -127,7 +129,7 @@ class TorchEngine(Engine, InPlaceGradients, ReplayableGradients):
         for adapter, matrix in zip(adapters, matrices, strict=True):
             weight, bias = adapter.matrix_to_grads(matrix)
             for param, value in zip(adapter.parameters(), (weight, bias)):
-                if value is None:
+                if value is None or not param.requires_grad:  # frozen since built
                     continue
                 if param.grad is None:
                     param.grad = value.detach().clone()

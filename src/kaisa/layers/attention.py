@@ -21,7 +21,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from kaisa.layers.base import describe_specs
+from kaisa.layers.base import describe_specs, trained
 from kaisa.layers.linear import LinearAdapter
 
 __all__ = ["ROLES", "ProjectionAdapter", "attention_adapters"]
@@ -39,7 +39,7 @@ class ProjectionAdapter(LinearAdapter):
         self.attention = attention
         self.role = role
         self.index = ROLES.index(role)
-        self.has_bias = self.bias is not None
+        self.has_bias = trained(self.bias)
 
     @property
     def captured_by_module_hooks(self) -> bool:

@@ -28,7 +28,13 @@ from kaisa.core.positions import PositionSampler
 from kaisa.core.specs import FactorKind, FactorSource, FactorSpec, kfac_factors, limit_factors
 from kaisa.core.statistics import contribution
 
-__all__ = ["LayerAdapter", "describe_specs", "param_shape", "sole_owners"]
+__all__ = ["LayerAdapter", "describe_specs", "param_shape", "sole_owners", "trained"]
+
+
+def trained(bias: Tensor | None) -> bool:
+    """Whether ``bias`` is part of a layer's K-FAC block: a tensor that requires
+    grad (a frozen bias, or a buffer, is left out of the block)."""
+    return bias is not None and bool(bias.requires_grad)
 
 
 def param_shape(param: Tensor) -> torch.Size:
@@ -60,7 +66,13 @@ class LayerAdapter(ABC):
     Attributes:
         name: the module's qualified name in the model (``model.named_modules``).
         module: the module itself.
-        has_bias: whether a bias column of ones is appended to the inputs.
+        has_bias: whether a bias column of ones is appended to the inputs: the
+            module has a bias that requires grad when the adapter is made.  A
+            frozen bias is not part of the block (K-FAC over the parameters
+            that are trained: the weight's block is then exactly ``G ⊗ A``
+            without the ones column, and the bias never gets a gradient).
+            The factor shapes are fixed from then on, so a bias frozen or
+            unfrozen later is warned about (:mod:`kaisa.step.reports`).
     """
 
     #: whether positions may be reduced before the statistics (K-FAC-reduce)
@@ -79,7 +91,7 @@ class LayerAdapter(ABC):
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module = module
-        self.has_bias = getattr(module, "bias", None) is not None
+        self.has_bias = trained(getattr(module, "bias", None))
         #: K-FAC-reduce instead of K-FAC-expand (set from ``kfac_approx``)
         self.reduce = False
         #: dtype of the Gram products of :meth:`factor_term` (set from
@@ -253,7 +265,7 @@ class LayerAdapter(ABC):
     def parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients this adapter preconditions."""
         bias = self.bias
-        return [self.weight] if bias is None else [self.weight, bias]
+        return [self.weight, bias] if self.has_bias and bias is not None else [self.weight]
 
     def param_rows(self) -> list[slice | None]:
         """The rows (first dimension) of each of :meth:`parameters` that this
@@ -330,7 +342,7 @@ class LayerAdapter(ABC):
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:
         """Inverse of :meth:`grads_to_matrix`, shaped like the parameters."""
         weight, bias = self.weight, self.bias
-        if bias is not None:
+        if self.has_bias and bias is not None:
             return mat[:, :-1].reshape(param_shape(weight)), mat[:, -1].reshape(param_shape(bias))
         return mat.reshape(param_shape(weight)), None
 

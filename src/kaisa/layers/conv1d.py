@@ -40,6 +40,6 @@ class TransposedLinearAdapter(LinearAdapter):
         return super().grads_to_matrix(weight_grad.t(), bias_grad, out)
 
     def matrix_to_grads(self, mat: Tensor) -> tuple[Tensor, Tensor | None]:
-        bias = self.bias
+        bias = self.bias if self.has_bias else None
         weight = mat[:, :-1] if bias is not None else mat
         return weight.t(), (mat[:, -1].reshape(bias.shape) if bias is not None else None)

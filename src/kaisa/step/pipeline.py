@@ -182,6 +182,7 @@ class StepPipeline:
         self.reports.dropped_forwards(self.layers)
         self.reports.broadcast_inputs(self.layers)
         self.reports.eval_forwards(self.layers, self.engine)
+        self.reports.changed_biases(self.layers)
         if not self.in_hook:
             for layer in self.layers:
                 self.capture.flush(layer)

@@ -1,15 +1,17 @@
 """What the step says once about a layer's captured statistics.
 
-Three things a user can get wrong without an error, each warned about once
+Four things a user can get wrong without an error, each warned about once
 per layer at a factor step (before the statistics are reduced): forwards
 with no backward, an input broadcast over the batch that kaisa cannot see
-through, and training forwards run in eval mode.
+through, training forwards run in eval mode, and a bias frozen or unfrozen
+after the preconditioner was built.
 """
 
 from __future__ import annotations
 
 from kaisa.core.specs import FactorSource
 from kaisa.engines.base import Engine
+from kaisa.layers.base import trained
 from kaisa.layers.state import KFACLayer
 from kaisa.warn import warn_user
 
@@ -22,6 +24,7 @@ class StepReports:
     def __init__(self) -> None:
         self._broadcast: set[str] = set()
         self._eval: set[str] = set()
+        self._bias: set[str] = set()
 
     def broadcast_inputs(self, layers: list[KFACLayer]) -> None:
         """A layer that saw fewer data points per pass than the rest of the
@@ -79,6 +82,34 @@ class StepReports:
             "Call model.train() before training forwards (after an evaluation, say); to "
             "train without dropout, set its probability to 0 instead of calling eval()",
         )
+
+    def changed_biases(self, layers: list[KFACLayer]) -> None:
+        """A bias whose ``requires_grad`` changed since the preconditioner was
+        built: the layer's block (with or without the bias's ones column) was
+        fixed then.  A bias unfrozen since keeps its raw gradient; a bias
+        frozen since gets no gradient, and its weight is preconditioned by
+        the block that holds the bias (with a zero bias gradient), not the
+        weight's own.  Said once per layer."""
+        for la in layers:
+            bias = la.adapter.bias
+            if bias is None or trained(bias) == la.adapter.has_bias or la.name in self._bias:
+                continue
+            self._bias.add(la.name)
+            if la.adapter.has_bias:
+                what = (
+                    "was trained when KFACPreconditioner was built and is frozen now: it gets "
+                    "no gradient, and the weight is preconditioned by the block that holds the "
+                    "bias (its gradient taken as zero), not by the weight's own block"
+                )
+            else:
+                what = (
+                    "was frozen when KFACPreconditioner was built and requires grad now: its "
+                    "gradient is left as computed (not preconditioned, not scaled by the KL clip)"
+                )
+            warn_user(
+                f"kaisa: the bias of layer {la.name!r} {what}. Each layer's K-FAC block is "
+                "fixed when the preconditioner is built: build it after freezing or unfreezing",
+            )
 
     def dropped_forwards(self, layers: list[KFACLayer]) -> None:
         dropped = {la.name: la.batch.pending_forwards for la in layers}
