@@ -93,7 +93,8 @@ def test_option_kinds_follow_the_defaults() -> None:
     assert "finite" in _option_problem("tflops", float("nan"), 14.0)
     assert "true or false" in _option_problem("timed", 1, True)
     assert _option_problem("settings", "anything", None) == ""  # None: any value
-    assert "a text" in _option_problem("backend", 3, "inductor")
+    assert "a text or null" in _option_problem("backend", 3, "inductor")
+    assert _option_problem("reference_src", None, "/some/path") == ""  # null: off
     assert "a JSON object" in _option_problem("links", [], {"a": 1})
     assert _option_problem("kfac_kwargs", "damping=0.3", {}) == ""  # the case parses it
 

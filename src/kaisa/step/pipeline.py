@@ -183,9 +183,13 @@ class StepPipeline:
         self.reports.broadcast_inputs(self.layers)
         self.reports.eval_forwards(self.layers, self.engine)
         self.reports.changed_biases(self.layers)
+        capture = self.capture
         if not self.in_hook:
             for layer in self.layers:
-                self.capture.flush(layer)
+                capture.flush(layer)
+        self.reports.extra_passes(  # the passes are counted once the calls are committed
+            self.layers, capture.accumulation_steps, capture.normalisation.loss_average
+        )
         return self.reduction.exchange()
 
     def _end_step(self, replayed: bool) -> None:

@@ -1,14 +1,16 @@
 """What the step says once about a layer's captured statistics.
 
-Four things a user can get wrong without an error, each warned about once
-per layer at a factor step (before the statistics are reduced): forwards
-with no backward, an input broadcast over the batch that kaisa cannot see
-through, training forwards run in eval mode, and a bias frozen or unfrozen
-after the preconditioner was built.
+Five things a user can get wrong without an error, each warned about once
+(per layer where it is a layer's) at a factor step, before the statistics
+are reduced: forwards with no backward, an input broadcast over the batch
+that kaisa cannot see through, training forwards run in eval mode, a bias
+frozen or unfrozen after the preconditioner was built, and more passes
+than ``accumulation_steps`` under a loss averaged over the batch.
 """
 
 from __future__ import annotations
 
+from kaisa.core.options import LossAverage
 from kaisa.core.specs import FactorSource
 from kaisa.engines.base import Engine
 from kaisa.layers.base import trained
@@ -25,6 +27,7 @@ class StepReports:
         self._broadcast: set[str] = set()
         self._eval: set[str] = set()
         self._bias: set[str] = set()
+        self._passes = False
 
     def broadcast_inputs(self, layers: list[KFACLayer]) -> None:
         """A layer that saw fewer data points per pass than the rest of the
@@ -110,6 +113,38 @@ class StepReports:
                 f"kaisa: the bias of layer {la.name!r} {what}. Each layer's K-FAC block is "
                 "fixed when the preconditioner is built: build it after freezing or unfreezing",
             )
+
+    def extra_passes(
+        self, layers: list[KFACLayer], accumulation_steps: int, loss_average: LossAverage
+    ) -> None:
+        """More passes of the model before ``step()`` than ``accumulation_steps``
+        under a loss averaged over the batch.  Each pass (a forward of the root
+        model and a backward through it that reaches the parameters) is read as
+        one micro-batch whose loss was averaged over its own examples
+        and divided by ``accumulation_steps``.  That is right where each
+        pass's loss is averaged over its own batch and summed (a model
+        called once per time step) and wrong, by ``(passes/k)²`` in G, where
+        several passes feed one loss averaged over all of them (two views
+        of a batch, a contrastive pair) or micro-batches are accumulated by
+        hand without the option.  kaisa cannot tell the two apart, so it says
+        so once."""
+        if self._passes or loss_average not in (LossAverage.BATCH, LossAverage.BATCH_AND_SEQUENCE):
+            return
+        passes = max((la.batch.passes for la in layers), default=0)
+        if passes <= accumulation_steps:
+            return
+        self._passes = True
+        warn_user(
+            f"kaisa: {passes} training passes (forward and backward) of the model reached its "
+            f"layers before step() with accumulation_steps={accumulation_steps}. kaisa reads "
+            "each pass as one micro-batch whose loss was averaged over its own examples and "
+            "divided by accumulation_steps: if these passes feed one loss averaged over all "
+            "of them (two augmented views, a contrastive pair) or are micro-batches accumulated by "
+            f"hand, pass accumulation_steps={passes} (G is otherwise "
+            f"({passes}/{accumulation_steps})² too small). Passes whose losses are each "
+            "averaged over their own batch and summed (a model called once per time step) are "
+            "read right as they are",
+        )
 
     def dropped_forwards(self, layers: list[KFACLayer]) -> None:
         dropped = {la.name: la.batch.pending_forwards for la in layers}

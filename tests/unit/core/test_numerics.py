@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -291,6 +292,48 @@ def test_gradient_accumulation_equals_one_big_batch(in_hook: bool) -> None:
             )
             <= TOL
         )
+
+
+def _views_step(
+    accumulation_steps: int, in_hook: bool, loss_average: str = "batch"
+) -> KFACPreconditioner:
+    """Two forwards (two views of a batch) feeding one loss averaged over both."""
+    x, y = data(12)
+    precond = KFACPreconditioner(
+        mlp(),
+        **kfac_pytorch(damping=DAMPING, kl_clip=None, accumulation_steps=accumulation_steps),
+        loss_average=loss_average,
+        update_factors_in_hook=in_hook,
+    )
+    model = precond.model
+    out = torch.cat([model(x[:6]), model(x[6:])])
+    loss = F.cross_entropy(out, y, reduction="sum" if loss_average == "sum" else "mean")
+    loss.backward()
+    precond.step()
+    return precond
+
+
+@pytest.mark.parametrize("in_hook", [True, False], ids=["in_hook", "deferred"])
+def test_forwards_feeding_one_averaged_loss_are_warned_about_and_read_right_as_micro_batches(
+    in_hook: bool,
+) -> None:
+    """Each forward is read as a micro-batch: with two views in one mean loss
+    and accumulation_steps=1, G would be (2/1)² too small, so kaisa says so
+    once, naming the value that makes it right; with it, the factors are
+    those of the concatenated batch."""
+    x, y = data(12)
+    whole = _factors_after_one_step(mlp(), lambda out, xb: F.cross_entropy(out, y), [x])
+    with pytest.warns(UserWarning, match="2 training passes .* accumulation_steps=2"):
+        short = _views_step(1, in_hook)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        right = _views_step(2, in_hook)
+        _views_step(1, in_hook, "sum")  # a summed loss is read unscaled: nothing to say
+    for name in whole.layers:
+        expected = whole.layers[name].factor("G")
+        assert rel_err(right.layers[name].factor("G"), expected) <= TOL
+        assert rel_err(right.layers[name].factor("A"), whole.layers[name].factor("A")) <= TOL
+        assert rel_err(4 * short.layers[name].factor("G"), expected) <= TOL  # (2/1)² too small
 
 
 def test_module_called_twice_accumulates_both_calls() -> None:

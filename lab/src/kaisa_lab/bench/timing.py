@@ -113,9 +113,10 @@ def _option_problem(key: str, value: Any, default: Any) -> str:
         return "" if math.isfinite(value) and value >= 0 else "expected a finite number >= 0"
     if isinstance(default, dict):  # keywords: a JSON object or the case's KEY=VALUE text
         return "" if isinstance(value, (dict, str)) else "expected a JSON object"
-    for kind, word in ((str, "a text"), (list, "a JSON list")):
-        if isinstance(default, kind) and not isinstance(value, kind):
-            return f"expected {word}"
+    if isinstance(default, str):  # a path or a name: null turns it off (reference_src)
+        return "" if value is None or isinstance(value, str) else "expected a text or null"
+    if isinstance(default, list) and not isinstance(value, list):
+        return "expected a JSON list"
     return ""
 
 
