@@ -575,3 +575,37 @@ def test_a_non_finite_gram_shows_on_its_diagonal(bad: float) -> None:
     diagonal[3] = bad
     # a diagonal factor: every entry is read (3e30 is a finite entry there)
     assert bool(factor_finite(diagonal)) == (bad == 3e30)
+
+
+@pytest.mark.parametrize(
+    ("method", "outer", "at_next_step"),
+    [
+        ("eigen", True, False),
+        ("inverse", True, False),
+        ("eigen", False, True),
+        ("ekfac", True, True),
+    ],
+)
+def test_a_new_damping_reaches_each_method_when_the_docs_say(
+    method: str, outer: bool, at_next_step: bool
+) -> None:
+    """getting-started's ``damping`` row: the damped inverses of the inverse
+    method and of eigen with the outer product are formed at inverse updates;
+    eigen without it and EKFAC damp at every step."""
+    x, y = data(12)
+
+    def run(change: bool) -> torch.Tensor:
+        model = mlp()
+        precond = KFACPreconditioner(
+            model, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=10,
+            compute_method=method, compute_eigenvalue_outer_product=outer,
+        )  # fmt: skip
+        for step in range(2):
+            if step == 1 and change:
+                precond.damping = 1.0
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            precond.step()
+        return grad_matrix(model[0]).clone()
+
+    assert torch.equal(run(True), run(False)) is not at_next_step
