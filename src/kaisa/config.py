@@ -166,7 +166,8 @@ _DTYPES = {
 }
 
 #: dtypes factors and second-order tensors may be kept in (float8 has no
-#: arithmetic for the running averages; inv_dtype refuses the 16-bit ones)
+#: arithmetic for the running averages; factor_dtype refuses float16 for
+#: its range, inv_dtype both 16-bit ones for want of eigh/inverse kernels)
 _STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: dtypes the products may run in; float16 is refused (see _check_product_dtype)
@@ -559,6 +560,13 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         _check_dtype("factor_dtype", self.factor_dtype)
         _check_dtype("inv_dtype", self.inv_dtype)
+        if self.factor_dtype == torch.float16:
+            raise ValueError(
+                "factor_dtype must be bfloat16, float32 or float64 (or None); got torch.float16 "
+                "(float16 is refused for its range: a factor's batch sums pass its largest "
+                "value, 65504, with as many rows, and squared output gradients of a mean loss "
+                "fall below its smallest normal, 6e-5; bfloat16 has float32's range)"
+            )
         if self.inv_dtype in (torch.float16, torch.bfloat16):
             raise ValueError(
                 "inv_dtype must be float32 or float64 (eigh/inverse have no half-precision "

@@ -741,3 +741,44 @@ def test_what_kaisa_changes_is_named_once_at_the_users_line() -> None:
         KFACPreconditioner(
             nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), skip_layers=["1"], lr=0.1
         )
+
+
+@pytest.mark.parametrize("method", ["inverse", "eigen"])
+def test_second_order_state_without_factors_preconditions_until_the_next_inverse_update(
+    method: str,
+) -> None:
+    """A checkpoint with the second-order state but no factors (or one that
+    lacks a layer's factors) restarts the statistics and keeps
+    preconditioning with the saved decompositions until the inverse update
+    after the next capture: until then every step equals the uninterrupted
+    run's, non-factor and factor steps alike (the model is held fixed, so
+    only K-FAC's state could differ)."""
+    options = dict(
+        damping=0.1, lr=0.1, kl_clip=0.01, factor_update_steps=2, inv_update_steps=4,
+        compute_method=method,
+    )  # fmt: skip
+
+    def grads(precond: KFACPreconditioner, model: nn.Module, steps: range) -> list[torch.Tensor]:
+        out = []
+        for i in steps:
+            model.zero_grad()
+            x, y = batch(seed=i)
+            F.cross_entropy(model(x), y).backward()
+            precond.step()
+            out.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        return out
+
+    model = mlp()
+    whole = KFACPreconditioner(model, **options)
+    expected = grads(whole, model, range(8))
+    model = mlp()
+    first = KFACPreconditioner(model, **options)
+    grads(first, model, range(5))
+    state = first.state_dict(include_factors=False, include_second_order=True)
+    assert all("A" not in entry and entry for entry in state["layers"].values())
+    model = mlp()
+    resumed = KFACPreconditioner(model, **options)
+    resumed.load_state_dict(state)
+    got = grads(resumed, model, range(5, 8))  # 5, 7 non-factor; 6 a factor step; 8 inverts
+    for step, (g, e) in enumerate(zip(got, expected[5:]), start=5):
+        assert torch.equal(g, e), step

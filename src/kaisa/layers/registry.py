@@ -177,18 +177,18 @@ def register_layers(
             continue
         kind = type(module).__name__
         params = _direct_params(module, name)
-        matched = next((p.pattern for p in patterns if p.search(name) or p.search(kind)), None)
+        if id(module) in attention_of:  # its attention's block: matched and told of there
+            if attention_of[id(module)] not in registered_attention:
+                why = "out_proj of a skipped nn.MultiheadAttention (applied functionally)"
+                skipped.append(SkippedModule(name, kind, why, params))
+            continue
+        matched = _matching(patterns, name, kind)
         if matched is not None:
             skipped.append(SkippedModule(name, kind, f"matches skip_layers {matched!r}", params))
             continue
         if isinstance(module, nn.MultiheadAttention):
             adapters.extend(_attention(name, module, patterns, skipped))
             registered_attention.add(name)
-            continue
-        if id(module) in attention_of:
-            if attention_of[id(module)] not in registered_attention:
-                why = "out_proj of a skipped nn.MultiheadAttention (applied functionally)"
-                skipped.append(SkippedModule(name, kind, why, params))
             continue
         ties = [
             f"{pname} tied to {', '.join(n for n in shared[id(p)] if n != mine)}"
@@ -222,19 +222,25 @@ def register_layers(
     return adapters, skipped
 
 
+def _matching(patterns: list[re.Pattern[str]], name: str, kind: str) -> str | None:
+    """The first ``skip_layers`` pattern found in a module's name or class name."""
+    return next((p.pattern for p in patterns if p.search(name) or p.search(kind)), None)
+
+
 def _attention(
     name: str, module: nn.MultiheadAttention, patterns: list[re.Pattern[str]], skipped: list
 ) -> list[LayerAdapter]:
     """The q/k/v/out blocks of an attention module; bias_k/bias_v are reported."""
     blocks: list[LayerAdapter] = []
+    kind = type(module.out_proj).__name__
     for adapter in attention_adapters(name, module):
-        if adapter.role == "out" and any(p.search(adapter.name) for p in patterns):
-            out = module.out_proj
+        matched = _matching(patterns, adapter.name, kind) if adapter.role == "out" else None
+        if matched is not None:  # out_proj is a module of its own: its name or class
             skipped.append(
                 SkippedModule(
                     adapter.name,
-                    type(out).__name__,
-                    "matches skip_layers",
+                    kind,
+                    f"matches skip_layers {matched!r}",
                     tuple(adapter.param_names()),
                 )
             )

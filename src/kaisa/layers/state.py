@@ -176,6 +176,14 @@ class KFACLayer:
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {self.adapter.describe()})"
 
+    @property
+    def preconditions(self) -> bool:
+        """Whether the layer has what a step preconditions with: statistics
+        captured, or second-order state restored whole from a checkpoint that
+        lacks its factors (kept until the inverse update after its next
+        capture).  The same on every rank: both are decided alike everywhere."""
+        return self.captured or self.decomposed
+
     def index(self, name: str) -> int:
         for i, spec in enumerate(self.factors):
             if spec.name == name:

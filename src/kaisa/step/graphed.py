@@ -235,7 +235,7 @@ class GraphedApplication:
         """Record this step's work (running it); returns whether it ran."""
         self.invalidate()
         engine = self.application.engine
-        taking = [la for la in layers if la.captured and engine.present(la.adapter)]
+        taking = [la for la in layers if la.preconditions and engine.present(la.adapter)]
         params = unique_parameters([la.adapter for la in taking])
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or len(grads) != len(params) or not self._ready(taking):

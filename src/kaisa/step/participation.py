@@ -1,6 +1,7 @@
 """Which layers take part in a step's preconditioning, and what is said of the others.
 
-A layer takes part when it was captured and has a gradient.  One with a
+A layer takes part when it was captured (or its second-order state was
+restored from a checkpoint) and has a gradient.  One with a
 gradient but no statistics (called functionally, or compiled before kaisa's
 hooks existed) is left unchanged, with a warning once.  Where gradients are
 averaged by hand, a layer may have a gradient on some ranks only; it is kept
@@ -38,7 +39,7 @@ class Participation:
         for layer in layers:
             if not self.engine.present(layer.adapter):
                 continue
-            if not layer.captured:
+            if not layer.preconditions:
                 if factor_step and not layer.eval_forward:  # eval mode: said by the pipeline
                     self._warn_once(
                         layer.name,
@@ -52,13 +53,13 @@ class Participation:
             local.append(layer)
         if not self.comm.distributed or self.engine.gradients_agree():
             return local
-        candidates = [la for la in layers if la.captured]
+        candidates = [la for la in layers if la.preconditions]
         mine = {la.name for la in local}
         if presence is None:
             agreed = self.comm.agree_all(
                 [la.name in mine for la in candidates], layers[0].adapter.device
             )
-        else:  # captured is the same everywhere: and-ing presence alone is enough
+        else:  # preconditions is the same everywhere: and-ing presence alone is enough
             agreed = [presence[la.name] for la in candidates]
         kept = []
         for layer, ok in zip(candidates, agreed, strict=True):

@@ -288,6 +288,17 @@ def test_options_refuse_float16_and_non_dtypes_naming_the_allowed_values(option:
     KFACPreconditioner(mlp(), **{option: "torch.bfloat16"})
 
 
+def test_factor_dtype_refuses_float16_for_its_range() -> None:
+    """float16 factors underflow (squared output gradients below 6e-5) or
+    overflow (a batch's sums past 65504): every batch would be dropped as
+    non-finite or G would be zero, silently, so float16 is refused."""
+    with pytest.raises(ValueError, match="factor_dtype must be bfloat16, float32 or float64"):
+        KFACPreconditioner(mlp(), factor_dtype=torch.float16)
+    with pytest.raises(ValueError, match="factor_dtype must be bfloat16"):
+        KFACPreconditioner(mlp(), factor_dtype="half")
+    KFACPreconditioner(mlp(), factor_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("option", ["factor_dtype", "inv_dtype"])
 def test_storage_dtypes_refuse_float8_naming_the_allowed_values(option: str) -> None:
     """float8 is floating point but has no arithmetic for a running average

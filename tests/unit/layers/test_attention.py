@@ -303,3 +303,42 @@ def test_self_attention_forms_the_shared_input_factor_once(monkeypatch) -> None:
     for name in names[1:]:  # equal, but not one tensor (sums are updated in place)
         assert torch.equal(factors[name], factors[names[0]])
         assert factors[name] is not factors[names[0]]
+
+
+class _AttentionAndHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x)[0])
+
+
+@pytest.mark.parametrize(
+    ("pattern", "registered", "skipped"),
+    [
+        ("Linear", {"attn.q", "attn.k", "attn.v"}, {"attn.out_proj", "head"}),  # its class too
+        ("NonDynamicallyQuantizableLinear", {"attn.q", "attn.k", "attn.v", "head"}, None),
+        ("out_proj", {"attn.q", "attn.k", "attn.v", "head"}, {"attn.out_proj"}),
+        ("MultiheadAttention", {"head"}, {"attn", "attn.out_proj"}),
+    ],
+)
+def test_skip_layers_reaches_out_proj_by_name_or_class_and_tells_of_it_once(
+    pattern: str, registered: set[str], skipped: set[str] | None
+) -> None:
+    """``out_proj`` is a module of its own: a pattern on its name or class name
+    leaves its block to the optimizer (it was registered anyway when the
+    class matched), and describe() lists it once, in one list."""
+    torch.manual_seed(0)
+    model = _AttentionAndHead()
+    precond = KFACPreconditioner(model, skip_layers=[pattern], lr=0.1)
+    assert set(precond.layers) == registered
+    names = [s.name for s in precond.skipped]
+    assert len(names) == len(set(names))  # each told of once
+    assert set(names) == (skipped or {"attn.out_proj"})
+    x = torch.randn(3, 4, 8)
+    model(x).pow(2).mean().backward()
+    raw = model.attn.out_proj.weight.grad.clone()
+    precond.step()
+    assert torch.equal(model.attn.out_proj.weight.grad, raw)  # left to the optimizer
