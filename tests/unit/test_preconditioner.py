@@ -782,3 +782,35 @@ def test_second_order_state_without_factors_preconditions_until_the_next_inverse
     got = grads(resumed, model, range(5, 8))  # 5, 7 non-factor; 6 a factor step; 8 inverts
     for step, (g, e) in enumerate(zip(got, expected[5:]), start=5):
         assert torch.equal(g, e), step
+
+
+def test_setting_lr_to_none_goes_back_to_the_optimizers_learning_rate() -> None:
+    """``precond.lr = x`` overrides the optimizer's lr for the KL clip;
+    ``precond.lr = None`` reads the optimizer's again (schedules included),
+    and the step then clips exactly as a preconditioner that never had one."""
+
+    def clipped_grads(set_and_reset: bool) -> torch.Tensor:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        precond = KFACPreconditioner(model, optimizer=opt, kl_clip=1e-4, damping=0.1)
+        if set_and_reset:
+            precond.lr = 0.05
+            assert precond.lr == 0.05
+            precond.lr = None
+        opt.param_groups[0]["lr"] = 0.3  # a schedule's change is seen
+        assert precond.lr == 0.3
+        x, y = batch()
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    assert torch.equal(clipped_grads(True), clipped_grads(False))
+    reset = KFACPreconditioner(mlp(), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1))
+    reset.lr = 0.05
+    assert reset.state_dict()["hyperparameters"]["lr"] == 0.05  # its own: saved
+    reset.lr = None
+    assert "lr" not in reset.state_dict()["hyperparameters"]  # the optimizer's: not saved
+    alone = KFACPreconditioner(mlp(), lr=0.1)
+    with pytest.raises(ValueError, match="lr=None reads the optimizer's learning rate"):
+        alone.lr = None
+    assert alone.lr == 0.1

@@ -109,7 +109,17 @@ class Schedule:
         return self.values[name]
 
     def set(self, name: str, value: Any, *, check: bool) -> None:
-        """Change an option; ``check`` validates now rather than at its next use."""
+        """Change an option; ``check`` validates now rather than at its next use.
+        ``lr`` None goes back to reading the optimizer's learning rate."""
+        if name == "lr" and value is None:
+            if self.optimizer is None:
+                raise ValueError(
+                    "lr=None reads the optimizer's learning rate, but this preconditioner was "
+                    "given no optimizer; set a number or a callable of the step"
+                )
+            self.lr_from_optimizer = True
+            self.revision += 1
+            return
         if check:
             check_value(name, value)
         if name == "lr":
