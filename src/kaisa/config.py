@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -51,6 +52,7 @@ __all__ = [
     "PlannerConfig",
     "PrecisionConfig",
     "TensorParallelMode",
+    "plain_number",
     "resolve",
 ]
 
@@ -231,11 +233,43 @@ def _as_dtype(name: str, value: Any) -> Any:
     raise _dtype_error(name, value)
 
 
+#: the options that count something: an integral float (``2.0``) is taken as the int
+_COUNTS = frozenset(
+    {
+        "factor_update_steps",
+        "inv_update_steps",
+        "accumulation_steps",
+        "factor_position_seed",
+        "max_factor_dim",
+    }
+)
+
+
+def plain_number(name: str, value: Any) -> Any:
+    """A numpy scalar as the Python number it holds, and an integral float as
+    an int where ``name`` counts something; anything else as given.
+
+    kfac-pytorch takes ``np.int64(10)`` or ``inv_update_steps=2.0`` (its
+    options are used, not checked), and a schedule's lambda often returns a
+    numpy value; kept as they are, they would be refused by the checks, or
+    saved into checkpoints that ``torch.load(weights_only=True)`` refuses."""
+    if (
+        isinstance(value, numbers.Number)
+        and type(value) not in (bool, int, float)  # np.float64 is a float subclass
+        and hasattr(value, "item")
+    ):
+        value = value.item()
+    if name in _COUNTS and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value
+
+
 def _as_fraction(name: str, value: Any) -> Any:
     """A strategy's name or enum member as a :class:`DistributedStrategy`, a
     number as a float; anything else unchanged, for the config to check."""
     if isinstance(value, (str, enum.Enum)):
         return as_enum(name, value, DistributedStrategy)
+    value = plain_number(name, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return value
@@ -288,6 +322,19 @@ _CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
     "factor_compute_dtype": _as_dtype,
     "precondition_dtype": _as_dtype,
     "plan_costs": _as_path,
+    **{
+        name: plain_number
+        for name in (
+            *_COUNTS,
+            "damping",
+            "factor_decay",
+            "kl_clip",
+            "lr",
+            "factor_position_fraction",
+            "allreduce_bucket_cap_mb",
+            "memory_budget_mb",
+        )
+    },
 }
 
 
@@ -388,7 +435,7 @@ _CALLABLE_RANGES: dict[str, dict[str, Any]] = {
 
 def resolve(name: str, value: Any, step: int) -> Any:
     """Evaluate a possibly-callable hyperparameter at ``step`` and validate it."""
-    result = value(step) if callable(value) else value
+    result = plain_number(name, value(step) if callable(value) else value)
     if name == "kl_clip" and result is None:
         return None
     if callable(value) and name in _CALLABLE_RANGES:

@@ -218,3 +218,39 @@ def test_an_invalid_skip_layers_regex_is_refused_by_the_config() -> None:
         KFACConfig.from_options(skip_layers=["head", "("])
     with pytest.raises(ValueError, match=r"skip_layers contains an invalid regex '\['"):
         AlgorithmConfig(skip_layers=("[",))
+
+
+def test_numpy_numbers_and_integral_floats_are_taken_as_python_numbers() -> None:
+    """kfac-pytorch takes ``np.int64(10)``, ``np.float32(0.01)`` and
+    ``inv_update_steps=2.0`` (a schedule's lambda often returns numpy): kaisa
+    takes them as the Python numbers they hold, in the constructor, the
+    attributes and a callable's result, so a checkpoint still loads with
+    ``weights_only=True``; a fractional count is still refused."""
+    import io
+
+    import numpy as np
+    import torch.nn.functional as F
+
+    model = mlp()
+    precond = kaisa.KFACPreconditioner(
+        model, factor_update_steps=np.int64(1), inv_update_steps=2.0, accumulation_steps=1.0,
+        damping=np.float32(0.25), kl_clip=np.float64(1e-3), lr=np.float32(0.1),
+        grad_worker_fraction=np.float32(1.0), factor_decay=lambda step: np.float32(0.9),
+        max_factor_dim=np.int32(64),
+    )  # fmt: skip
+    precond.damping = np.float32(0.5)
+    assert type(precond.inv_update_steps) is int and precond.inv_update_steps == 2
+    assert type(precond.factor_update_steps) is int and type(precond.damping) is float
+    for _ in range(2):
+        model.zero_grad()
+        F.cross_entropy(model(torch.randn(6, 6)), torch.randint(0, 3, (6,))).backward()
+        precond.step()
+    saved = precond.state_dict()
+    kinds = {type(v) for v in saved["hyperparameters"].values()}
+    assert not {k for k in kinds if k.__module__ == "numpy"}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)  # no numpy scalar to refuse
+    with pytest.raises(TypeError, match="inv_update_steps must be an int"):
+        kaisa.KFACPreconditioner(mlp(), inv_update_steps=2.5)

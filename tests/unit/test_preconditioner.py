@@ -814,3 +814,19 @@ def test_setting_lr_to_none_goes_back_to_the_optimizers_learning_rate() -> None:
     with pytest.raises(ValueError, match="lr=None reads the optimizer's learning rate"):
         alone.lr = None
     assert alone.lr == 0.1
+
+
+def test_a_top_level_entry_the_state_does_not_hold_is_named_in_a_warning() -> None:
+    """kfac-pytorch keeps its schedule values at the top level of its state;
+    a script that edits ``state['damping']`` before loading would otherwise
+    be ignored without a word."""
+    precond = KFACPreconditioner(mlp(), damping=0.1, lr=0.1)
+    state = precond.state_dict()
+    state["damping"] = 0.5
+    fresh = KFACPreconditioner(mlp(), damping=0.1, lr=0.1)
+    with pytest.warns(UserWarning, match=r"ignored: \['damping'\].*\['hyperparameters'\]"):
+        fresh.load_state_dict(state)
+    assert fresh.damping == 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(precond.state_dict())  # its own keys: nothing to say

@@ -31,6 +31,8 @@ from kaisa.warn import warn_user
 __all__ = ["STATE_VERSION", "Checkpointer", "check_saved_values", "normalise_name"]
 
 STATE_VERSION = 2
+#: what :meth:`KFACPreconditioner.state_dict` writes at the top level
+_TOP_LEVEL = frozenset({"version", "steps", "hyperparameters", "layers", "partial"})
 _WRAPPER_PARTS = ("module", "_orig_mod")
 _INSTANCES = itertools.count()
 
@@ -193,6 +195,13 @@ class Checkpointer:
         if not isinstance(state_dict, Mapping) or "steps" not in state_dict:
             raise ValueError(
                 "state_dict must be a mapping produced by KFACPreconditioner.state_dict()"
+            )
+        unknown = sorted(str(k) for k in state_dict if k not in _TOP_LEVEL)
+        if unknown:
+            warn_user(
+                f"kaisa: state_dict entries this preconditioner does not read, ignored: "
+                f"{unknown} (it reads {sorted(_TOP_LEVEL)}; the schedule values, kept at the "
+                "top level by kfac-pytorch, are under state_dict['hyperparameters'] here)",
             )
         steps = state_dict["steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kaisa.config import KFACConfig, check_value, resolve
+from kaisa.config import KFACConfig, check_value, plain_number, resolve
 from kaisa.warn import warn_user
 
 __all__ = ["FixedValues", "Schedule", "warn_unaligned_intervals"]
@@ -120,6 +120,7 @@ class Schedule:
             self.lr_from_optimizer = True
             self.revision += 1
             return
+        value = plain_number(name, value)
         if check:
             check_value(name, value)
         if name == "lr":
