@@ -29,6 +29,7 @@ from kaisa.config import (
     ComputeMethod,
     DistributedStrategy,
     check_number,
+    plain_number,
 )
 from kaisa.view import PreconditionerView
 from kaisa.warn import warn_user
@@ -93,6 +94,7 @@ class KfacPytorchAttributes(PreconditionerView):
 
     @_steps.setter
     def _steps(self, value: int) -> None:
+        value = plain_number("_steps", value)  # np.int64 from a scheduler's arithmetic
         check_number("_steps", value, low=0, integer=True)
         self._parts.pipeline.steps = value
         self._refresh_capture()

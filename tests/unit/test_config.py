@@ -254,3 +254,24 @@ def test_numpy_numbers_and_integral_floats_are_taken_as_python_numbers() -> None
     torch.load(buffer, weights_only=True)  # no numpy scalar to refuse
     with pytest.raises(TypeError, match="inv_update_steps must be an int"):
         kaisa.KFACPreconditioner(mlp(), inv_update_steps=2.5)
+
+
+def test_numpy_numbers_are_taken_where_the_preconditioner_reads_a_number_at_run_time() -> None:
+    """``precond._steps`` (kfac-pytorch's scheduler sets it), ``loss_items``
+    and a callable ``grad_scaler``'s scale take numpy scalars as numbers, and
+    hold them as Python numbers."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    model = mlp()
+    precond = kaisa.KFACPreconditioner(
+        model, lr=0.1, loss_average="items", grad_scaler=lambda: np.float32(4.0)
+    )
+    precond._steps = np.int64(10)  # a factor step: the scale is read
+    assert type(precond.steps) is int and precond.steps == 10
+    precond.loss_items = np.int64(6)
+    model.zero_grad()
+    x, y = torch.randn(6, 6), torch.randint(0, 3, (6,))
+    (F.cross_entropy(model(x), y, reduction="sum") / 6 * 4.0).backward()
+    precond.step()  # reads the numpy scale
+    assert precond.steps == 11

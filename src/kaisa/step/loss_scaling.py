@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kaisa.config import check_number
+from kaisa.config import check_number, plain_number
 
 __all__ = ["LossScaling"]
 
@@ -48,6 +48,7 @@ class LossScaling:
             value = self.scaler()
             if isinstance(value, Tensor):
                 return value  # on its device: read there, unchecked (a check would sync)
+            value = plain_number("loss scale", value)  # a numpy scale is a number too
             check_number("the loss scale grad_scaler() returns", value, low=0, low_open=True)
             return float(value)
         getter = getattr(self.scaler, "_get_scale_async", None)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from kaisa.config import LossAverage, check_number
+from kaisa.config import LossAverage, check_number, plain_number
 from kaisa.core.statistics import grad_multiplier
 
 __all__ = ["LossNormalisation", "ScaleGetter"]
@@ -51,6 +51,7 @@ class LossNormalisation:
                 raise ValueError(f"loss_items must be one number; got a tensor of {value.numel()}")
             value = float(value.item())
         if value is not None:
+            value = plain_number("loss_items", value)  # a numpy count, as a Trainer gives
             check_number("loss_items", value, low=0, low_open=True)
         self.items = None if value is None else float(value)
 
