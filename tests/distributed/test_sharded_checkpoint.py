@@ -159,9 +159,10 @@ def test_a_new_factor_layout_loads_as_the_gathered_checkpoint_does(
         assert bool(missing) == saved_colocated, missing
 
 
-def load_damaged(rank: int, world: int, path: str) -> dict[str, Any]:
-    """Load with one factor of rank 1's part turned NaN after dcp.load (a file
-    damaged on disk); return what each rank raised and whether anything moved."""
+def load_damaged(rank: int, world: int, path: str, how: str) -> dict[str, Any]:
+    """Load with one factor of rank 1's part turned NaN, or made asymmetric,
+    after dcp.load (a file damaged on disk); return what each rank raised
+    and whether anything moved."""
     import torch.distributed.checkpoint as dcp
 
     net, opt = make()
@@ -169,8 +170,11 @@ def load_damaged(rank: int, world: int, path: str) -> dict[str, Any]:
     template = {"kfac": precond.sharded_state_dict()}
     dcp.load(template, checkpoint_id=path)
     if rank == 1:
-        key = next(iter(template["kfac"]["factors"]))
-        template["kfac"]["factors"][key].fill_(float("nan"))
+        owned = template["kfac"]["factors"].values()
+        if how == "nan":
+            next(iter(owned)).fill_(float("nan"))
+        else:  # a dense one (an Embedding's A is a diagonal)
+            next(f for f in owned if f.dim() == 2)[0, -1] += 1.0
     try:
         precond.load_sharded_state_dict(template["kfac"])
         error = ""
@@ -182,12 +186,13 @@ def load_damaged(rank: int, world: int, path: str) -> dict[str, Any]:
     return {"error": error, "untouched": untouched, "steps": precond.steps}
 
 
-def test_a_part_damaged_on_one_rank_is_refused_on_every_rank(tmp_path) -> None:
-    """Only rank 1 can see the NaN in the factor it owns; both ranks refuse
+@pytest.mark.parametrize(("how", "cause"), [("nan", "NaN or Inf"), ("asymmetric", "not symmetric")])
+def test_a_part_damaged_on_one_rank_is_refused_on_every_rank(tmp_path, how, cause) -> None:
+    """Only rank 1 can see the damage in the factor it owns; both ranks refuse
     the load, naming the cause where it was seen, and neither changes."""
     path = str(tmp_path / "ckpt")
     run_distributed(2, save, path)
-    results = run_distributed(2, load_damaged, path)
-    assert "NaN or Inf" in results[1]["error"]
+    results = run_distributed(2, load_damaged, path, how)
+    assert cause in results[1]["error"]
     assert "another rank refused" in results[0]["error"]
     assert all(r["untouched"] and r["steps"] == 0 for r in results)

@@ -239,7 +239,8 @@ def _corrupt_shape(layer: str, key: str) -> Callable[[dict], None]:
 
 def _corrupt_values(layer: str, key: str, how: str) -> Callable[[dict], None]:
     """``layer.key`` (the last layer's, so a check that changed the earlier
-    ones first would show) with a NaN or an Inf, as bools, or without data."""
+    ones first would show) with a NaN or an Inf, as bools, without data, or
+    as a factor no Gram matrix can be (not symmetric, a negative diagonal)."""
 
     def corrupt(state: dict) -> None:
         entry = state["layers"][layer]
@@ -253,6 +254,10 @@ def _corrupt_values(layer: str, key: str, how: str) -> Callable[[dict], None]:
             value.view(-1)[-1] = float("inf")
         elif how == "bool":
             value = value != 0
+        elif how == "asymmetric":
+            value[0, -1] += 1.0
+        elif how == "negative-diagonal":
+            value[-1, -1] = -abs(float(value[-1, -1])) - 1.0
         else:
             value = torch.empty_like(value, device="meta")
         entry[key_] = value
@@ -280,6 +285,40 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
 
 
 @pytest.mark.parametrize(
+    ("large_factor", "how", "match"),
+    [
+        ("block", "asymmetric", "hidden.A is not symmetric"),
+        ("block", "negative-diagonal", "hidden.A has a negative diagonal entry"),
+        ("diagonal", "negative-diagonal", "hidden.A has a negative diagonal entry"),
+    ],
+)
+def test_a_stored_factor_no_gram_matrix_can_be_is_refused(
+    large_factor: str, how: str, match: str
+) -> None:
+    """A block-diagonal factor is checked block by block (its flat storage
+    is no matrix), a diagonal one entry by entry."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the factors kept sparse are named
+        precond = KFACPreconditioner(
+            model, optimizer=opt, max_factor_dim=4, large_factor=large_factor
+        )
+    train_step(model, precond, opt, seed=0)
+    before = copy.deepcopy(precond.state_dict())
+    bad = copy.deepcopy(before)
+    a = bad["layers"]["hidden"]["A"]  # 9 rows: blocks 3×3, or a diagonal of 9
+    if how == "asymmetric":
+        a[1] += 1.0  # row 0, column 1 of the first 3×3 block
+    else:
+        a[-1] = -1.0  # the last block's last diagonal entry, or the diagonal's
+    with pytest.raises(ValueError, match=match):
+        precond.load_state_dict(bad)
+    assert_same(precond.state_dict(), before)
+    precond.load_state_dict(before)  # the factor as saved loads
+
+
+@pytest.mark.parametrize(
     ("corrupt", "match"),
     [
         (_corrupt_shape("hidden", "A"), "hidden"),
@@ -294,6 +333,11 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
         (_corrupt_values("classifier", "second-order", "inf"), "classifier.* holds NaN or Inf"),
         (_corrupt_values("classifier", "A", "bool"), "classifier.A is of dtype torch.bool"),
         (_corrupt_values("classifier", "G", "meta"), "classifier.G is a meta tensor"),
+        (_corrupt_values("classifier", "A", "asymmetric"), "classifier.A is not symmetric"),
+        (
+            _corrupt_values("classifier", "G", "negative-diagonal"),
+            "classifier.G has a negative diagonal entry",
+        ),
         (_set_version, "version"),
         (_set_hyperparameters, "hyperparameters"),
     ],
@@ -310,6 +354,8 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
         "classifier-second-order-inf",
         "classifier.A-bool",
         "classifier.G-meta",
+        "classifier.A-asymmetric",
+        "classifier.G-negative-diagonal",
         "version=99",
         "hyperparameters-a-list",
     ],

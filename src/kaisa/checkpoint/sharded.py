@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from kaisa.checkpoint.state import STATE_VERSION, check_saved_values
+from kaisa.checkpoint.state import STATE_VERSION, check_saved_factor, check_saved_values
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.state import KFACLayer
 
@@ -172,7 +172,7 @@ def owned_entries(
     if not isinstance(factors, Mapping) or not isinstance(present, Mapping):
         raise ValueError("a sharded K-FAC state needs 'factors' and 'present' mappings")
     expected = {
-        f"{name}.{spec.name}": spec.shape
+        f"{name}.{spec.name}": spec
         for name, layer in layers.items()
         for spec, owner in zip(layer.factors, plan.layer(name).owners)
         if owner == rank
@@ -181,12 +181,14 @@ def owned_entries(
     if missing:
         raise ValueError(f"sharded state lacks factors this rank owns: {missing}")
     owned: dict[str, Tensor] = {}
-    for key, shape in expected.items():
+    for key, spec in expected.items():
         value = factors[key]
-        if not isinstance(value, Tensor) or tuple(value.shape) != shape:
-            raise ValueError(f"sharded state entry {key!r} must be a tensor of shape {shape}")
+        if not isinstance(value, Tensor) or tuple(value.shape) != spec.shape:
+            raise ValueError(
+                f"sharded state entry {key!r} must be a tensor of shape {spec.shape}"
+            )
         if bool(present[key]):
-            check_saved_values(f"sharded state entry {key!r}", value)
+            check_saved_factor(f"sharded state entry {key!r}", spec, value)
             owned[key] = value
     return owned
 

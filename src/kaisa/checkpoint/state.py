@@ -22,13 +22,20 @@ from torch import Tensor
 
 from kaisa.checkpoint.mirror import FactorMirror
 from kaisa.config import KFACConfig
+from kaisa.core.specs import FactorKind, FactorSpec
 from kaisa.distributed.communicator import Communicator
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers.state import KFACLayer
 from kaisa.methods.base import CurvatureMethod, HeldTensor
 from kaisa.warn import warn_user
 
-__all__ = ["STATE_VERSION", "Checkpointer", "check_saved_values", "normalise_name"]
+__all__ = [
+    "STATE_VERSION",
+    "Checkpointer",
+    "check_saved_factor",
+    "check_saved_values",
+    "normalise_name",
+]
 
 STATE_VERSION = 2
 #: what :meth:`KFACPreconditioner.state_dict` writes at the top level
@@ -54,6 +61,44 @@ def check_saved_values(entry: str, value: Tensor) -> None:
             f"{entry} holds NaN or Inf; kaisa never saves a non-finite tensor, so this "
             "checkpoint was changed or damaged after saving"
         )
+
+
+#: how far a saved factor may be from symmetric, relative to its largest entry,
+#: in units of its dtype's epsilon (at least 1e-5): kaisa's own factors are
+#: symmetric exactly, one another library summed in another order to rounding
+_SYMMETRY_EPS = 16.0
+
+
+def check_saved_factor(entry: str, spec: FactorSpec, value: Tensor) -> None:
+    """Refuse a loaded Kronecker factor that is no Gram matrix (``entry``
+    names it): each diagonal block symmetric, no diagonal entry negative.
+    A running average of ``a aᵀ`` is both, exactly; one that is not was
+    changed after saving, and ``eigh`` would read only its lower triangle."""
+    check_saved_values(entry, value)
+    blocks: list[Tensor] = []
+    if spec.kind is FactorKind.DIAGONAL:
+        diagonal = value
+    else:
+        if spec.kind is FactorKind.BLOCK_DIAGONAL:
+            blocks = [v for _, v in spec.layout.views(value)]
+        else:
+            blocks = [value]
+        diagonal = torch.cat([b.diagonal(dim1=-2, dim2=-1).reshape(-1) for b in blocks])
+    if bool((diagonal < 0).any()):
+        raise ValueError(
+            f"{entry} has a negative diagonal entry ({float(diagonal.min()):.3g}); a "
+            "Kronecker factor is a Gram matrix, positive semidefinite, so this checkpoint "
+            "was changed or damaged after saving"
+        )
+    tolerance = max(1e-5, _SYMMETRY_EPS * torch.finfo(value.dtype).eps)
+    for b in blocks:
+        b64 = b.double()
+        asymmetry = float((b64 - b64.mT).abs().max())
+        if asymmetry > tolerance * float(b64.abs().max()):
+            raise ValueError(
+                f"{entry} is not symmetric (largest |F - Fᵀ| {asymmetry:.3g}); a Kronecker "
+                "factor is a Gram matrix, so this checkpoint was changed or damaged after saving"
+            )
 
 
 class Checkpointer:
@@ -261,6 +306,7 @@ class Checkpointer:
         if not isinstance(entry, Mapping):
             raise ValueError(f"state_dict layer {name!r} must be a mapping of tensors")
         known = self._known_tensors(self.layers[name])
+        specs = {spec.name: spec for spec in self.layers[name].factors}
         unknown = sorted(key for key in entry if key not in known)
         if unknown:
             warn_user(
@@ -279,7 +325,10 @@ class Checkpointer:
                     "other max_factor_dim/large_factor options, or with a bias that trained on "
                     "one side and was frozen on the other: each changes factor shapes)"
                 )
-            check_saved_values(f"state_dict entry {name}.{key}", value)
+            if key in specs:
+                check_saved_factor(f"state_dict entry {name}.{key}", specs[key], value)
+            else:
+                check_saved_values(f"state_dict entry {name}.{key}", value)
 
     def load(
         self,
