@@ -184,9 +184,7 @@ def owned_entries(
     for key, spec in expected.items():
         value = factors[key]
         if not isinstance(value, Tensor) or tuple(value.shape) != spec.shape:
-            raise ValueError(
-                f"sharded state entry {key!r} must be a tensor of shape {spec.shape}"
-            )
+            raise ValueError(f"sharded state entry {key!r} must be a tensor of shape {spec.shape}")
         if bool(present[key]):
             check_saved_factor(f"sharded state entry {key!r}", spec, value)
             owned[key] = value
