@@ -19,7 +19,7 @@ from kaisa.layers.base import LayerAdapter
 from kaisa.layers.conv1d import Conv1dAdapter, TransposedLinearAdapter
 from kaisa.layers.conv2d import Conv2dAdapter
 from kaisa.layers.embedding import EmbeddingAdapter
-from kaisa.layers.linear import LinearAdapter, TiedHeadAdapter
+from kaisa.layers.linear import LinearAdapter, LinearCall, TiedHeadAdapter
 from kaisa.layers.megatron import MEGATRON_LINEARS, MegatronLinearAdapter
 
 __all__ = [
@@ -167,6 +167,7 @@ def register_layers(
         id(m.out_proj): n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
     }
     registered_attention: set[str] = set()
+    sequence_first = _sequence_first_linears(model)
     shared = _shared_parameters(model)
     heads = _tied_heads(model, patterns)  # embedding name -> head name, and back
     adapters: list[LayerAdapter] = []
@@ -218,8 +219,24 @@ def register_layers(
             changed = _known_type(module)
             skipped.append(SkippedModule(name, kind, reason or "unsupported", params, changed))
             continue
+        if id(module) in sequence_first and isinstance(adapter, LinearAdapter):
+            adapter.call = LinearCall(sequence_first=True)
         adapters.append(adapter)
     return adapters, skipped
+
+
+def _sequence_first_linears(model: nn.Module) -> set[int]:
+    """The feed-forward Linears of torch's transformer layers built with
+    ``batch_first=False`` (their default): they see ``[sequence, batch, d]``,
+    and the batch dimension sets the gradient multiplier (``loss_average``)
+    and K-FAC-reduce's rows.  A layer's attention reads its own flag."""
+    layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    return {
+        id(linear)
+        for m in model.modules()
+        if isinstance(m, layers) and not m.self_attn.batch_first
+        for linear in (m.linear1, m.linear2)
+    }
 
 
 def _matching(patterns: list[re.Pattern[str]], name: str, kind: str) -> str | None:

@@ -139,6 +139,52 @@ def test_transformer_layers_fully_preconditioned() -> None:
     assert not any("attn" in s and "norm" not in s for s in skipped), skipped
 
 
+@pytest.mark.parametrize("loss_average", ["batch", "batch_and_sequence"])
+@pytest.mark.parametrize("method", ["eigen", "reduce"])
+def test_sequence_first_transformer_layers_equal_batch_first(loss_average, method) -> None:
+    """torch's transformer layers default to ``batch_first=False``: their
+    feed-forward Linears see ``[T, N, d]``, and every factor must be the
+    batch-first twin's (the batch sets G's multiplier and K-FAC-reduce's rows;
+    T != N here, so reading T as the batch shows)."""
+    factors = {}
+    for batch_first in (True, False):
+        torch.manual_seed(0)
+        model = nn.ModuleDict(
+            {
+                "enc": nn.TransformerEncoderLayer(
+                    E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first
+                ),
+                "dec": nn.TransformerDecoderLayer(
+                    E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first
+                ),
+            }
+        )
+        options = kfac_pytorch(damping=DAMPING, loss_average=loss_average)
+        if method == "reduce":
+            options["kfac_approx"] = "reduce"
+        precond = KFACPreconditioner(model, **options)
+        g = torch.Generator().manual_seed(1)
+        src, tgt = torch.randn(N, L, E, generator=g), torch.randn(N, S, E, generator=g)
+        if not batch_first:
+            src, tgt = src.transpose(0, 1), tgt.transpose(0, 1)
+        out = model["dec"](tgt, model["enc"](src))
+        per_position = out.pow(2).sum(-1)
+        (
+            per_position.mean()
+            if loss_average == "batch_and_sequence"
+            else per_position.sum(int(batch_first)).mean()
+        ).backward()
+        precond.step()
+        factors[batch_first] = {
+            f"{n}.{s.name}": la.factor(s.name).clone()
+            for n, la in precond.layers.items()
+            for s in la.factors
+        }
+    assert factors[True].keys() == factors[False].keys()
+    for key, value in factors[True].items():
+        assert rel_err(factors[False][key], value) <= 1e-12, key
+
+
 # -- activation checkpointing of a Transformer with attention and embeddings -------------
 class TinyLM(nn.Module):
     def __init__(self, mode: str) -> None:
