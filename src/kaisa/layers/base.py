@@ -240,7 +240,7 @@ class LayerAdapter(ABC):
     # -- parameters --------------------------------------------------------
     # Read on every step, several times per layer: straight from the module's
     # parameter table where it is there (``nn.Module.__getattr__`` is a Python
-    # function), through the attribute otherwise (a parametrized weight).
+    # function), through the attribute otherwise.
     @property
     def weight(self) -> nn.Parameter:
         found = self.module._parameters.get("weight")

@@ -12,7 +12,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from kaisa.layers.attention import attention_adapters
 from kaisa.layers.base import LayerAdapter
@@ -104,7 +106,24 @@ def _unsupported_reason(module: nn.Module) -> str | None:
         )
     if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d) and module.weight is None:
         return "no weight"
+    computed = [n for n in ("weight", "bias") if _computed(module, n)]
+    if computed:
+        return (
+            f"{' and '.join(computed)} computed from other parameters (a parametrization, "
+            "weight_norm or pruning): K-FAC preconditions a weight's own gradient, and no "
+            "parameter holds it; left to the optimizer"
+        )
     return None
+
+
+def _computed(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is a tensor computed on each access (a
+    ``torch.nn.utils.parametrize`` parametrization, the old ``weight_norm``,
+    ``prune``) rather than a parameter of its own: its gradient is never kept."""
+    if parametrize.is_parametrized(module, name):
+        return True
+    value = getattr(module, name, None)
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
 
 
 def _known_type(module: nn.Module) -> bool:

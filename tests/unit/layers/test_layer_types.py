@@ -186,6 +186,53 @@ def test_sparse_embedding_is_refused_with_a_reason() -> None:
     assert "sparse=True" in skipped.reason and "skip_layers" in skipped.reason
 
 
+def _parametrized(how: str) -> nn.Module:
+    from torch.nn.utils import parametrizations, prune
+
+    layer = nn.Linear(5, 5)
+    if how == "prune":
+        prune.l1_unstructured(layer, "weight", amount=0.4)
+        return layer
+    if how == "bias":
+        from torch.nn.utils import parametrize
+
+        class Halved(nn.Module):
+            def forward(self, b: torch.Tensor) -> torch.Tensor:
+                return b / 2
+
+        parametrize.register_parametrization(layer, "bias", Halved())
+        return layer
+    return getattr(parametrizations, how)(layer)
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "orthogonal", "prune", "bias"])
+def test_a_weight_computed_from_other_parameters_is_left_to_the_optimizer(how: str) -> None:
+    """A parametrized or pruned weight is a tensor computed on each access:
+    its gradient is never kept (the registered layer was never preconditioned,
+    and its step raised a KeyError on the tensor's changing identity).  It is
+    told of with the reason, and the other layers train as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_parametrized(how), nn.Tanh(), nn.Linear(5, 2))
+    twin = nn.Sequential(nn.Identity(), nn.Identity(), nn.Linear(5, 2))
+    twin[2].load_state_dict(model[2].state_dict())
+    with pytest.warns(UserWarning, match="computed from other parameters"):
+        precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    reference = KFACPreconditioner(twin, factor_update_steps=1, inv_update_steps=1)
+    assert sorted(precond.layers) == ["2"]
+    (skipped,) = [s for s in precond.skipped if s.name == "0"]
+    assert "weight_norm" in skipped.reason
+    for step in range(3):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        model.zero_grad()
+        twin.zero_grad()
+        hidden = model[1](model[0](x))  # once: spectral_norm iterates per forward
+        model[2](hidden).pow(2).mean().backward()
+        twin[2](hidden.detach()).pow(2).mean().backward()
+        precond.step()
+        reference.step()
+        assert torch.equal(model[2].weight.grad, twin[2].weight.grad)
+
+
 # -- tied input/output embeddings ---------------------------------------------------------
 class TiedLM(nn.Module):
     def __init__(self, vocab: int, dim: int) -> None:

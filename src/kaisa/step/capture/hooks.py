@@ -65,7 +65,7 @@ def _updates_gradients(params: list[nn.Parameter]) -> bool:
     quantity, which must not enter G.  Asked of autograd's engine for plain
     leaf parameters; ``torch.autograd.grad`` taken with respect to a
     parameter (a loop that sets ``.grad`` itself) is its gradient and counts.
-    A sharded or parametrized weight (not a plain leaf) counts, as a
+    A sharded weight (not a plain leaf) counts, as a
     ``backward()`` would.  A backward whose status the engine cannot give is
     not counted, with a warning once (:func:`_unreadable`)."""
     asked = False
