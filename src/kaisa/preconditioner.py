@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa.attached import Attached
 from kaisa.checkpoint.facade import Checkpoints
 from kaisa.compat import KfacPytorchAttributes
 from kaisa.config import (
@@ -64,7 +65,7 @@ OPTION_NAMES = frozenset(KFACConfig.field_names())
 logger = logging.getLogger("kaisa")
 
 
-class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
+class KFACPreconditioner(Attached, KfacPytorchAttributes, Checkpoints, StepControls):
     """Distributed K-FAC gradient preconditioner.
 
     Construct once, then call :meth:`step` after ``loss.backward()`` and
@@ -180,9 +181,9 @@ class KFACPreconditioner(KfacPytorchAttributes, Checkpoints, StepControls):
         steppers = as_optimizers(optimizer)
         setup = configure(model, options, steppers, grad_scaler, gradient_access, engine, topology)
         self._schedule = Schedule(setup.config, next(iter(steppers), None), setup.lr_from_optimizer)
-        self.model = model
-        self.optimizer = optimizer
-        self.grad_scaler = setup.grad_scaler
+        self._model = model
+        self._optimizer = optimizer
+        self._grad_scaler = setup.grad_scaler
         warn_unaligned_intervals(setup.config)
         self._parts = build(model, setup, self._schedule, pg_timeout_s, method_object)
         engine = setup.engine

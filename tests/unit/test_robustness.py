@@ -177,6 +177,46 @@ def test_deep_copied_teacher_captures_nothing(teacher_from_step: int) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle", "torch.save"])
+def test_copying_the_preconditioner_is_refused_with_the_way_that_works(how: str) -> None:
+    """A copy is bound to nothing: the copied model's hooks are inert, so it
+    preconditioned with frozen factors forever, silently.  The error names
+    what works, and that way continues the run exactly."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, factor_update_steps=1)
+    train_step(model, precond, opt, seed=0)
+    copies = {
+        "deepcopy": lambda: copy.deepcopy((model, opt, precond)),
+        "copy": lambda: copy.copy(precond),
+        "pickle": lambda: pickle.dumps(precond),
+        "torch.save": lambda: torch.save(precond, io.BytesIO()),
+    }
+    with pytest.raises(TypeError, match="load_state_dict"):
+        copies[how]()
+    model_copy, opt_copy = copy.deepcopy((model, opt))
+    new = KFACPreconditioner(model_copy, optimizer=opt_copy, factor_update_steps=1)
+    new.load_state_dict(precond.state_dict())
+    for seed in (1, 2):
+        train_step(model, precond, opt, seed=seed)
+        train_step(model_copy, new, opt_copy, seed=seed)
+    assert_same(new.state_dict(), precond.state_dict())
+
+
+@pytest.mark.parametrize("name", ["model", "optimizer", "grad_scaler"])
+def test_what_the_preconditioner_is_bound_to_cannot_be_reassigned(name: str) -> None:
+    """An assignment changed what the attribute read and nothing it did: a new
+    optimizer's lr never reached the KL clip, and a skipped step took the
+    gradients of the old optimizer's parameters only."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt)
+    before = getattr(precond, name)
+    with pytest.raises(AttributeError, match=f"precond.{name} is fixed at construction"):
+        setattr(precond, name, torch.optim.SGD(model.parameters(), lr=0.01))
+    assert getattr(precond, name) is before
+
+
 def test_model_pickles_and_saves_after_attaching() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
