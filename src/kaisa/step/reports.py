@@ -92,12 +92,25 @@ class StepReports:
         fixed then.  A bias unfrozen since keeps its raw gradient; a bias
         frozen since gets no gradient, and its weight is preconditioned by
         the block that holds the bias (with a zero bias gradient), not the
-        weight's own.  Said once per layer."""
+        weight's own.  A bias that trains under a frozen weight (BitFit)
+        keeps its raw gradient too: the layer is preconditioned on the steps
+        its weight has a gradient.  Said once per layer."""
         for la in layers:
             bias = la.adapter.bias
-            if bias is None or trained(bias) == la.adapter.has_bias or la.name in self._bias:
+            if bias is None or la.name in self._bias:
+                continue
+            alone = trained(bias) and not la.adapter.weight.requires_grad
+            if not alone and trained(bias) == la.adapter.has_bias:
                 continue
             self._bias.add(la.name)
+            if alone:
+                warn_user(
+                    f"kaisa: the bias of layer {la.name!r} trains while its weight is frozen: "
+                    "its gradient is left as computed (not preconditioned, not scaled by the "
+                    "KL clip); K-FAC preconditions a layer on the steps its weight has a "
+                    "gradient (skip_layers leaves the layer to the optimizer without this note)",
+                )
+                continue
             if la.adapter.has_bias:
                 what = (
                     "was trained when KFACPreconditioner was built and is frozen now: it gets "

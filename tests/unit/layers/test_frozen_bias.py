@@ -132,3 +132,22 @@ def test_a_bias_unfrozen_after_the_build_keeps_its_raw_gradient() -> None:
     with pytest.warns(UserWarning, match="bias of layer '0' was frozen when .* requires grad now"):
         precond.step()
     assert torch.equal(first.bias.grad, raw)
+
+
+def test_a_bias_training_under_a_frozen_weight_keeps_its_raw_gradient_and_is_told() -> None:
+    """BitFit: the weight frozen, the bias trained.  The layer is
+    preconditioned on the steps its weight has a gradient, so the bias keeps
+    its raw gradient; that was silent while describe() listed the layer."""
+    model, first, x, y = _model("linear")
+    first.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING, factor_update_steps=1)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    raw = first.bias.grad.clone()
+    with pytest.warns(UserWarning, match="bias of layer '0' trains while its weight is frozen"):
+        precond.step()
+    assert torch.equal(first.bias.grad, raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per layer
+        _steps(model, precond, opt, x, y, 2)
