@@ -183,6 +183,22 @@ class KfacPytorchAttributes(PreconditionerView):
     def accumulation_steps(self) -> int:
         return self.config.accumulation_steps
 
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        """Set between steps, for the coming ones (kfac-pytorch's attribute is
+        settable): a loop whose last step of an epoch has fewer micro-batches,
+        and divides its loss by that count, says so here."""
+        value = plain_number("accumulation_steps", value)
+        check_number("accumulation_steps", value, low=1, integer=True)
+        engine = self._parts.engine
+        if engine.defaults().accumulation_steps is not None:
+            raise ValueError(
+                f"accumulation_steps is the {engine.name} engine's (it accumulates the "
+                "micro-batches of each step); it cannot be set"
+            )
+        self._parts.capture.set_accumulation_steps(value)
+        self._schedule.fix(accumulation_steps=value)
+
     @property
     def update_factors_in_hook(self) -> bool:
         return self.config.update_factors_in_hook

@@ -54,6 +54,21 @@ class BatchStatistics:
         self.pending_forwards = 0  #: forward calls still waiting for their gradient
         self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
         self._last_pass: tuple[int, int] | None = None
+        #: per forward pass, the largest batch any call of the layer saw in it
+        self._pass_batch: dict[int, int] = {}
+
+    def widest(self, pass_id: int, batch: int) -> None:
+        """Note a forward call's ``batch`` in pass ``pass_id``."""
+        self._pass_batch[pass_id] = max(batch, self._pass_batch.get(pass_id, 0))
+
+    def batch_of(self, pass_id: int, batch: int) -> int:
+        """The data points of pass ``pass_id``: its widest call's batch.  A
+        module called on parts of the batch (an RNN cell stepping the rows
+        still running) sees all of them in one call, and the loss averages
+        over all of them, so every call of the pass takes that one ``N``
+        (in ``ĝ = N·g`` and in G's normaliser), in whatever order the calls'
+        gradients arrive."""
+        return max(batch, self._pass_batch.get(pass_id, 0))
 
     def add(self, index: int, value: Tensor) -> None:
         current = self.sums[index]

@@ -196,6 +196,10 @@ class Schedule:
             and not (k == "lr" and self.lr_from_optimizer)
         }
 
+    def fix(self, **values: Any) -> None:
+        """Options that are not scheduled, changed between steps."""
+        self._config = dataclasses.replace(self._config, **values)
+
     def restore(self, values: Mapping[str, Any]) -> None:
         """Take checkpointed values (validated by :class:`KFACConfig`'s checks)."""
         if values:

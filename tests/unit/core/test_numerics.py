@@ -294,6 +294,55 @@ def test_gradient_accumulation_equals_one_big_batch(in_hook: bool) -> None:
         )
 
 
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_a_short_last_step_set_between_steps_equals_its_one_big_batch(in_hook: bool) -> None:
+    """An epoch of 5 micro-batches at 2 per step ends with a step of one,
+    whose loss a Trainer divides by 1: ``precond.accumulation_steps = 1``
+    before it (and 2 again after) keeps G that of each step's whole batch.
+    The running averages and the weights equal those of one big batch per
+    step; without the setting that short step's G was 4 times too large."""
+    x, y = data(20)
+    steps = [(x[0:8], y[0:8]), (x[8:16], y[8:16]), (x[16:20], y[16:20])]
+    model = mlp()
+    options = kfac_pytorch(damping=DAMPING, kl_clip=None, update_factors_in_hook=in_hook)
+    acc_model, one_model = copy.deepcopy(model), copy.deepcopy(model)
+    acc_opt = torch.optim.SGD(acc_model.parameters(), lr=0.1)
+    one_opt = torch.optim.SGD(one_model.parameters(), lr=0.1)
+    acc = KFACPreconditioner(acc_model, optimizer=acc_opt, accumulation_steps=2, **options)
+    one = KFACPreconditioner(one_model, optimizer=one_opt, **options)
+    for xs, ys in steps:
+        micro = list(zip(xs.split(4), ys.split(4)))
+        acc.accumulation_steps = len(micro)
+        acc_opt.zero_grad()
+        for xb, yb in micro:
+            (F.cross_entropy(acc_model(xb), yb) / len(micro)).backward()
+        acc.step()
+        acc_opt.step()
+        one_opt.zero_grad()
+        F.cross_entropy(one_model(xs), ys).backward()
+        one.step()
+        one_opt.step()
+    assert acc.accumulation_steps == 1 and acc.config.accumulation_steps == 1
+    for name in one.layers:
+        for f in ("A", "G"):
+            assert rel_err(acc.layers[name].factor(f), one.layers[name].factor(f)) <= TOL
+    for a, b in zip(acc_model.parameters(), one_model.parameters()):
+        assert rel_err(a, b) <= TOL
+
+
+def test_accumulation_steps_is_set_between_steps_only() -> None:
+    x, y = data(8)
+    model = mlp()
+    precond = KFACPreconditioner(model, accumulation_steps=2)
+    for bad, error in ((0, ValueError), (1.5, TypeError), ("2", TypeError)):
+        with pytest.raises(error, match="accumulation_steps"):
+            precond.accumulation_steps = bad
+    (F.cross_entropy(model(x[:4]), y[:4]) / 2).backward()
+    with pytest.raises(RuntimeError, match="between steps only"):
+        precond.accumulation_steps = 1
+    assert precond.accumulation_steps == 2
+
+
 def _views_step(
     accumulation_steps: int, in_hook: bool, loss_average: str = "batch"
 ) -> KFACPreconditioner:
@@ -366,6 +415,59 @@ def test_module_called_twice_accumulates_both_calls() -> None:
     assert rel_err(layer.factor("A"), A) <= TOL
     assert rel_err(layer.factor("G"), G) <= TOL
     assert rel_err(grad_matrix(shared), dense_precondition(raw["shared"], A, G, DAMPING)) <= TOL
+
+
+class _Stepped(nn.Module):
+    """An RNN cell over sequences of lengths 4, 3, 2, 1 that steps only the
+    rows still running (what ``pack_padded_sequence`` loops do), or one
+    module called on the whole batch and on a part of it, in either order."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.cell = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "rnn":
+            h = torch.zeros_like(x)
+            for running in (4, 3, 2, 1):
+                h = torch.cat([torch.tanh(self.cell(x[:running] + h[:running])), h[running:]])
+            return self.head(h)
+        if self.how == "whole-first":
+            whole = torch.tanh(self.cell(x))
+            part = torch.tanh(self.cell(x[:2]))
+        else:
+            part = torch.tanh(self.cell(x[:2]))
+            whole = torch.tanh(self.cell(x))
+        return self.head(whole + F.pad(part, (0, 0, 0, 2)))
+
+
+@pytest.mark.parametrize("in_hook", [True, False])
+@pytest.mark.parametrize("how", ["rnn", "whole-first", "part-first"])
+def test_calls_on_parts_of_the_batch_take_the_whole_batch(how: str, in_hook: bool) -> None:
+    """Every call of one pass is read with the pass's data points N (its
+    widest call's batch): G took each call's own batch as the multiplier and
+    the first-arriving gradient's as the normaliser, so it depended on the
+    order of the calls and was wrong for both."""
+    model = _Stepped(how)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 2, (4,), generator=torch.Generator().manual_seed(2))
+    precond, raw = kfac_step(
+        model, lambda out: F.cross_entropy(out, y), x, update_factors_in_hook=in_hook
+    )
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    handle = model.cell.register_forward_hook(lambda m, i, o: calls.append((i[0].detach(), o)))
+    total = F.cross_entropy(model(x), y, reduction="sum")
+    handle.remove()
+    rows = torch.cat(torch.autograd.grad(total, [o for _, o in calls]))
+    A = outer_mean(with_ones(torch.cat([i for i, _ in calls])))
+    G = rows.t() @ rows / 4
+    layer = precond.layers["cell"]
+    assert rel_err(layer.factor("A"), A) <= TOL
+    assert rel_err(layer.factor("G"), G) <= TOL
+    assert rel_err(grad_matrix(model.cell), dense_precondition(raw["cell"], A, G, DAMPING)) <= TOL
 
 
 def test_running_average_initialised_from_first_batch() -> None:

@@ -99,6 +99,8 @@ class Capture:
     ) -> None:
         self.method = method
         self.accumulation_steps = accumulation_steps
+        #: each micro-batch's loss is divided by ``accumulation_steps`` (no divisor given)
+        self._divisor_follows = loss_divisor is None
         divisor = accumulation_steps if loss_divisor is None else loss_divisor
         #: ``m`` of ``ĝ = m·g`` per call (kaisa.step.capture.normalise)
         self.normalisation = LossNormalisation(loss_average, divisor, loss_scale)
@@ -152,6 +154,21 @@ class Capture:
         self.enabled = factor_step
         if self.positions is not None and factor_step:
             self.positions.step = step
+
+    def set_accumulation_steps(self, steps: int) -> None:
+        """Micro-batches of the coming step (and what each one's loss is
+        divided by, unless an engine said otherwise).  Between steps only:
+        the passes already captured were scaled by the old count."""
+        if any(la.batch.passes or la.batch.pending_forwards for la in self.layers):
+            raise RuntimeError(
+                "kaisa: accumulation_steps can change between steps only (after step(), "
+                "before the next step's first forward): this step's passes were read with "
+                f"accumulation_steps={self.accumulation_steps}"
+            )
+        self.accumulation_steps = steps
+        if self._divisor_follows:
+            self.normalisation.loss_divisor = steps
+            self.graph.loss_divisor = steps
 
     # -- hooks -------------------------------------------------------------
     def _count_pass(self, module: nn.Module, inputs: Any) -> None:
@@ -242,6 +259,7 @@ class Capture:
         since = profile.start() if profile is not None else 0.0
         recomputed = _in_backward()
         batch = layer.adapter.batch_size(x)
+        layer.batch.widest(self.pass_id, batch)
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()
@@ -255,7 +273,7 @@ class Capture:
         layer: KFACLayer,
         x: Tensor,
         inputs: list[tuple[int, Tensor, float]],
-        batch: int,
+        call_batch: int,
         recomputed: bool,
         grad_view: Callable[[Tensor], Tensor] | None,
     ) -> Callable[[Tensor], None]:
@@ -271,6 +289,7 @@ class Capture:
             key = (pass_id, _graph_task())
             g = grad.detach() if grad_view is None else grad_view(grad.detach())
             positions = layer.adapter.grad_output_rows(g).shape[1]
+            batch = layer.batch.batch_of(pass_id, call_batch)
             multiplier = self.normalisation.multiplier(batch, positions)
             if not recomputed:
                 layer.batch.pending_forwards -= 1
