@@ -58,7 +58,9 @@ def plain_loop() -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def training_arguments(tmp_path, max_grad_norm: float) -> transformers.TrainingArguments:
+def training_arguments(
+    tmp_path, max_grad_norm: float, **extra: object
+) -> transformers.TrainingArguments:
     """Plain SGD at a constant rate, in order, nothing saved or logged."""
     return transformers.TrainingArguments(
         output_dir=str(tmp_path),
@@ -75,6 +77,7 @@ def training_arguments(tmp_path, max_grad_norm: float) -> transformers.TrainingA
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
+        **extra,
     )
 
 
@@ -233,3 +236,142 @@ def test_trainer_resume_between_inverse_updates(tmp_path, second_order: bool) ->
         assert max(errors) == 0.0, errors
     else:  # the inverses are recomputed from factors that already hold step 3's batch
         assert max(errors) > 1e-6, errors
+
+
+def test_a_trainer_trained_again_with_the_same_callback_resumes_exactly(tmp_path) -> None:
+    """A second ``train()`` (here resuming the first's checkpoint) builds its
+    preconditioner anew and loads the checkpoint's state: the first call's
+    end had taken the hooks off, and the second raised at its first step."""
+    want, _ = resumable_run(tmp_path / "whole", True, resume=False)
+    args = training_arguments(tmp_path / "twice", 0.0)
+    args.max_steps, args.save_strategy, args.save_steps = 2 * STEPS, "steps", STEPS
+    model = Classifier()
+    callback = KFACCallback(**RESUME_KW)
+    trainer = InOrder(model=model, args=args, train_dataset=rows(), callbacks=[callback])
+    trainer.train()
+    first = callback.preconditioner
+    trainer.train(resume_from_checkpoint=str(tmp_path / "twice" / f"checkpoint-{STEPS}"))
+    assert callback.preconditioner is not first
+    assert callback.preconditioner is not None and callback.preconditioner.steps == 2 * STEPS
+    for a, b in zip([p.detach() for p in model.parameters()], want):
+        assert torch.equal(a, b)
+
+
+def test_resuming_from_a_checkpoint_outside_output_dir_is_exact(tmp_path) -> None:
+    """``train(resume_from_checkpoint=path)`` may name any folder; the state
+    was looked for under ``output_dir`` and the preconditioner started afresh."""
+    import shutil
+
+    want, _ = resumable_run(tmp_path / "whole", True, resume=False)
+    resumable_run(tmp_path / "first", True, resume=True)  # writes first/checkpoint-3
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "first" / f"checkpoint-{STEPS}", moved)
+    args = training_arguments(tmp_path / "second", 0.0)
+    args.max_steps = 2 * STEPS
+    model = Classifier()
+    callback = KFACCallback(**RESUME_KW)
+    trainer = InOrder(model=model, args=args, train_dataset=rows(), callbacks=[callback])
+    trainer.train(resume_from_checkpoint=str(moved))
+    for a, b in zip([p.detach() for p in model.parameters()], want):
+        assert torch.equal(a, b)
+
+
+def test_fp16_grad_scaler_is_divided_out_of_the_factors(tmp_path) -> None:
+    """With ``fp16=True`` accelerate scales the loss by a GradScaler (on a GPU;
+    here the same scaler is put in its place on the CPU): the factors were
+    captured from the scaled backward, so G held the scale squared.  The run
+    equals the documented plain loop (``unscale_``, then ``grad_scaler=``)."""
+    scale = 2.0**8
+
+    def plain() -> list[torch.Tensor]:
+        model = Classifier()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        precond = KFACPreconditioner(
+            model, optimizer=opt, accumulation_steps=ACCUMULATE, grad_scaler=scaler, **KW
+        )
+        data = rows()
+        for step in range(STEPS):
+            opt.zero_grad()
+            for k in range(ACCUMULATE):
+                chunk = data[(step * ACCUMULATE + k) * BATCH :][:BATCH]
+                x = torch.stack([r["x"] for r in chunk])
+                y = torch.stack([r["labels"] for r in chunk])
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x, y)["loss"]
+                scaler.scale(loss / ACCUMULATE).backward()
+            scaler.unscale_(opt)
+            precond.step()
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach() for p in model.parameters()]
+
+    model = Classifier()
+    args = training_arguments(tmp_path, 0.0, fp16=True)
+    callback = KFACCallback(**KW)
+    trainer = InOrder(model=model, args=args, train_dataset=rows(), callbacks=[callback])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    trainer.accelerator.native_amp = True
+    trainer.train()
+    assert callback.preconditioner is not None
+    assert callback.preconditioner.grad_scaler is trainer.accelerator.scaler
+    for a, b in zip([p.detach() for p in model.parameters()], plain()):
+        assert float((a - b).norm() / b.norm()) <= 1e-5
+
+
+def test_a_compute_loss_that_drops_num_items_in_batch_is_told_what_to_pass(tmp_path) -> None:
+    """The callback reads ``num_items_in_batch`` for a model taking loss
+    keyword arguments; a ``compute_loss`` of one's own that does not pass it
+    on met only kaisa's ``loss_items`` error, whose advice a callback user
+    cannot follow.  The warning names the callback's option, which works."""
+
+    class OwnLoss(InOrder):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss
+
+    def run(**options: object) -> KFACCallback:
+        callback = KFACCallback(**{**KW, **options})
+        trainer = OwnLoss(
+            model=tiny_llama(),
+            args=training_arguments(tmp_path, 0.0),
+            train_dataset=token_rows(),
+            callbacks=[callback],
+        )
+        trainer.train()
+        return callback
+
+    told = pytest.warns(UserWarning, match=r"KFACCallback\(loss_average='batch'\)")
+    with told, pytest.raises(RuntimeError, match="loss_items"):
+        run()
+    callback = run(loss_average="batch")
+    assert callback.preconditioner is not None and callback.preconditioner.steps == STEPS
+
+
+def test_an_epochs_short_last_step_equals_the_plain_loop(tmp_path) -> None:
+    """Five micro-batches at two per step: the epoch's last step has one, and
+    the Trainer divides its loss by 1.  kaisa follows the count (its G was
+    4 times too large on that step) and equals the plain loop that says so."""
+    data = [r for _ in range(2) for r in rows()][: 5 * BATCH]
+    model = Classifier()
+    args = training_arguments(tmp_path, 0.0, num_train_epochs=1)
+    args.max_steps = -1
+    callback = KFACCallback(**RESUME_KW)
+    InOrder(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    assert callback.preconditioner is not None and callback.preconditioner.steps == 3
+
+    plain = Classifier()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    precond = KFACPreconditioner(plain, optimizer=opt, accumulation_steps=ACCUMULATE, **RESUME_KW)
+    for first in (0, 2, 4):
+        micro = [data[i * BATCH : (i + 1) * BATCH] for i in range(first, min(first + 2, 5))]
+        precond.accumulation_steps = len(micro)
+        opt.zero_grad()
+        for chunk in micro:
+            x = torch.stack([r["x"] for r in chunk])
+            y = torch.stack([r["labels"] for r in chunk])
+            (plain(x, y)["loss"] / len(micro)).backward()
+        precond.step()
+        opt.step()
+    assert callback.preconditioner.accumulation_steps == 1
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert float((a - b).norm() / b.norm()) <= 1e-5

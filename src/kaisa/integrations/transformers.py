@@ -9,8 +9,11 @@ rescales the raw gradient and so changes the KL clip's verdict; use
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[KFACCallback(damping=0.01)])
 
-``accumulation_steps`` is taken from ``gradient_accumulation_steps`` and the
-KL clip's learning rate from the Trainer's optimizer, unless given.
+``accumulation_steps`` is taken from ``gradient_accumulation_steps`` (an
+epoch's last step, when the epoch does not divide by it, has fewer
+micro-batches, and the Trainer divides its loss by that count: kaisa
+follows) and the KL clip's learning rate from the Trainer's optimizer,
+unless given.
 
 A model that accepts loss keyword arguments (Hugging Face language models)
 gets ``num_items_in_batch`` from the Trainer: its loss is ``Σ ℓ / N`` with
@@ -20,28 +23,37 @@ the Trainer multiplies the loss by the world size).  The callback then uses
 ``loss_average='items'`` and reads ``N`` from every forward call, so the G
 factor sees per-token gradients whatever the padding.
 
+With ``fp16=True`` the Trainer's grad scaler (accelerate's) is kaisa's
+``grad_scaler``, divided out of the captured output gradients, and the
+gradients are unscaled before :meth:`KFACPreconditioner.step` where the
+Trainer has not done so yet.
+
 The preconditioner's state is saved with every Trainer checkpoint
 (``kaisa.pt`` in ``checkpoint-<step>``, written by the main process; every
 rank takes part in gathering it) and restored when training resumes from
-one (``resume_from_checkpoint``): the running factors, the step count and
-the eigenbases/inverses, which makes the resume exact at any step
-(``include_second_order=False`` leaves them out; see docs/engines.md,
-"Checkpoints").
+one (``train(resume_from_checkpoint=...)``, from wherever that folder is):
+the running factors, the step count and the eigenbases/inverses, which
+makes the resume exact at any step (``include_second_order=False`` leaves
+them out; see docs/engines.md, "Checkpoints").  Each ``train()`` call builds
+its preconditioner afresh, so one callback serves a Trainer trained twice.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from kaisa.config import LossAverage
 from kaisa.engines import unwrap_model
 from kaisa.preconditioner import KFACPreconditioner
+from kaisa.step.loss_scaling import unscale_once
 from kaisa.warn import warn_user
 
 __all__ = ["KFACCallback"]
@@ -70,16 +82,22 @@ class KFACCallback(TrainerCallback):
         self.preconditioner: KFACPreconditioner | None = None
         self._items_hook: Any = None
         self._items_divisor = 1
+        self._told = False  #: of a training forward without num_items_in_batch
+        #: the running train() call's preconditioner is attached (a new call builds anew)
+        self._attached = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.preconditioner is not None:
+        if self._attached:
             return
         options = dict(self.kwargs)
         options.setdefault("accumulation_steps", args.gradient_accumulation_steps)
-        optimizer = kwargs.get("optimizer")
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        wrapper = kwargs.get("optimizer")
+        optimizer = getattr(wrapper, "optimizer", wrapper)  # accelerate's wrapper
         if optimizer is not None:  # its lr unless lr= is given; a skipped step empties it
             options.setdefault("optimizer", optimizer)
+        scaler = getattr(wrapper, "scaler", None)  # fp16: accelerate's GradScaler
+        if scaler is not None:
+            options.setdefault("grad_scaler", scaler)
         if args.max_grad_norm and args.max_grad_norm > 0:
             warn_user(
                 f"kaisa: the Trainer clips gradients (max_grad_norm={args.max_grad_norm}) before "
@@ -90,6 +108,7 @@ class KFACCallback(TrainerCallback):
         if "loss_average" not in options and _accepts_loss_kwargs(model):
             options["loss_average"] = LossAverage.ITEMS
         self.preconditioner = KFACPreconditioner(model, **options)
+        self._attached = True
         self._resume(args, state)
         if self.preconditioner.config.loss_average is LossAverage.ITEMS:
             spread = args.average_tokens_across_devices and args.world_size > 1
@@ -100,8 +119,9 @@ class KFACCallback(TrainerCallback):
         """Load the state saved with the checkpoint training resumes from."""
         if not state.global_step or self.preconditioner is None:
             return
-        folder = args.resume_from_checkpoint
-        if not isinstance(folder, str) or not os.path.isdir(folder):
+        candidates = (_resumed_from(), args.resume_from_checkpoint)
+        folder = next((f for f in candidates if isinstance(f, str) and os.path.isdir(f)), None)
+        if folder is None:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         path = os.path.join(folder, self.STATE_NAME)
         if not os.path.isfile(path):
@@ -125,17 +145,80 @@ class KFACCallback(TrainerCallback):
         items = kwargs.get("num_items_in_batch")
         if items is not None and self.preconditioner is not None:
             self.preconditioner.loss_items = float(items) / self._items_divisor
+        elif items is None and module.training and torch.is_grad_enabled() and not self._told:
+            self._told = True
+            warn_user(
+                "kaisa: a training forward got no num_items_in_batch, which KFACCallback reads "
+                "because the model takes loss keyword arguments (a compute_loss of your own, or "
+                "a model that takes **kwargs but averages its loss over the micro-batch, such "
+                "as Hugging Face's sequence classifiers): give the average your loss takes, "
+                "KFACCallback(loss_average='batch')",
+            )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """An epoch's short last step: its loss is divided by the micro-batches
+        it has, so kaisa's accumulation_steps follows for that step (given
+        ``accumulation_steps``, a ``num_items_in_batch`` loss and DeepSpeed,
+        which accumulates itself, are left as they are)."""
+        precond = self.preconditioner
+        if precond is None or not self._attached or "accumulation_steps" in self.kwargs:
+            return
+        if precond.config.loss_average is LossAverage.ITEMS or args.deepspeed:
+            return
+        steps = _micro_batches()
+        if steps is not None and steps != precond.accumulation_steps:
+            precond.accumulation_steps = steps
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.preconditioner is not None:
-            self.preconditioner.step()
+        precond = self.preconditioner
+        if precond is not None and self._attached:
+            scaler, optimizer = precond.grad_scaler, precond.optimizer
+            if scaler is not None and optimizer is not None:
+                unscale_once(scaler, optimizer)  # the optimizer's step would, too late for kaisa
+            precond.step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.preconditioner is not None:
+        if self.preconditioner is not None and self._attached:
             self.preconditioner.remove_hooks()
+        self._attached = False
         if self._items_hook is not None:
             self._items_hook.remove()
             self._items_hook = None
+
+
+# The Trainer hands its callbacks neither itself nor the checkpoint it resumes
+# from (``args.resume_from_checkpoint`` is only the command line's), and a
+# step's micro-batch count only through itself; both are read from the frames
+# of the training loop that called the callback.
+def _callers() -> Iterator[FrameType]:
+    frame = inspect.currentframe()
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _resumed_from() -> str | None:
+    """The folder the running ``Trainer.train(resume_from_checkpoint=...)``
+    resumes from (None where no training loop's frame holds one)."""
+    for frame in _callers():
+        if frame.f_code.co_name in ("_inner_training_loop", "train"):
+            value = frame.f_locals.get("resume_from_checkpoint")
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def _micro_batches() -> int | None:
+    """The micro-batches of the Trainer's coming optimizer step: fewer than
+    ``gradient_accumulation_steps`` in an epoch's last step when the epoch
+    does not divide by it, and the Trainer divides that step's loss by
+    them (``current_gradient_accumulation_steps``)."""
+    for frame in _callers():
+        trainer = frame.f_locals.get("self")
+        if isinstance(trainer, Trainer):
+            steps = getattr(trainer, "current_gradient_accumulation_steps", None)
+            return steps if isinstance(steps, int) and steps >= 1 else None
+    return None
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:

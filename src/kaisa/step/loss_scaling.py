@@ -23,7 +23,22 @@ from torch import Tensor
 
 from kaisa.config import check_number, plain_number
 
-__all__ = ["LossScaling"]
+__all__ = ["LossScaling", "unscale_once"]
+
+
+def unscale_once(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``scaler.unscale_(optimizer)`` unless it ran since the last
+    ``update()``: for a loop whose optimizer step unscales (accelerate's),
+    where K-FAC must see the true gradients first.  A scaler that is not a
+    ``GradScaler``, or is disabled, is left alone."""
+    if not callable(getattr(scaler, "unscale_", None)):
+        return
+    if not bool(getattr(scaler, "is_enabled", lambda: True)()):
+        return
+    states = getattr(scaler, "_per_optimizer_states", {})
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    if getattr((state or {}).get("stage"), "name", None) != "UNSCALED":
+        scaler.unscale_(optimizer)
 
 
 class LossScaling:
