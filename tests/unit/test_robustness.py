@@ -217,6 +217,26 @@ def test_what_the_preconditioner_is_bound_to_cannot_be_reassigned(name: str) -> 
     assert getattr(precond, name) is before
 
 
+def test_a_registered_module_replaced_in_the_model_is_told_of() -> None:
+    """``model.hidden = nn.Linear(...)`` after the build: the new module is
+    not preconditioned (its hooks were never registered), which was silent.
+    A frozen layer, whose hooks do not capture either, is not mistaken for it."""
+    model = mlp()
+    model.stem.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, factor_update_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(model, precond, opt, seed=0)
+    model.hidden = nn.Linear(8, 8).double()
+    opt.add_param_group({"params": model.hidden.parameters()})
+    with pytest.warns(UserWarning, match="layer 'hidden' is no longer part of the model"):
+        train_step(model, precond, opt, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        train_step(model, precond, opt, seed=2)
+
+
 def test_model_pickles_and_saves_after_attaching() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -183,6 +183,7 @@ class StepPipeline:
         self.reports.broadcast_inputs(self.layers)
         self.reports.eval_forwards(self.layers, self.engine)
         self.reports.changed_biases(self.layers)
+        self.reports.replaced_modules(self.layers, self.capture.root)
         capture = self.capture
         if not self.in_hook:
             for layer in self.layers:

@@ -1,14 +1,17 @@
 """What the step says once about a layer's captured statistics.
 
-Five things a user can get wrong without an error, each warned about once
-(per layer where it is a layer's) at a factor step, before the statistics
-are reduced: forwards with no backward, an input broadcast over the batch
-that kaisa cannot see through, training forwards run in eval mode, a bias
-frozen or unfrozen after the preconditioner was built, and more passes
-than ``accumulation_steps`` under a loss averaged over the batch.
+Things a user can get wrong without an error, each warned about once (per
+layer where it is a layer's) at a factor step, before the statistics are
+reduced: forwards with no backward, an input broadcast over the batch that
+kaisa cannot see through, training forwards run in eval mode, a bias frozen
+or unfrozen after the preconditioner was built (or training under a frozen
+weight), a registered module replaced in the model, and more passes than
+``accumulation_steps`` under a loss averaged over the batch.
 """
 
 from __future__ import annotations
+
+from torch import nn
 
 from kaisa.core.options import LossAverage
 from kaisa.core.specs import FactorSource
@@ -27,6 +30,7 @@ class StepReports:
         self._broadcast: set[str] = set()
         self._eval: set[str] = set()
         self._bias: set[str] = set()
+        self._replaced: set[str] = set()
         self._passes = False
 
     def broadcast_inputs(self, layers: list[KFACLayer]) -> None:
@@ -125,6 +129,34 @@ class StepReports:
             warn_user(
                 f"kaisa: the bias of layer {la.name!r} {what}. Each layer's K-FAC block is "
                 "fixed when the preconditioner is built: build it after freezing or unfreezing",
+            )
+
+    def replaced_modules(self, layers: list[KFACLayer], root: nn.Module) -> None:
+        """A registered module that is no longer part of the model (another
+        module assigned in its place): its hooks never fire, and the new
+        module is not preconditioned.  Asked on factor steps, of the layers
+        that captured nothing, so a model whose layers all ran costs
+        nothing.  Said once per layer."""
+        idle = [
+            la
+            for la in layers
+            if la.batch.calls == 0
+            and not la.pending.calls
+            and la.adapter.captured_by_module_hooks
+            and la.name not in self._replaced
+        ]
+        if not idle:
+            return
+        present = {id(m) for m in root.modules()}
+        for la in idle:
+            if id(la.adapter.module) in present:
+                continue
+            self._replaced.add(la.name)
+            warn_user(
+                f"kaisa: layer {la.name!r} is no longer part of the model (a module was "
+                "assigned in its place after KFACPreconditioner was built): the new module "
+                "is not preconditioned. Build a new preconditioner on the changed model; "
+                "load_state_dict(precond.state_dict()) carries the other layers' state",
             )
 
     def extra_passes(

@@ -155,6 +155,11 @@ class Capture:
         if self.positions is not None and factor_step:
             self.positions.step = step
 
+    @property
+    def root(self) -> nn.Module:
+        """The model the pass counter is on (its modules are the model's)."""
+        return self._model
+
     def set_accumulation_steps(self, steps: int) -> None:
         """Micro-batches of the coming step (and what each one's loss is
         divided by, unless an engine said otherwise).  Between steps only:
