@@ -197,6 +197,22 @@ def check_call(init: Callable[..., None], args: tuple[Any, ...], kwargs: dict[st
         raise TypeError("KFACPreconditioner needs the model: KFACPreconditioner(model, ...)")
 
 
+def check_callback_options(init: Callable[..., None], kwargs: dict[str, Any]) -> None:
+    """What a framework callback will hand ``init`` (the preconditioner's),
+    checked when the callback is made: it builds the preconditioner only
+    when training starts, after the model and the data have loaded, which
+    is late to learn of a misspelt option.  Unknown names, a ``model`` (the
+    callback passes the framework's) and the plain options' values are
+    refused as the constructor would; what needs the model waits for it."""
+    if "model" in kwargs:
+        raise TypeError("the callback passes the training's model itself: leave model= out")
+    check_call(init, (), {**kwargs, "model": None})
+    options = {k: v for k, v in kwargs.items() if k in KFACConfig.field_names()}
+    KFACConfig.from_options(
+        **{k: v for k, v in options.items() if v is not None or k not in _ENGINE_OWNED}
+    )
+
+
 def check_runtime_arguments(
     model: Any,
     optimizer: Any,

@@ -174,3 +174,20 @@ def test_two_optimizers_precondition_once_a_batch_and_skip_a_nan_step(
     got = list(module.net.parameters())
     assert all(torch.isfinite(p).all() for p in got)
     assert_close(got, _two_optimizer_loop(nan_at), tol=0.0)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"dampng": 0.01}, TypeError, "did you mean 'damping'"),
+        ({"damping": -1.0}, ValueError, "damping must be in"),
+        ({"compute_method": "eigne"}, ValueError, "compute_method must be one of"),
+        ({"model": torch.nn.Linear(2, 2)}, TypeError, "leave model= out"),
+    ],
+)
+def test_the_callbacks_options_are_checked_when_it_is_made(options, error, match) -> None:
+    """The preconditioner is built when training starts, after the model and
+    the data have loaded: a misspelt option or a bad value is refused at once."""
+    with pytest.raises(error, match=match):
+        KFACCallback(**options)
+    KFACCallback(damping=0.01, lr=None, accumulation_steps=None)  # None: the framework's

@@ -375,3 +375,20 @@ def test_an_epochs_short_last_step_equals_the_plain_loop(tmp_path) -> None:
     assert callback.preconditioner.accumulation_steps == 1
     for a, b in zip(model.parameters(), plain.parameters()):
         assert float((a - b).norm() / b.norm()) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"dampng": 0.01}, TypeError, "did you mean 'damping'"),
+        ({"damping": -1.0}, ValueError, "damping must be in"),
+        ({"compute_method": "eigne"}, ValueError, "compute_method must be one of"),
+        ({"model": torch.nn.Linear(2, 2)}, TypeError, "leave model= out"),
+    ],
+)
+def test_the_callbacks_options_are_checked_when_it_is_made(options, error, match) -> None:
+    """The preconditioner is built when training starts, after the model and
+    the data have loaded: a misspelt option or a bad value is refused at once."""
+    with pytest.raises(error, match=match):
+        KFACCallback(**options)
+    KFACCallback(damping=0.01, lr=None, accumulation_steps=None)  # None: the framework's

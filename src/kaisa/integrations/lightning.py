@@ -35,6 +35,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from kaisa.preconditioner import KFACPreconditioner
+from kaisa.wiring import check_callback_options
 
 __all__ = ["KFACCallback"]
 
@@ -55,6 +56,7 @@ class KFACCallback(Callback):
             raise TypeError(
                 f"include_second_order must be a bool; got {type(include_second_order).__name__}"
             )
+        check_callback_options(KFACPreconditioner.__init__, kwargs)
         self.include_second_order = include_second_order
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None

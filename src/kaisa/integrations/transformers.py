@@ -55,6 +55,7 @@ from kaisa.engines import unwrap_model
 from kaisa.preconditioner import KFACPreconditioner
 from kaisa.step.loss_scaling import unscale_once
 from kaisa.warn import warn_user
+from kaisa.wiring import check_callback_options
 
 __all__ = ["KFACCallback"]
 
@@ -77,6 +78,7 @@ class KFACCallback(TrainerCallback):
             raise TypeError(
                 f"include_second_order must be a bool; got {type(include_second_order).__name__}"
             )
+        check_callback_options(KFACPreconditioner.__init__, kwargs)
         self.include_second_order = include_second_order
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None
