@@ -344,6 +344,49 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
     return corrupt
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("method", ["inverse", "eigen", "ekfac"])
+def test_a_checkpoint_saved_before_a_pending_recompute_resumes_as_its_source(
+    method: str, sharded: bool
+) -> None:
+    """A factors-only checkpoint leaves the inverses to the next step; saved
+    again before that step, the new checkpoint held damping-only stand-ins
+    as if they were decomposed, and a resume from it never recomputed them.
+    It now leaves them out too, and its resume equals its source's."""
+    options = dict(factor_update_steps=1, inv_update_steps=3, damping=0.1, compute_method=method)
+
+    def fresh() -> tuple[nn.Module, Any, KFACPreconditioner]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, KFACPreconditioner(model, optimizer=opt, **options)
+
+    model, opt, precond = fresh()
+    for seed in range(4):
+        train_step(model, precond, opt, seed=seed)
+    weights, saved = copy.deepcopy(model.state_dict()), precond.state_dict(include_second_order=False)
+
+    def resumed(load: Callable[[KFACPreconditioner], None]) -> tuple[nn.Module, Any, Any]:
+        m, o, p = fresh()
+        m.load_state_dict(weights)
+        load(p)
+        return m, o, p
+
+    first = resumed(lambda p: p.load_state_dict(saved))
+    if sharded:
+        again = first[2].sharded_state_dict()
+        assert not any(bool(flag) for flag in again["held"].values())
+        second = resumed(lambda p: p.load_sharded_state_dict(copy.deepcopy(again)))
+    else:
+        again = first[2].state_dict()
+        assert all(set(entry) == {"A", "G"} for entry in again["layers"].values())
+        second = resumed(lambda p: p.load_state_dict(again))
+    for seed in (4, 5):
+        for m, o, p in (first, second):
+            train_step(m, p, o, seed=seed)
+    for a, b in zip(first[0].parameters(), second[0].parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("large_factor", "how", "match"),
     [

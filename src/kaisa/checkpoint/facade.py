@@ -71,6 +71,7 @@ class Checkpoints(PreconditionerView):
             include_second_order,
             self._schedule.current("damping", self.steps),
             timeout_s,
+            recompute_pending=self._parts.pipeline.second_order.stale,
         )
         if partial is not None:
             state["partial"] = partial

@@ -216,7 +216,7 @@ def worked_second_order(parts: Parts, rank: int, damping: float) -> dict[str, An
     layers ``rank`` is a gradient worker of, keyed by either layout's
     tensors (zeros where the layer holds none).  A layer captured but not
     yet decomposed holds its damping-only stand-ins, as the gathered state
-    does."""
+    does, unless a load left them to be recomputed at the next step."""
     tensors: dict[str, Tensor] = {}
     held: dict[str, Tensor] = {}
     checkpointer, method = parts.checkpointer, parts.checkpointer.method
@@ -225,7 +225,7 @@ def worked_second_order(parts: Parts, rank: int, damping: float) -> dict[str, An
         if not lp.is_grad_worker(rank):
             continue
         device = layer.adapter.device
-        if layer.captured:
+        if layer.captured and not parts.pipeline.second_order.stale:  # see Checkpointer.gather
             like = torch.empty(0, dtype=layer.inv_dtype, device=device)
             method.fill_missing(layer, method.held(layer.factors, lp.colocated), damping, like)
         for key, shape in checkpointer.second_order_shapes(layer).items():

@@ -131,9 +131,12 @@ class Checkpointer:
         include_second_order: bool,
         damping: float,
         timeout_s: float,
+        recompute_pending: bool = False,
     ) -> tuple[dict[str, dict[str, Tensor]], dict[str, int] | None]:
         """The layers' state and, for a call not every rank made within
-        ``timeout_s``, what marks it partial (this rank's share only)."""
+        ``timeout_s``, what marks it partial (this rank's share only).
+        ``recompute_pending``: a load left the second-order state to be
+        recomputed at the next step (see :meth:`gather`)."""
         # rounds are named by the step and the call's number at that step, so
         # a call some ranks skipped does not shift later rounds' names
         if steps not in self._rounds:
@@ -142,7 +145,10 @@ class Checkpointer:
         if self.comm.all_present(
             f"state_dict/{self._uid}/{steps}/{self._rounds[steps]}", timeout_s
         ):
-            return self.gather(include_factors, include_second_order, damping), None
+            gathered = self.gather(
+                include_factors, include_second_order, damping, recompute_pending
+            )
+            return gathered, None
         self.mirror.request(steps)
         mirrored = self.mirror.refreshed
         held = (
@@ -167,9 +173,18 @@ class Checkpointer:
         return self.local(), partial
 
     def gather(
-        self, include_factors: bool, include_second_order: bool, damping: float
+        self,
+        include_factors: bool,
+        include_second_order: bool,
+        damping: float,
+        recompute_pending: bool = False,
     ) -> dict[str, dict[str, Tensor]]:
-        """Every layer's tensors, on every rank (collective)."""
+        """Every layer's tensors, on every rank (collective).  A layer
+        captured but never decomposed saves its damping-only stand-ins, as it
+        preconditions with them; but where a load left the second-order state
+        to be recomputed at the next step (``recompute_pending``), what the
+        layers lack is left out, so that a load of this checkpoint recomputes
+        it too instead of keeping stand-ins the run never used."""
         out: dict[str, dict[str, Tensor | None]] = {name: {} for name in self.layers}
         for name, layer in self.layers.items():
             lp = self.plan.layer(name)
@@ -187,13 +202,16 @@ class Checkpointer:
             if include_second_order and layer.captured:
                 src = lp.grad_workers[0]
                 held = self.method.held(layer.factors, lp.colocated)
-                if self.rank == src:
+                if self.rank == src and not recompute_pending:
                     like = torch.empty(0, dtype=layer.inv_dtype, device=dev)
                     self.method.fill_missing(layer, held, damping, like)
                 for t in held:
                     packed = torch.ones(t.numel + 1, dtype=layer.inv_dtype, device=dev)
-                    if self.rank == src:
-                        packed[:-1] = layer.state[t.key].reshape(-1)
+                    value = layer.state.get(t.key) if self.rank == src else None
+                    if value is not None:
+                        packed[:-1] = value.reshape(-1)
+                    elif self.rank == src:
+                        packed[-1] = 0.0  # not held: the next step recomputes it
                     self._gather_into(out[name], t.key, packed, src, t.shape)
         self.comm.wait()
         return {
