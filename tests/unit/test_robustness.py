@@ -344,6 +344,26 @@ def _set_steps(value: Any) -> Callable[[dict], None]:
     return corrupt
 
 
+def test_a_factor_saved_as_none_is_read_as_not_formed_yet() -> None:
+    """kfac-pytorch saves a layer it has not captured yet as
+    ``{'A': None, 'G': None}``; such a checkpoint (taken before its first
+    factor update) was refused as damaged.  It loads as one without those
+    factors: the run equals a fresh preconditioner's."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, factor_update_steps=1)
+    names = list(precond.layers)
+    precond.load_state_dict({"steps": 0, "layers": {n: {"A": None, "G": None} for n in names}})
+    assert not any(la.captured for la in precond.layers.values())
+    twin_model = mlp()
+    twin_opt = torch.optim.SGD(twin_model.parameters(), lr=0.1)
+    twin = KFACPreconditioner(twin_model, optimizer=twin_opt, factor_update_steps=1)
+    for seed in range(2):
+        train_step(model, precond, opt, seed=seed)
+        train_step(twin_model, twin, twin_opt, seed=seed)
+    assert_same(precond.state_dict(), twin.state_dict())
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("method", ["inverse", "eigen", "ekfac"])
 def test_a_checkpoint_saved_before_a_pending_recompute_resumes_as_its_source(

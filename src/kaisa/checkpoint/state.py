@@ -287,7 +287,12 @@ class Checkpointer:
         by_name = self._match_names(layers)
         for name, entry in by_name.items():
             self._validate_layer(name, entry)
-        return steps, by_name
+        # None: a factor not formed yet (kfac-pytorch saves a layer it has not
+        # captured as {'A': None, 'G': None}); read as absent
+        return steps, {
+            name: {k: v for k, v in entry.items() if v is not None}
+            for name, entry in by_name.items()
+        }
 
     def _match_names(self, layers: Mapping[str, Any]) -> dict[str, Mapping[str, Tensor]]:
         ours = set(self.layers)
@@ -332,6 +337,8 @@ class Checkpointer:
                 f"know, ignored: {unknown} (it holds {sorted(known)})",
             )
         for key, value in entry.items():
+            if value is None:
+                continue  # not formed yet: absent
             if not isinstance(value, Tensor):
                 raise ValueError(f"state_dict entry {name}.{key} is not a tensor")
             if key not in known:
