@@ -392,3 +392,27 @@ def test_the_callbacks_options_are_checked_when_it_is_made(options, error, match
     with pytest.raises(error, match=match):
         KFACCallback(**options)
     KFACCallback(damping=0.01, lr=None, accumulation_steps=None)  # None: the framework's
+
+
+def test_a_train_cut_short_by_an_exception_then_resumed_is_exact(tmp_path) -> None:
+    """A train() that raised never reached on_train_end: the next call, on
+    the same Trainer and callback, must still build anew and load the
+    checkpoint (it kept the old, hooked preconditioner and loaded nothing)."""
+
+    class Crash(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == STEPS + 1:
+                raise RuntimeError("out of memory, say")
+
+    want, _ = resumable_run(tmp_path / "whole", True, resume=False)
+    args = training_arguments(tmp_path / "cut", 0.0)
+    args.max_steps, args.save_strategy, args.save_steps = 2 * STEPS, "steps", STEPS
+    model = Classifier()
+    callback = KFACCallback(**RESUME_KW)
+    trainer = InOrder(model=model, args=args, train_dataset=rows(), callbacks=[callback, Crash])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    trainer.remove_callback(Crash)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "cut" / f"checkpoint-{STEPS}"))
+    for a, b in zip([p.detach() for p in model.parameters()], want):
+        assert torch.equal(a, b)

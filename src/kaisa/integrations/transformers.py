@@ -89,8 +89,7 @@ class KFACCallback(TrainerCallback):
         self._attached = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._attached:
-            return
+        self._detach()  # a train() that did not end (an exception), or a retried loop
         options = dict(self.kwargs)
         options.setdefault("accumulation_steps", args.gradient_accumulation_steps)
         wrapper = kwargs.get("optimizer")
@@ -180,6 +179,11 @@ class KFACCallback(TrainerCallback):
             precond.step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        """Take the running preconditioner's hooks off the model; the next
+        ``train()`` builds a new one (``self.preconditioner`` stays readable)."""
         if self.preconditioner is not None and self._attached:
             self.preconditioner.remove_hooks()
         self._attached = False
