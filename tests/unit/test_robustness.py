@@ -383,7 +383,10 @@ def test_a_checkpoint_saved_before_a_pending_recompute_resumes_as_its_source(
     model, opt, precond = fresh()
     for seed in range(4):
         train_step(model, precond, opt, seed=seed)
-    weights, saved = copy.deepcopy(model.state_dict()), precond.state_dict(include_second_order=False)
+    weights, saved = (
+        copy.deepcopy(model.state_dict()),
+        precond.state_dict(include_second_order=False),
+    )
 
     def resumed(load: Callable[[KFACPreconditioner], None]) -> tuple[nn.Module, Any, Any]:
         m, o, p = fresh()
