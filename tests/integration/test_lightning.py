@@ -191,3 +191,30 @@ def test_the_callbacks_options_are_checked_when_it_is_made(options, error, match
     with pytest.raises(error, match=match):
         KFACCallback(**options)
     KFACCallback(damping=0.01, lr=None, accumulation_steps=None)  # None: the framework's
+
+
+def test_a_fit_cut_short_by_an_exception_leaves_no_hooks_behind(tmp_path) -> None:
+    """A fit() that raised never reached on_fit_end: the next fit() builds a
+    new preconditioner and takes the old one's hooks (and its optimizer
+    verdict) off the model; they stayed and captured every later forward."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+    class Crash(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("out of memory, say")
+
+    module = Module()
+    callback = KFACCallback(**KW)
+    loader = torch.utils.data.DataLoader(micro_batches(), batch_size=None, shuffle=False)
+    crashing = make_trainer(tmp_path, callback, max_steps=STEPS)
+    crashing.callbacks.append(Crash())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        crashing.fit(module, loader)
+    first = callback.preconditioner
+    make_trainer(tmp_path, callback, max_steps=STEPS).fit(module, loader)
+    assert callback.preconditioner is not first
+    x, y = micro_batches()[0]
+    torch.nn.functional.cross_entropy(module.net(x), y).backward()
+    with pytest.raises(RuntimeError, match="remove_hooks"):
+        first.step()

@@ -78,6 +78,8 @@ class KFACCallback(Callback):
             kwargs.setdefault("grad_scaler", scaler)
         if self.preconditioner is not None:  # a second fit() continues from the first, exactly
             self._pending_state = self.preconditioner.state_dict(include_second_order=True)
+            # off the model, where the first fit() raised before on_fit_end took them
+            self.preconditioner.remove_hooks()
         self.preconditioner = KFACPreconditioner(pl_module, **kwargs)
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
