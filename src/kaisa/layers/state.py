@@ -45,6 +45,10 @@ class BatchStatistics:
 
     def __init__(self, n_factors: int) -> None:
         self.n_factors = n_factors
+        #: the layer's forward-call groups (:meth:`forward_group`), counted
+        #: across steps so that a hook of an earlier step never reads a later group
+        self._group = 0
+        self._backward_seen = False
         self.reset()
 
     def reset(self) -> None:
@@ -54,21 +58,33 @@ class BatchStatistics:
         self.pending_forwards = 0  #: forward calls still waiting for their gradient
         self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
         self._last_pass: tuple[int, int] | None = None
-        #: per forward pass, the largest batch any call of the layer saw in it
-        self._pass_batch: dict[int, int] = {}
+        #: per group of forward calls, the largest batch any of them saw
+        self._group_batch: dict[int, int] = {}
 
-    def widest(self, pass_id: int, batch: int) -> None:
-        """Note a forward call's ``batch`` in pass ``pass_id``."""
-        self._pass_batch[pass_id] = max(batch, self._pass_batch.get(pass_id, 0))
+    def forward_group(self, batch: int, recomputed: bool) -> int:
+        """The group of the layer's forward calls a call of ``batch`` joins:
+        the calls since the layer's last backward (one micro-batch's, even
+        where the model's root is not called, as under Lightning); a forward
+        recomputed during backward (activation checkpointing) joins the
+        group it repeats."""
+        if self._backward_seen and not recomputed:
+            self._group += 1
+            self._backward_seen = False
+        self._group_batch[self._group] = max(batch, self._group_batch.get(self._group, 0))
+        return self._group
 
-    def batch_of(self, pass_id: int, batch: int) -> int:
-        """The data points of pass ``pass_id``: its widest call's batch.  A
-        module called on parts of the batch (an RNN cell stepping the rows
+    def backward_seen(self) -> None:
+        """A gradient of this layer's output arrived: a later forward starts a new group."""
+        self._backward_seen = True
+
+    def batch_of(self, group: int, batch: int) -> int:
+        """The data points of a call of ``group``: the group's widest batch.
+        A module called on parts of the batch (an RNN cell stepping the rows
         still running) sees all of them in one call, and the loss averages
-        over all of them, so every call of the pass takes that one ``N``
-        (in ``ĝ = N·g`` and in G's normaliser), in whatever order the calls'
-        gradients arrive."""
-        return max(batch, self._pass_batch.get(pass_id, 0))
+        over all of them, so every call of the micro-batch takes that one
+        ``N`` (in ``ĝ = N·g`` and in G's normaliser), in whatever order the
+        calls' gradients arrive."""
+        return max(batch, self._group_batch.get(group, 0))
 
     def add(self, index: int, value: Tensor) -> None:
         current = self.sums[index]

@@ -470,6 +470,36 @@ def test_calls_on_parts_of_the_batch_take_the_whole_batch(how: str, in_hook: boo
     assert rel_err(grad_matrix(model.cell), dense_precondition(raw["cell"], A, G, DAMPING)) <= TOL
 
 
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_micro_batches_of_different_sizes_keep_their_own_n_where_the_root_is_not_called(
+    in_hook: bool,
+) -> None:
+    """A step of a 4-row and a 2-row micro-batch (an epoch's last, short one)
+    with the preconditioner on a holder whose forward is never called (a
+    LightningModule's ``training_step`` calls ``self.net``): each
+    micro-batch is read with its own N, G is the mean over the 6 rows."""
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    precond = KFACPreconditioner(
+        holder,
+        **kfac_pytorch(
+            damping=DAMPING, kl_clip=None, accumulation_steps=2, update_factors_in_hook=in_hook
+        ),
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(n, 3, generator=g), torch.randint(0, 2, (n,), generator=g)) for n in (4, 2)
+    ]
+    for x, y in batches:
+        (F.cross_entropy(holder.net(x), y) / 2).backward()
+    precond.step()
+    rows = torch.cat(
+        [(torch.softmax(holder.net(x), 1) - F.one_hot(y, 2)).detach() for x, y in batches]
+    )
+    assert rel_err(precond.layers["net.2"].factor("G"), rows.t() @ rows / 6) <= TOL
+
+
 def test_running_average_initialised_from_first_batch() -> None:
     model = mlp()
     decay = 0.7

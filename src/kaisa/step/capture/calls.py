@@ -264,12 +264,14 @@ class Capture:
         since = profile.start() if profile is not None else 0.0
         recomputed = _in_backward()
         batch = layer.adapter.batch_size(x)
-        layer.batch.widest(self.pass_id, batch)
+        group = layer.batch.forward_group(batch, recomputed)
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()
         inputs = terms.input_terms(layer, x, memo, profile) if self.in_hook else []
-        output.register_hook(self._grad_hook(layer, x, inputs, batch, recomputed, grad_view))
+        output.register_hook(
+            self._grad_hook(layer, x, inputs, (group, batch), recomputed, grad_view)
+        )
         if profile is not None:
             profile.stop(CAPTURE, since)
 
@@ -278,7 +280,7 @@ class Capture:
         layer: KFACLayer,
         x: Tensor,
         inputs: list[tuple[int, Tensor, float]],
-        call_batch: int,
+        call: tuple[int, int],
         recomputed: bool,
         grad_view: Callable[[Tensor], Tensor] | None,
     ) -> Callable[[Tensor], None]:
@@ -294,7 +296,8 @@ class Capture:
             key = (pass_id, _graph_task())
             g = grad.detach() if grad_view is None else grad_view(grad.detach())
             positions = layer.adapter.grad_output_rows(g).shape[1]
-            batch = layer.batch.batch_of(pass_id, call_batch)
+            layer.batch.backward_seen()
+            batch = layer.batch.batch_of(*call)  # (its forward group, its own batch)
             multiplier = self.normalisation.multiplier(batch, positions)
             if not recomputed:
                 layer.batch.pending_forwards -= 1
