@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -323,28 +325,22 @@ def test_a_compute_loss_that_drops_num_items_in_batch_is_told_what_to_pass(tmp_p
     """The callback reads ``num_items_in_batch`` for a model taking loss
     keyword arguments; a ``compute_loss`` of one's own that does not pass it
     on met only kaisa's ``loss_items`` error, whose advice a callback user
-    cannot follow.  The warning names the callback's option, which works."""
+    cannot follow.  The warning names what to do."""
 
     class OwnLoss(InOrder):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return model(**inputs).loss
 
-    def run(**options: object) -> KFACCallback:
-        callback = KFACCallback(**{**KW, **options})
-        trainer = OwnLoss(
-            model=tiny_llama(),
-            args=training_arguments(tmp_path, 0.0),
-            train_dataset=token_rows(),
-            callbacks=[callback],
-        )
-        trainer.train()
-        return callback
-
-    told = pytest.warns(UserWarning, match=r"KFACCallback\(loss_average='batch'\)")
+    callback = KFACCallback(**KW)
+    trainer = OwnLoss(
+        model=tiny_llama(),
+        args=training_arguments(tmp_path, 0.0),
+        train_dataset=token_rows(),
+        callbacks=[callback],
+    )
+    told = pytest.warns(UserWarning, match=r"model.accepts_loss_kwargs = False before building")
     with told, pytest.raises(RuntimeError, match="loss_items"):
-        run()
-    callback = run(loss_average="batch")
-    assert callback.preconditioner is not None and callback.preconditioner.steps == STEPS
+        trainer.train()
 
 
 def test_an_epochs_short_last_step_equals_the_plain_loop(tmp_path) -> None:
@@ -416,3 +412,47 @@ def test_a_train_cut_short_by_an_exception_then_resumed_is_exact(tmp_path) -> No
     trainer.train(resume_from_checkpoint=str(tmp_path / "cut" / f"checkpoint-{STEPS}"))
     for a, b in zip([p.detach() for p in model.parameters()], want):
         assert torch.equal(a, b)
+
+
+class KwargsClassifier(Classifier):
+    """Takes ``**kwargs``, as Hugging Face's sequence classifiers do, and
+    averages its loss over the micro-batch, ignoring ``num_items_in_batch``."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        return super().forward(x, labels)
+
+
+def test_a_model_taking_loss_kwargs_with_a_micro_batch_mean_loss(tmp_path) -> None:
+    """The Trainer divides neither such a model's loss by the accumulation
+    count (it passes num_items_in_batch instead), so loss_average='batch'
+    read G (GA)² too large: that is warned about.  Declared with
+    ``accepts_loss_kwargs = False`` before the Trainer is built, the Trainer
+    divides, the callback reads a batch-averaged loss, and the run equals
+    the plain loop."""
+    callback = KFACCallback(**{**KW, "loss_average": "batch"})
+    trainer = InOrder(
+        model=KwargsClassifier(),
+        args=training_arguments(tmp_path / "given", 0.0),
+        train_dataset=rows(),
+        callbacks=[callback],
+    )
+    with pytest.warns(UserWarning, match="gradient_accumulation_steps² too large"):
+        trainer.train()
+
+    model = KwargsClassifier()
+    model.accepts_loss_kwargs = False
+    callback = KFACCallback(**KW)
+    trainer = InOrder(
+        model=model,
+        args=training_arguments(tmp_path / "declared", 0.0),
+        train_dataset=rows(),
+        callbacks=[callback],
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in seen if "num_items_in_batch" in str(w.message)]
+    assert callback.preconditioner is not None
+    assert callback.preconditioner.config.loss_average.value == "batch"
+    for a, b in zip([p.detach() for p in model.parameters()], plain_loop()):
+        assert float((a - b).norm() / b.norm()) <= 1e-5

@@ -21,7 +21,10 @@ gets ``num_items_in_batch`` from the Trainer: its loss is ``Σ ℓ / N`` with
 micro-batches, and all ranks with ``average_tokens_across_devices``, where
 the Trainer multiplies the loss by the world size).  The callback then uses
 ``loss_average='items'`` and reads ``N`` from every forward call, so the G
-factor sees per-token gradients whatever the padding.
+factor sees per-token gradients whatever the padding.  A model that takes
+``**kwargs`` but averages its loss over the micro-batch (the sequence
+classifiers) is declared with ``model.accepts_loss_kwargs = False`` before
+the Trainer is built; a mismatch seen in a forward is warned about.
 
 With ``fp16=True`` the Trainer's grad scaler (accelerate's) is kaisa's
 ``grad_scaler``, divided out of the captured output gradients, and the
@@ -58,6 +61,13 @@ from kaisa.warn import warn_user
 from kaisa.wiring import check_callback_options
 
 __all__ = ["KFACCallback"]
+
+#: how to tell the Trainer (and the callback) that a loss is averaged over its micro-batch
+_BEFORE = (
+    "before building the Trainer: the Trainer then divides the loss by "
+    "gradient_accumulation_steps and passes no num_items_in_batch, and the callback reads "
+    "the loss as averaged over the batch"
+)
 
 
 class KFACCallback(TrainerCallback):
@@ -115,6 +125,8 @@ class KFACCallback(TrainerCallback):
             spread = args.average_tokens_across_devices and args.world_size > 1
             self._items_divisor = args.world_size if spread else 1
             self._items_hook = model.register_forward_pre_hook(self._read_items, with_kwargs=True)
+        elif args.gradient_accumulation_steps > 1 and _accepts_loss_kwargs(model):
+            self._items_hook = model.register_forward_pre_hook(self._undivided, with_kwargs=True)
 
     def _resume(self, args: Any, state: Any) -> None:
         """Load the state saved with the checkpoint training resumes from."""
@@ -150,11 +162,28 @@ class KFACCallback(TrainerCallback):
             self._told = True
             warn_user(
                 "kaisa: a training forward got no num_items_in_batch, which KFACCallback reads "
-                "because the model takes loss keyword arguments (a compute_loss of your own, or "
-                "a model that takes **kwargs but averages its loss over the micro-batch, such "
-                "as Hugging Face's sequence classifiers): give the average your loss takes, "
-                "KFACCallback(loss_average='batch')",
+                "because the model takes loss keyword arguments (a compute_loss of your own?). "
+                "Where the loss is averaged over each micro-batch, set "
+                f"model.accepts_loss_kwargs = False {_BEFORE}",
             )
+
+    def _undivided(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """A loss_average other than 'items' was given for a model that takes
+        loss keyword arguments: the Trainer passes it ``num_items_in_batch``
+        and does not divide its loss by ``gradient_accumulation_steps``,
+        which that average assumes (G would be its square too large)."""
+        if kwargs.get("num_items_in_batch") is None or self._told:
+            return
+        self._told = True
+        average = self.kwargs.get("loss_average")
+        warn_user(
+            f"kaisa: KFACCallback(loss_average={average!r}) reads each micro-batch's loss as "
+            "divided by gradient_accumulation_steps, but the Trainer does not divide this "
+            "model's loss (it takes loss keyword arguments and is given num_items_in_batch): G "
+            "is gradient_accumulation_steps² too large. A loss Σℓ/num_items_in_batch: leave "
+            "loss_average out. A loss averaged over the micro-batch (Hugging Face's sequence "
+            f"classifiers): set model.accepts_loss_kwargs = False {_BEFORE}",
+        )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """An epoch's short last step: its loss is divided by the micro-batches
