@@ -16,6 +16,7 @@ from kaisa.config import (
     LossAverage,
     PlannerConfig,
     PrecisionConfig,
+    TensorParallelMode,
 )
 from kaisa.distributed.topology import Topology
 from kaisa.preconditioner import KFACPreconditioner
@@ -38,6 +39,7 @@ __all__ = [
     "LossAverage",
     "PlannerConfig",
     "PrecisionConfig",
+    "TensorParallelMode",
     "Topology",
     "__version__",
     "tune_cpu_allocator",

@@ -93,10 +93,14 @@ class KFACPreconditioner(Attached, KfacPytorchAttributes, Checkpoints, StepContr
     Args:
         model: the model, optionally wrapped by DDP, DataParallel or
             ``torch.compile`` (layer names are those of the unwrapped model).
-            Every ``nn.Linear`` and ``nn.Conv2d`` (groups=1) is registered —
-            frozen ones too, preconditioned on the steps they have a gradient —
-            except those matching ``skip_layers`` and those with a parameter
-            tied to another module.
+            Every supported layer is registered (``nn.Linear``,
+            ``nn.Conv1d``/``nn.Conv2d`` with groups=1, ``nn.Embedding``,
+            ``nn.MultiheadAttention``'s q/k/v/out blocks, Hugging Face's
+            ``Conv1D``, a Linear head tied to an Embedding: docs/getting-started.md
+            lists them) — frozen ones too, preconditioned on the steps they
+            have a gradient — except those matching ``skip_layers``, those
+            with a parameter tied to another module in any other way, and
+            those whose weight is computed from other parameters.
         optimizer: the optimizer, or every optimizer (``[muon, adamw]``),
             stepping the model: the KL clip reads the first one's lr at every
             step unless ``lr`` is given (:mod:`kaisa.optimizers`).

@@ -49,8 +49,9 @@ _HELP: dict[str, str] = {
     "assignment_strategy": "cost model used to balance decompositions over ranks",
     "colocate_factors": "decompose a layer's A and G on the same rank",
     "allreduce_bucket_cap_mb": "size of the buckets factors are all-reduced in",
-    "factor_dtype": "dtype the factors are accumulated in ('none': the activations' dtype)",
-    "inv_dtype": "dtype of the decompositions ('none': float32)",
+    "factor_dtype": "dtype the factors are accumulated in ('none': the parameters' dtype, "
+    "at least float32)",
+    "inv_dtype": "dtype of the decompositions ('none': the factor dtype, at least float32)",
     "factor_compute_dtype": "dtype of the factors' Gram products, e.g. bfloat16 "
     "('none': the factor dtype)",
     "precondition_dtype": "dtype of the preconditioning products, e.g. bfloat16 "
