@@ -19,7 +19,11 @@ from kaisa.core.specs import FactorSpec, StatisticDtype, StatisticSpec, factor_s
 from kaisa.core.statistics import fold_averages_
 from kaisa.layers.base import LayerAdapter
 
-__all__ = ["BatchStatistics", "KFACLayer", "PendingCapture", "SecondOrderState"]
+__all__ = ["BatchStatistics", "GroupKey", "KFACLayer", "PendingCapture", "SecondOrderState"]
+
+#: a group of one layer's forward calls: (root pass, backwards seen), or
+#: (-1, the backward a recomputed call runs in)
+GroupKey = tuple[int, int]
 
 
 @dataclass
@@ -45,9 +49,9 @@ class BatchStatistics:
 
     def __init__(self, n_factors: int) -> None:
         self.n_factors = n_factors
-        #: the layer's forward-call groups (:meth:`forward_group`), counted
+        #: the layer's backwards so far (:meth:`forward_group`), counted
         #: across steps so that a hook of an earlier step never reads a later group
-        self._group = 0
+        self._generation = 0
         self._backward_seen = False
         self.reset()
 
@@ -59,25 +63,31 @@ class BatchStatistics:
         self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
         self._last_pass: tuple[int, int] | None = None
         #: per group of forward calls, the largest batch any of them saw
-        self._group_batch: dict[int, int] = {}
+        self._group_batch: dict[GroupKey, int] = {}
 
-    def forward_group(self, batch: int, recomputed: bool) -> int:
+    def forward_group(self, batch: int, pass_id: int, recomputed_in: int | None) -> GroupKey:
         """The group of the layer's forward calls a call of ``batch`` joins:
-        the calls since the layer's last backward (one micro-batch's, even
-        where the model's root is not called, as under Lightning); a forward
-        recomputed during backward (activation checkpointing) joins the
-        group it repeats."""
-        if self._backward_seen and not recomputed:
-            self._group += 1
-            self._backward_seen = False
-        self._group_batch[self._group] = max(batch, self._group_batch.get(self._group, 0))
-        return self._group
+        one micro-batch's calls.  A forward of the model's root starts a new
+        pass, and a backward of the layer a new generation (where the root
+        is not called, as under Lightning, every micro-batch shares one
+        pass); a call recomputed during backward (reentrant activation
+        checkpointing, whose first forward ran without grad) is grouped by
+        the backward it runs in, ``recomputed_in``."""
+        if recomputed_in is not None:
+            key: GroupKey = (-1, recomputed_in)
+        else:
+            if self._backward_seen:
+                self._generation += 1
+                self._backward_seen = False
+            key = (pass_id, self._generation)
+        self._group_batch[key] = max(batch, self._group_batch.get(key, 0))
+        return key
 
     def backward_seen(self) -> None:
         """A gradient of this layer's output arrived: a later forward starts a new group."""
         self._backward_seen = True
 
-    def batch_of(self, group: int, batch: int) -> int:
+    def batch_of(self, group: GroupKey, batch: int) -> int:
         """The data points of a call of ``group``: the group's widest batch.
         A module called on parts of the batch (an RNN cell stepping the rows
         still running) sees all of them in one call, and the loss averages

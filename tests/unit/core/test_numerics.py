@@ -471,18 +471,21 @@ def test_calls_on_parts_of_the_batch_take_the_whole_batch(how: str, in_hook: boo
 
 
 @pytest.mark.parametrize("in_hook", [True, False])
-def test_micro_batches_of_different_sizes_keep_their_own_n_where_the_root_is_not_called(
-    in_hook: bool,
-) -> None:
-    """A step of a 4-row and a 2-row micro-batch (an epoch's last, short one)
-    with the preconditioner on a holder whose forward is never called (a
-    LightningModule's ``training_step`` calls ``self.net``): each
-    micro-batch is read with its own N, G is the mean over the 6 rows."""
+@pytest.mark.parametrize("how", ["root-not-called", "summed-loss", "reentrant-checkpoint"])
+def test_micro_batches_of_different_sizes_keep_their_own_n(how: str, in_hook: bool) -> None:
+    """A step of a 4-row and a 2-row micro-batch (an epoch's last, short one):
+    each is read with its own N, and G is the mean over the 6 rows, whether
+    the preconditioner's root is never called (a LightningModule's
+    ``training_step`` calls ``self.net``), both forwards feed one summed loss,
+    or reentrant checkpointing recomputes every forward during backward."""
+    from torch.utils.checkpoint import checkpoint
+
     torch.manual_seed(0)
     holder = nn.Module()
     holder.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    root = holder if how == "root-not-called" else holder.net
     precond = KFACPreconditioner(
-        holder,
+        root,
         **kfac_pytorch(
             damping=DAMPING, kl_clip=None, accumulation_steps=2, update_factors_in_hook=in_hook
         ),
@@ -491,13 +494,23 @@ def test_micro_batches_of_different_sizes_keep_their_own_n_where_the_root_is_not
     batches = [
         (torch.randn(n, 3, generator=g), torch.randint(0, 2, (n,), generator=g)) for n in (4, 2)
     ]
-    for x, y in batches:
-        (F.cross_entropy(holder.net(x), y) / 2).backward()
+    if how == "summed-loss":
+        sum(F.cross_entropy(holder.net(x), y) / 2 for x, y in batches).backward()
+    for x, y in batches if how != "summed-loss" else ():
+        if how == "reentrant-checkpoint":
+            out = checkpoint(holder.net, x.requires_grad_(), use_reentrant=True)
+        else:
+            out = holder.net(x)
+        (F.cross_entropy(out, y) / 2).backward()
     precond.step()
-    rows = torch.cat(
-        [(torch.softmax(holder.net(x), 1) - F.one_hot(y, 2)).detach() for x, y in batches]
+    with precond.paused():
+        rows = torch.cat(
+            [(torch.softmax(holder.net(x), 1) - F.one_hot(y, 2)).detach() for x, y in batches]
+        )
+    assert (
+        rel_err(precond.layers["net.2" if root is holder else "2"].factor("G"), rows.t() @ rows / 6)
+        <= TOL
     )
-    assert rel_err(precond.layers["net.2"].factor("G"), rows.t() @ rows / 6) <= TOL
 
 
 def test_running_average_initialised_from_first_batch() -> None:

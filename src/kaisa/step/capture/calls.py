@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kaisa.config import LossAverage
 from kaisa.layers.base import LayerAdapter
-from kaisa.layers.state import KFACLayer
+from kaisa.layers.state import GroupKey, KFACLayer
 from kaisa.methods.base import CurvatureMethod
 from kaisa.step.capture import terms
 from kaisa.step.capture.attention import capture_functional
@@ -264,7 +264,9 @@ class Capture:
         since = profile.start() if profile is not None else 0.0
         recomputed = _in_backward()
         batch = layer.adapter.batch_size(x)
-        group = layer.batch.forward_group(batch, recomputed)
+        group = layer.batch.forward_group(
+            batch, self.pass_id, _graph_task() if recomputed else None
+        )
         if not recomputed:
             layer.batch.pending_forwards += 1
         x = x.detach()
@@ -280,7 +282,7 @@ class Capture:
         layer: KFACLayer,
         x: Tensor,
         inputs: list[tuple[int, Tensor, float]],
-        call: tuple[int, int],
+        call: tuple[GroupKey, int],
         recomputed: bool,
         grad_view: Callable[[Tensor], Tensor] | None,
     ) -> Callable[[Tensor], None]:
