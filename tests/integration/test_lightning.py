@@ -218,3 +218,14 @@ def test_a_fit_cut_short_by_an_exception_leaves_no_hooks_behind(tmp_path) -> Non
     torch.nn.functional.cross_entropy(module.net(x), y).backward()
     with pytest.raises(RuntimeError, match="remove_hooks"):
         first.step()
+
+
+def test_accumulation_steps_none_is_the_trainers(tmp_path) -> None:
+    """``accumulation_steps=None`` means ``accumulate_grad_batches``, as
+    leaving it out does (it meant 1)."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    callback = KFACCallback(**{**KW, "accumulation_steps": None})
+    loader = torch.utils.data.DataLoader(micro_batches(), batch_size=None, shuffle=False)
+    make_trainer(tmp_path, callback, max_steps=STEPS).fit(Module(), loader)
+    assert callback.preconditioner is not None
+    assert callback.preconditioner.accumulation_steps == ACCUMULATE

@@ -456,3 +456,18 @@ def test_a_model_taking_loss_kwargs_with_a_micro_batch_mean_loss(tmp_path) -> No
     assert callback.preconditioner.config.loss_average.value == "batch"
     for a, b in zip([p.detach() for p in model.parameters()], plain_loop()):
         assert float((a - b).norm() / b.norm()) <= 1e-5
+
+
+def test_accumulation_steps_none_is_the_trainers(tmp_path) -> None:
+    """``accumulation_steps=None`` means the Trainer's count, as leaving it out
+    does (it meant 1, and stopped the callback following a short last step)."""
+    callback = KFACCallback(**{**KW, "accumulation_steps": None})
+    trainer = InOrder(
+        model=Classifier(),
+        args=training_arguments(tmp_path, 0.0),
+        train_dataset=rows(),
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert callback.preconditioner is not None
+    assert callback.preconditioner.accumulation_steps == ACCUMULATE

@@ -67,7 +67,8 @@ class KFACCallback(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         kwargs = dict(self.kwargs)
-        kwargs.setdefault("accumulation_steps", trainer.accumulate_grad_batches)
+        if kwargs.get("accumulation_steps") is None:  # not given, or None: the Trainer's
+            kwargs["accumulation_steps"] = trainer.accumulate_grad_batches
         if trainer.optimizers:
             several = len(trainer.optimizers) > 1
             kwargs.setdefault(

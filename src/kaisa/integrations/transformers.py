@@ -101,7 +101,8 @@ class KFACCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()  # a train() that did not end (an exception), or a retried loop
         options = dict(self.kwargs)
-        options.setdefault("accumulation_steps", args.gradient_accumulation_steps)
+        if options.get("accumulation_steps") is None:  # not given, or None: the Trainer's
+            options["accumulation_steps"] = args.gradient_accumulation_steps
         wrapper = kwargs.get("optimizer")
         optimizer = getattr(wrapper, "optimizer", wrapper)  # accelerate's wrapper
         if optimizer is not None:  # its lr unless lr= is given; a skipped step empties it
@@ -191,7 +192,8 @@ class KFACCallback(TrainerCallback):
         ``accumulation_steps``, a ``num_items_in_batch`` loss and DeepSpeed,
         which accumulates itself, are left as they are)."""
         precond = self.preconditioner
-        if precond is None or not self._attached or "accumulation_steps" in self.kwargs:
+        given = self.kwargs.get("accumulation_steps") is not None
+        if precond is None or not self._attached or given:
             return
         if precond.config.loss_average is LossAverage.ITEMS or args.deepspeed:
             return

@@ -330,10 +330,11 @@ def test_a_short_last_step_set_between_steps_equals_its_one_big_batch(in_hook: b
         assert rel_err(a, b) <= TOL
 
 
-def test_accumulation_steps_is_set_between_steps_only() -> None:
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_accumulation_steps_is_set_between_steps_only(in_hook: bool) -> None:
     x, y = data(8)
     model = mlp()
-    precond = KFACPreconditioner(model, accumulation_steps=2)
+    precond = KFACPreconditioner(model, accumulation_steps=2, update_factors_in_hook=in_hook)
     for bad, error in ((0, ValueError), (1.5, TypeError), ("2", TypeError)):
         with pytest.raises(error, match="accumulation_steps"):
             precond.accumulation_steps = bad

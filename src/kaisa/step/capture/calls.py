@@ -164,7 +164,10 @@ class Capture:
         """Micro-batches of the coming step (and what each one's loss is
         divided by, unless an engine said otherwise).  Between steps only:
         the passes already captured were scaled by the old count."""
-        if any(la.batch.passes or la.batch.pending_forwards for la in self.layers):
+        started = any(
+            la.batch.passes or la.batch.pending_forwards or la.pending.calls for la in self.layers
+        )
+        if started or self.graph.has_data():
             raise RuntimeError(
                 "kaisa: accumulation_steps can change between steps only (after step(), "
                 "before the next step's first forward): this step's passes were read with "
