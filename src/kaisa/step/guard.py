@@ -49,7 +49,8 @@ class StepGuard:
                 "the gradients are already preconditioned. Call loss.backward() between "
                 "step() calls (one step() per optimizer step)"
             )
-        if first and all(
+        frozen = all(not la.adapter.weight.requires_grad for la in self.layers)
+        if (first and not frozen) and all(  # every weight frozen: gradual unfreezing's start
             la.batch.calls == 0 and not la.pending.calls and m is None
             for la, m in zip(self.layers, self.engine.gradient_marks(self.adapters))
         ):

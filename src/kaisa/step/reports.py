@@ -99,22 +99,18 @@ class StepReports:
         weight's own.  A bias that trains under a frozen weight (BitFit)
         keeps its raw gradient too: the layer is preconditioned on the steps
         its weight has a gradient.  Said once per layer."""
+        alone: list[str] = []  # said in one warning: BitFit freezes every weight
         for la in layers:
             bias = la.adapter.bias
             if bias is None or la.name in self._bias:
                 continue
-            alone = trained(bias) and not la.adapter.weight.requires_grad
-            if not alone and trained(bias) == la.adapter.has_bias:
+            if trained(bias) and not la.adapter.weight.requires_grad:
+                self._bias.add(la.name)
+                alone.append(la.name)
+                continue
+            if trained(bias) == la.adapter.has_bias:
                 continue
             self._bias.add(la.name)
-            if alone:
-                warn_user(
-                    f"kaisa: the bias of layer {la.name!r} trains while its weight is frozen: "
-                    "its gradient is left as computed (not preconditioned, not scaled by the "
-                    "KL clip); K-FAC preconditions a layer on the steps its weight has a "
-                    "gradient (skip_layers leaves the layer to the optimizer without this note)",
-                )
-                continue
             if la.adapter.has_bias:
                 what = (
                     "was trained when KFACPreconditioner was built and is frozen now: it gets "
@@ -129,6 +125,13 @@ class StepReports:
             warn_user(
                 f"kaisa: the bias of layer {la.name!r} {what}. Each layer's K-FAC block is "
                 "fixed when the preconditioner is built: build it after freezing or unfreezing",
+            )
+        if alone:
+            warn_user(
+                f"kaisa: biases train while their layers' weights are frozen: {alone}. Their "
+                "gradients are left as computed (not preconditioned, not scaled by the KL "
+                "clip); K-FAC preconditions a layer on the steps its weight has a gradient "
+                "(skip_layers leaves those layers to the optimizer without this note)",
             )
 
     def replaced_modules(self, layers: list[KFACLayer], root: nn.Module) -> None:

@@ -139,15 +139,38 @@ def test_a_bias_training_under_a_frozen_weight_keeps_its_raw_gradient_and_is_tol
     preconditioned on the steps its weight has a gradient, so the bias keeps
     its raw gradient; that was silent while describe() listed the layer."""
     model, first, x, y = _model("linear")
-    first.weight.requires_grad_(False)
+    model = nn.Sequential(*model[:2], nn.Linear(4, 4), nn.Tanh(), model[2])
+    for layer in (first, model[2]):  # two such layers: one warning names both
+        layer.weight.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING, factor_update_steps=1)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     raw = first.bias.grad.clone()
-    with pytest.warns(UserWarning, match="bias of layer '0' trains while its weight is frozen"):
+    with pytest.warns(UserWarning, match=r"weights are frozen: \['0', '2'\]") as told:
         precond.step()
+    assert len([w for w in told if "weights are frozen" in str(w.message)]) == 1
     assert torch.equal(first.bias.grad, raw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per layer
         _steps(model, precond, opt, x, y, 2)
+
+
+def test_every_weight_frozen_at_the_start_steps_then_unfreezes() -> None:
+    """Gradual unfreezing from a model whose registered weights are all frozen
+    (only biases, or layers kaisa does not register, train at first): the
+    first steps have nothing to precondition and were refused as 'no
+    forward/backward captured'; they pass, and a weight unfrozen later is
+    preconditioned from its next factor step."""
+    model, first, x, y = _model("linear")
+    for layer in (first, model[2]):
+        layer.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    precond = KFACPreconditioner(model, optimizer=opt, damping=DAMPING, factor_update_steps=1)
+    with pytest.warns(UserWarning, match="weights are frozen"):
+        _steps(model, precond, opt, x, y, 2)
+    assert not any(la.captured for la in precond.layers.values())
+    model[2].weight.requires_grad_(True)
+    opt.add_param_group({"params": [model[2].weight]})
+    _steps(model, precond, opt, x, y, 1)
+    assert precond.layers["2"].captured and not precond.layers["0"].captured
