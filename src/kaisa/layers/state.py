@@ -60,6 +60,9 @@ class BatchStatistics:
         self.counts: list[float] = [0.0] * self.n_factors
         self.calls = 0  #: forward calls whose statistics were committed
         self.pending_forwards = 0  #: forward calls still waiting for their gradient
+        #: a call was recomputed during backward (reentrant activation
+        #: checkpointing): how many more will come is not known before step()
+        self.recomputed = False
         self.passes = 0  #: distinct forward passes (micro-batches) that reached the layer
         self._last_pass: tuple[int, int] | None = None
         #: per group of forward calls, the largest batch any of them saw

@@ -270,7 +270,9 @@ class Capture:
         group = layer.batch.forward_group(
             batch, self.pass_id, _graph_task() if recomputed else None
         )
-        if not recomputed:
+        if recomputed:
+            layer.batch.recomputed = True
+        else:
             layer.batch.pending_forwards += 1
         x = x.detach()
         inputs = terms.input_terms(layer, x, memo, profile) if self.in_hook else []
@@ -313,7 +315,13 @@ class Capture:
                     layer, inputs, g, batch, multiplier, key, joint_x, self.method, profile
                 )
                 stats = layer.batch
-                complete = stats.pending_forwards == 0 and stats.passes >= self.accumulation_steps
+                # a recomputing backward may yet reach other calls of the
+                # layer (another checkpointed segment): those wait for step()
+                complete = (
+                    stats.pending_forwards == 0
+                    and not stats.recomputed
+                    and stats.passes >= self.accumulation_steps
+                )
                 if complete and self.on_layer_complete is not None:
                     self.on_layer_complete(layer)
             if profile is not None:
