@@ -106,3 +106,23 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float =
     for a, b in zip(got, want):
         err = float((a.detach() - b).norm() / b.norm())
         assert err <= tol, f"relative error {err:.2e}"
+
+
+#: what a framework callback must refuse when it is made (keywords, error, message)
+BAD_CALLBACK_OPTIONS = [
+    ({"dampng": 0.01}, TypeError, "did you mean 'damping'"),
+    ({"damping": -1.0}, ValueError, "damping must be in"),
+    ({"compute_method": "eigne"}, ValueError, "compute_method must be one of"),
+    ({"model": nn.Linear(2, 2)}, TypeError, "leave model= out"),
+]
+
+
+def check_refused_when_made(callback: Any, options: dict, error: type, match: str) -> None:
+    """The preconditioner is built when training starts, after the model and
+    the data have loaded: a misspelt option or a bad value is refused at once
+    by the callback's constructor, and None is the framework's value."""
+    import pytest
+
+    with pytest.raises(error, match=match):
+        callback(**options)
+    callback(damping=0.01, lr=None, accumulation_steps=None)

@@ -15,9 +15,11 @@ from kaisa.integrations.lightning import KFACCallback  # noqa: E402
 
 from framework_case import (  # noqa: E402
     ACCUMULATE,
+    BAD_CALLBACK_OPTIONS,
     KW,
     STEPS,
     assert_close,
+    check_refused_when_made,
     make_net,
     micro_batches,
     plain_loop,
@@ -176,21 +178,9 @@ def test_two_optimizers_precondition_once_a_batch_and_skip_a_nan_step(
     assert_close(got, _two_optimizer_loop(nan_at), tol=0.0)
 
 
-@pytest.mark.parametrize(
-    ("options", "error", "match"),
-    [
-        ({"dampng": 0.01}, TypeError, "did you mean 'damping'"),
-        ({"damping": -1.0}, ValueError, "damping must be in"),
-        ({"compute_method": "eigne"}, ValueError, "compute_method must be one of"),
-        ({"model": torch.nn.Linear(2, 2)}, TypeError, "leave model= out"),
-    ],
-)
+@pytest.mark.parametrize(("options", "error", "match"), BAD_CALLBACK_OPTIONS)
 def test_the_callbacks_options_are_checked_when_it_is_made(options, error, match) -> None:
-    """The preconditioner is built when training starts, after the model and
-    the data have loaded: a misspelt option or a bad value is refused at once."""
-    with pytest.raises(error, match=match):
-        KFACCallback(**options)
-    KFACCallback(damping=0.01, lr=None, accumulation_steps=None)  # None: the framework's
+    check_refused_when_made(KFACCallback, options, error, match)
 
 
 def test_a_fit_cut_short_by_an_exception_leaves_no_hooks_behind(tmp_path) -> None:

@@ -14,6 +14,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from kaisa import KFACPreconditioner  # noqa: E402
 from kaisa.integrations.transformers import KFACCallback  # noqa: E402
 
+from framework_case import BAD_CALLBACK_OPTIONS, check_refused_when_made  # noqa: E402
+
 KW = dict(damping=0.01, kl_clip=0.05, inv_update_steps=2)
 ACCUMULATE = 2
 STEPS = 3
@@ -373,21 +375,9 @@ def test_an_epochs_short_last_step_equals_the_plain_loop(tmp_path) -> None:
         assert float((a - b).norm() / b.norm()) <= 1e-5
 
 
-@pytest.mark.parametrize(
-    ("options", "error", "match"),
-    [
-        ({"dampng": 0.01}, TypeError, "did you mean 'damping'"),
-        ({"damping": -1.0}, ValueError, "damping must be in"),
-        ({"compute_method": "eigne"}, ValueError, "compute_method must be one of"),
-        ({"model": torch.nn.Linear(2, 2)}, TypeError, "leave model= out"),
-    ],
-)
+@pytest.mark.parametrize(("options", "error", "match"), BAD_CALLBACK_OPTIONS)
 def test_the_callbacks_options_are_checked_when_it_is_made(options, error, match) -> None:
-    """The preconditioner is built when training starts, after the model and
-    the data have loaded: a misspelt option or a bad value is refused at once."""
-    with pytest.raises(error, match=match):
-        KFACCallback(**options)
-    KFACCallback(damping=0.01, lr=None, accumulation_steps=None)  # None: the framework's
+    check_refused_when_made(KFACCallback, options, error, match)
 
 
 def test_a_train_cut_short_by_an_exception_then_resumed_is_exact(tmp_path) -> None:
