@@ -461,3 +461,18 @@ def test_accumulation_steps_none_is_the_trainers(tmp_path) -> None:
     trainer.train()
     assert callback.preconditioner is not None
     assert callback.preconditioner.accumulation_steps == ACCUMULATE
+
+
+def test_a_summed_loss_given_for_a_loss_kwargs_model_is_not_warned_about(tmp_path) -> None:
+    """loss_average='sum' does not read the accumulation count, so the
+    Trainer's leaving the loss undivided is no mismatch to warn about."""
+    trainer = InOrder(
+        model=KwargsClassifier(),
+        args=training_arguments(tmp_path, 0.0),
+        train_dataset=rows(),
+        callbacks=[KFACCallback(**{**KW, "loss_average": "sum"})],
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in seen if "too large" in str(w.message)]

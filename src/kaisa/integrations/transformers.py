@@ -126,7 +126,11 @@ class KFACCallback(TrainerCallback):
             spread = args.average_tokens_across_devices and args.world_size > 1
             self._items_divisor = args.world_size if spread else 1
             self._items_hook = model.register_forward_pre_hook(self._read_items, with_kwargs=True)
-        elif args.gradient_accumulation_steps > 1 and _accepts_loss_kwargs(model):
+        elif (
+            self.preconditioner.config.loss_average is not LossAverage.SUM
+            and args.gradient_accumulation_steps > 1
+            and _accepts_loss_kwargs(model)
+        ):  # an average divided by the accumulation count, which the Trainer will not do
             self._items_hook = model.register_forward_pre_hook(self._undivided, with_kwargs=True)
 
     def _resume(self, args: Any, state: Any) -> None:
