@@ -92,7 +92,8 @@ class KFACCallback(TrainerCallback):
         self.include_second_order = include_second_order
         self.kwargs = kwargs
         self.preconditioner: KFACPreconditioner | None = None
-        self._items_hook: Any = None
+        #: reads or checks num_items_in_batch on every forward (None: neither is needed)
+        self._loss_hook: Any = None
         self._items_divisor = 1
         self._told = False  #: of a training forward without num_items_in_batch
         #: the running train() call's preconditioner is attached (a new call builds anew)
@@ -125,13 +126,13 @@ class KFACCallback(TrainerCallback):
         if self.preconditioner.config.loss_average is LossAverage.ITEMS:
             spread = args.average_tokens_across_devices and args.world_size > 1
             self._items_divisor = args.world_size if spread else 1
-            self._items_hook = model.register_forward_pre_hook(self._read_items, with_kwargs=True)
+            self._loss_hook = model.register_forward_pre_hook(self._read_items, with_kwargs=True)
         elif (
             self.preconditioner.config.loss_average is not LossAverage.SUM
             and args.gradient_accumulation_steps > 1
             and _accepts_loss_kwargs(model)
         ):  # an average divided by the accumulation count, which the Trainer will not do
-            self._items_hook = model.register_forward_pre_hook(self._undivided, with_kwargs=True)
+            self._loss_hook = model.register_forward_pre_hook(self._undivided, with_kwargs=True)
 
     def _resume(self, args: Any, state: Any) -> None:
         """Load the state saved with the checkpoint training resumes from."""
@@ -222,9 +223,9 @@ class KFACCallback(TrainerCallback):
         if self.preconditioner is not None and self._attached:
             self.preconditioner.remove_hooks()
         self._attached = False
-        if self._items_hook is not None:
-            self._items_hook.remove()
-            self._items_hook = None
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
 
 
 # The Trainer hands its callbacks neither itself nor the checkpoint it resumes

@@ -68,17 +68,20 @@ class BatchStatistics:
         #: per group of forward calls, the largest batch any of them saw
         self._group_batch: dict[GroupKey, int] = {}
 
-    def forward_group(self, batch: int, pass_id: int, recomputed_in: int | None) -> GroupKey:
-        """The group of the layer's forward calls a call of ``batch`` joins:
-        one micro-batch's calls.  A forward of the model's root starts a new
+    def note_forward(self, batch: int, pass_id: int, recomputed_in: int | None) -> GroupKey:
+        """Count a captured forward call of ``batch`` (its gradient is now
+        pending) and return the group of the layer's calls it joins: one
+        micro-batch's calls.  A forward of the model's root starts a new
         pass, and a backward of the layer a new generation (where the root
         is not called, as under Lightning, every micro-batch shares one
         pass); a call recomputed during backward (reentrant activation
         checkpointing, whose first forward ran without grad) is grouped by
-        the backward it runs in, ``recomputed_in``."""
+        the backward it runs in, ``recomputed_in``, and marks the layer."""
         if recomputed_in is not None:
+            self.recomputed = True
             key: GroupKey = (-1, recomputed_in)
         else:
+            self.pending_forwards += 1
             if self._backward_seen:
                 self._generation += 1
                 self._backward_seen = False
@@ -86,9 +89,26 @@ class BatchStatistics:
         self._group_batch[key] = max(batch, self._group_batch.get(key, 0))
         return key
 
-    def backward_seen(self) -> None:
-        """A gradient of this layer's output arrived: a later forward starts a new group."""
+    def note_backward(self, recomputed: bool) -> None:
+        """A call's output gradient arrived: it is no longer pending, and a
+        later forward starts a new group."""
         self._backward_seen = True
+        if not recomputed:
+            self.pending_forwards -= 1
+
+    def complete(self, accumulation_steps: int) -> bool:
+        """Whether every pass of the step has reached the layer and left
+        nothing pending, so its sums may be sent before ``step()``.  A
+        recomputing backward may yet reach other calls of the layer
+        (another checkpointed segment): such a layer waits for ``step()``."""
+        return (
+            self.pending_forwards == 0 and not self.recomputed and self.passes >= accumulation_steps
+        )
+
+    @property
+    def started(self) -> bool:
+        """Whether this step's passes have begun to reach the layer."""
+        return bool(self.passes or self.pending_forwards)
 
     def batch_of(self, group: GroupKey, batch: int) -> int:
         """The data points of a call of ``group``: the group's widest batch.

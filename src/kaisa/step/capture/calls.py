@@ -164,10 +164,7 @@ class Capture:
         """Micro-batches of the coming step (and what each one's loss is
         divided by, unless an engine said otherwise).  Between steps only:
         the passes already captured were scaled by the old count."""
-        started = any(
-            la.batch.passes or la.batch.pending_forwards or la.pending.calls for la in self.layers
-        )
-        if started or self.graph.has_data():
+        if any(la.batch.started or la.pending.calls for la in self.layers) or self.graph.has_data():
             raise RuntimeError(
                 "kaisa: accumulation_steps can change between steps only (after step(), "
                 "before the next step's first forward): this step's passes were read with "
@@ -267,13 +264,7 @@ class Capture:
         since = profile.start() if profile is not None else 0.0
         recomputed = _in_backward()
         batch = layer.adapter.batch_size(x)
-        group = layer.batch.forward_group(
-            batch, self.pass_id, _graph_task() if recomputed else None
-        )
-        if recomputed:
-            layer.batch.recomputed = True
-        else:
-            layer.batch.pending_forwards += 1
+        group = layer.batch.note_forward(batch, self.pass_id, _graph_task() if recomputed else None)
         x = x.detach()
         inputs = terms.input_terms(layer, x, memo, profile) if self.in_hook else []
         output.register_hook(
@@ -303,25 +294,16 @@ class Capture:
             key = (pass_id, _graph_task())
             g = grad.detach() if grad_view is None else grad_view(grad.detach())
             positions = layer.adapter.grad_output_rows(g).shape[1]
-            layer.batch.backward_seen()
+            layer.batch.note_backward(recomputed)
             batch = layer.batch.batch_of(*call)  # (its forward group, its own batch)
             multiplier = self.normalisation.multiplier(batch, positions)
-            if not recomputed:
-                layer.batch.pending_forwards -= 1
             if keep is not None:
                 layer.pending.calls.append((keep, g, batch, multiplier, key))
             else:
                 terms.commit_call(
                     layer, inputs, g, batch, multiplier, key, joint_x, self.method, profile
                 )
-                stats = layer.batch
-                # a recomputing backward may yet reach other calls of the
-                # layer (another checkpointed segment): those wait for step()
-                complete = (
-                    stats.pending_forwards == 0
-                    and not stats.recomputed
-                    and stats.passes >= self.accumulation_steps
-                )
+                complete = layer.batch.complete(self.accumulation_steps)
                 if complete and self.on_layer_complete is not None:
                     self.on_layer_complete(layer)
             if profile is not None:
